@@ -1,0 +1,121 @@
+"""Engine configuration: one frozen dataclass, built once from config.pbtxt parameters.
+
+Every engine knob lives here with its default and its limits, so `model.py`, tests and
+benchmarks construct the engine the same way and a typo in config.pbtxt is refused at
+load time instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+# Longest context we size for when the checkpoint does not say, or says something huge:
+# the KV pool on a 2-core CPU box would never hold 128k tokens anyway.
+MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    # Size of the paged KV pool: an explicit block count wins over a memory budget.
+    num_kv_blocks: int = 0
+    kv_cache_memory_mb: int = 1024
+    # Fraction of free GPU memory for the KV pool when on CUDA and num_kv_blocks is 0.
+    gpu_memory_utilization: float = 0.0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    default_max_tokens: int = 256
+    long_prefill_token_threshold: int = 512
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space_mb: int = 256
+    max_preemptions: int = 4
+    max_queue_len: int = 1024
+    # Seed of the generator for requests that bring no seed of their own.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid engine parameter: {message}")
+
+        check(self.dtype in DTYPES, f"dtype={self.dtype!r}, expected one of {DTYPES}")
+        check(self.device in DEVICES, f"device={self.device!r}, expected one of {DEVICES}")
+        check(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size}, expected 8, 16, 32, 64 or 128")
+        check(self.num_kv_blocks >= 0, f"num_kv_blocks={self.num_kv_blocks} must be >= 0")
+        check(self.kv_cache_memory_mb > 0, f"kv_cache_memory_mb={self.kv_cache_memory_mb} must be > 0")
+        check(0.0 <= self.gpu_memory_utilization < 1.0, f"gpu_memory_utilization={self.gpu_memory_utilization} must be in [0, 1)")
+        check(1 <= self.max_num_seqs <= 4096, f"max_num_seqs={self.max_num_seqs} must be in [1, 4096]")
+        check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        check(self.max_model_len >= 0, f"max_model_len={self.max_model_len} must be >= 0")
+        check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        check(self.long_prefill_token_threshold >= 1, f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 1")
+        check(self.scheduling_policy in SCHEDULING_POLICIES, f"scheduling_policy={self.scheduling_policy!r}, expected one of {SCHEDULING_POLICIES}")
+        check(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode={self.preemption_mode!r}, expected one of {PREEMPTION_MODES}")
+        check(self.swap_space_mb >= 0, f"swap_space_mb={self.swap_space_mb} must be >= 0")
+        check(self.max_preemptions >= 0, f"max_preemptions={self.max_preemptions} must be >= 0")
+        check(self.max_queue_len >= 1, f"max_queue_len={self.max_queue_len} must be >= 1")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def parameter_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":
+        """Build from config.pbtxt `parameters` (all strings).
+
+        `model_path` is absolute or relative to `model_dir` (the model's version folder);
+        when absent the version folder itself is the checkpoint.
+        """
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known parameters: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, raw in params.items():
+            values[name] = _parse(name, known[name].type, raw)
+        model_path = values.get("model_path") or ""
+        if not model_path:
+            model_path = model_dir
+        elif not os.path.isabs(model_path):
+            model_path = os.path.normpath(os.path.join(model_dir, model_path))
+        values["model_path"] = model_path
+        return cls(**values)
+
+
+def _parse(name: str, annotation: Any, raw: str) -> Any:
+    text = str(raw).strip()
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    try:
+        if kind == "bool":
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "str":
+            return text
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(f"invalid engine parameter: {name}={text!r} is not a valid {kind}") from None

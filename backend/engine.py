@@ -1,0 +1,527 @@
+"""The engine: a synchronous core (`add_request`, `abort`, `step`) and a loop thread around it.
+
+One `step()` is one iteration of continuous batching: schedule, one ragged forward pass,
+sample, update, detokenize. Tests drive `step()` directly; `EngineLoop` runs it on a
+thread for the Triton adapter and is the only way in from other threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
+from backend.detokenizer import IncrementalDetokenizer
+from backend.kv_cache import KVCacheManager, SwapSpace
+from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
+from backend.models.loader import load_model
+from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
+from backend.sampler import Sampler
+from backend.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("inflight")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. Exactly one output per request has finished=True."""
+
+    request_id: str
+    text_delta: str
+    token_ids_delta: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prompt_text: str = ""
+    stop_reason: int | str | None = None
+    error: RequestError | None = None
+    cumulative_logprob: float | None = None
+    # vLLM's shape: per new token, {token id: {"logprob", "rank", "decoded_token"}}.
+    logprobs_delta: list[dict] | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
+class StepStats:
+    """Per-iteration engine KPIs, for metrics and benchmarks."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_scheduled_tokens: int = 0
+    num_preempted: int = 0
+    schedule_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    aborts: int = 0
+    errors: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    # Sums over steps, for occupancy and tokens-per-iteration averages.
+    sum_running: int = 0
+    sum_scheduled_tokens: int = 0
+    sum_schedule_time_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path, trust_remote_code=False)
+        # Fast tokenizers are not safe to call from two threads at once; the loop decodes
+        # while Triton's thread encodes new prompts.
+        self.tokenizer_lock = threading.Lock()
+        self.max_model_len = self._resolve_max_model_len()
+        self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
+        self.arch = self.model.arch
+        self.vocab_size = self.arch.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+
+        block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"KV pool too small: {num_blocks} blocks of {block_bytes} bytes")
+        num_host_blocks = config.swap_space_mb * 2**20 // block_bytes if config.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap_space = SwapSpace(num_host_blocks) if num_host_blocks else None
+        self.scheduler = Scheduler(config, self.kv, self.swap_space)
+        self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
+        self.sampler = Sampler(config.seed)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.counters = EngineCounters()
+        self.last_step = StepStats()
+        self._pending: list[RequestOutput] = []
+        self._arrival_seq = itertools.count()
+        # Test-only fault injection: the forward pass raises after this many steps.
+        self._fail_after_steps = int(os.environ.get("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "0") or 0)
+        log.info(
+            "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+            self.arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
+            num_blocks * block_bytes / 2**20, self.max_model_len,
+        )
+
+    # ---- setup helpers -----------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(self.config.model_path, trust_remote_code=False)
+        model_max = getattr(hf, "max_position_embeddings", MAX_MODEL_LEN_CAP)
+        if self.config.max_model_len:
+            if self.config.max_model_len > model_max:
+                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+            return self.config.max_model_len
+        return min(model_max, MAX_MODEL_LEN_CAP)
+
+    def _blocks_for_memory(self, block_bytes: int) -> int:
+        if self.device.type == "cuda" and self.config.gpu_memory_utilization > 0:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.gpu_memory_utilization) // block_bytes
+        return self.config.kv_cache_memory_mb * 2**20 // block_bytes
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        try:
+            generation = GenerationConfig.from_pretrained(self.config.model_path)
+            eos = generation.eos_token_id
+        except OSError:
+            eos = None
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer.encode(prompt)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     needs_logprobs: bool = False, arrival_time: float | None = None) -> Request:
+        """Tokenize and run every admission check that depends on the model; raise RequestError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError.invalid("text_input", "must not be empty")
+            prompt_ids = self.tokenize(prompt)
+            prompt_text = prompt
+        else:
+            prompt_ids = list(prompt)
+            prompt_text = ""
+        if not prompt_ids:
+            raise RequestError.invalid("text_input", "tokenizes to zero tokens")
+        if params.top_k > self.vocab_size:
+            raise RequestError.invalid("top_k", f"must be <= the vocabulary size {self.vocab_size} (got {params.top_k})")
+        bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_ids:
+            raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
+        num_prompt = len(prompt_ids)
+        if num_prompt >= self.max_model_len:
+            raise RequestError.invalid(
+                "text_input", f"prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, leaving no room to generate"
+            )
+        if params.max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, self.max_model_len - num_prompt)
+        else:
+            max_tokens = params.max_tokens
+            if num_prompt + max_tokens > self.max_model_len:
+                raise RequestError.invalid(
+                    "max_tokens",
+                    f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                    f"exceeds max_model_len {self.max_model_len}",
+                )
+        blocks = self.kv.blocks_needed(num_prompt + max_tokens - 1)
+        if blocks > self.kv.num_blocks:
+            raise RequestError.invalid(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks of "
+                f"{self.config.block_size} tokens; the whole pool has {self.kv.num_blocks}",
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_seq=next(self._arrival_seq),
+            eos_token_ids=self.eos_token_ids,
+            prompt_text=prompt_text,
+            needs_logprobs=needs_logprobs or params.logprobs is not None,
+        )
+        if params.seed is not None:
+            request.generator = Sampler.make_request_generator(params.seed)
+        return request
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    needs_logprobs: bool = False, arrival_time: float | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params or SamplingParams(), needs_logprobs, arrival_time)
+        self.enqueue(request)
+        return request
+
+    def enqueue(self, request: Request) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_queue_len:
+            raise RequestError(
+                RequestError.UNAVAILABLE,
+                f"waiting queue is full ({self.config.max_queue_len} requests, max_queue_len); retry later",
+            )
+        if request.request_id in self.scheduler.requests:
+            raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
+        params = request.params
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)
+        self.counters.prompt_tokens += request.num_prompt_tokens
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: RequestError | None = None) -> bool:
+        """End a request now (its blocks are freed in this call); its final output comes with the next step."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish_request(request, reason)
+        if reason is FinishReason.ABORT:
+            self.counters.aborts += 1
+        self._pending.append(self._final_output(request, error=error))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the iteration -----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        stats = StepStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_scheduled_tokens=plan.num_scheduled_tokens, num_preempted=len(plan.preempted),
+            schedule_time_s=plan.schedule_time_s,
+        )
+        self.counters.preemptions += len(plan.preempted)
+        if plan.is_empty:
+            self.last_step = stats
+            return outputs
+        start = time.perf_counter()
+        try:
+            if self._fail_after_steps and self.counters.steps >= self._fail_after_steps:
+                raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
+            logits, sample_requests = self.runner.execute(plan)
+            sampled = self.sampler(logits, sample_requests) if logits is not None else None
+        except Exception as exc:  # noqa: BLE001 - every in-flight request must end, whatever broke
+            log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
+            outputs.extend(self._fail_scheduled(plan, exc))
+            return outputs
+        stats.forward_time_s = time.perf_counter() - start
+        self._account_step(stats)
+
+        tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
+        self.scheduler.update(plan, tokens)
+        self.counters.generation_tokens += len(tokens)
+        for row, request in enumerate(sample_requests):
+            outputs.append(self._output_for(request, tokens[request], sampled, row))
+        stats.kv_usage = self.kv.usage
+        return outputs
+
+    def _account_step(self, stats: StepStats) -> None:
+        c = self.counters
+        c.steps += 1
+        c.sum_running += stats.num_running
+        c.sum_scheduled_tokens += stats.num_scheduled_tokens
+        c.sum_schedule_time_s += stats.schedule_time_s
+        self.last_step = stats
+
+    def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
+        detok = self.detokenizers[request.request_id]
+        finished_by_token = request.is_finished and request.finish_reason is FinishReason.STOP
+        if not finished_by_token:
+            stop = detok.add_token(token_id)
+            if stop is not None:
+                if request.is_finished:  # reached max_tokens on the very token that completed the stop string
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+                else:
+                    self.scheduler.finish_request(request, FinishReason.STOP, stop_reason=stop)
+        lp = sampled.logprobs[row]
+        if lp is not None:
+            request.cumulative_logprob += lp
+        logprobs_delta = None
+        if request.params.logprobs is not None:
+            logprobs_delta = [self._logprob_entry(token_id, lp, sampled.top_logprobs[row])]
+        if request.is_finished:
+            return self._final_output(request, [token_id], logprobs_delta)
+        return RequestOutput(
+            request_id=request.request_id,
+            text_delta=detok.take_delta(finished=False),
+            token_ids_delta=[token_id],
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
+            logprobs_delta=logprobs_delta,
+            first_token_time=request.first_token_time,
+            arrival_time=request.arrival_time,
+        )
+
+    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
+        def decoded(t: int) -> str:
+            with self.tokenizer_lock:
+                return self.tokenizer.decode([t])
+
+        entry = {token_id: {"logprob": logprob, "rank": None, "decoded_token": decoded(token_id)}}
+        for rank, (t, value) in enumerate(top or [], start=1):
+            if t == token_id:
+                entry[t]["rank"] = rank
+            else:
+                entry[t] = {"logprob": value, "rank": rank, "decoded_token": decoded(t)}
+        if entry[token_id]["rank"] is None:
+            entry[token_id]["rank"] = (len(top) + 1) if top else 1
+        return entry
+
+    def _final_output(self, request: Request, token_ids: list[int] | None = None, logprobs_delta=None,
+                      error: RequestError | None = None) -> RequestOutput:
+        detok = self.detokenizers.pop(request.request_id, None)
+        reason = request.finish_reason.value if request.finish_reason else FinishReason.ABORT.value
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        return RequestOutput(
+            request_id=request.request_id,
+            text_delta=detok.take_delta(finished=True) if detok and error is None else "",
+            token_ids_delta=token_ids or [],
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            prompt_text=request.prompt_text,
+            stop_reason=request.stop_reason,
+            error=error,
+            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
+            logprobs_delta=logprobs_delta,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+        )
+
+    def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A failed forward pass ends every request it carried; the engine stays usable."""
+        outputs = []
+        error = RequestError(RequestError.INTERNAL, f"engine error in the forward pass: {exc}")
+        for request, _ in plan.scheduled:
+            if request.is_finished:
+                continue
+            self.scheduler.finish_request(request, FinishReason.ERROR)
+            self.counters.errors += 1
+            outputs.append(self._final_output(request, error=error))
+        return outputs
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
+        """Offline convenience: run prompts to completion; returns finished requests in order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        requests = [self.add_request(f"offline-{next(self._arrival_seq)}", p, sp) for p, sp in zip(prompts, params_list)]
+        while self.has_unfinished():
+            self.step()
+        return requests
+
+
+OutputCallback = Callable[[RequestOutput], None]
+CancelCheck = Callable[[], bool]
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a daemon thread; thread-safe `add_request` and `abort`.
+
+    Cancellation callbacks are polled once per iteration, so a cancelled request is seen
+    and its blocks freed within one step. Every request's callback receives exactly one
+    output with finished=True, including on shutdown.
+    """
+
+    IDLE_WAIT_S = 0.1
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handlers: dict[str, tuple[OutputCallback, CancelCheck | None]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, request_id: str, prompt: str, params: SamplingParams, on_output: OutputCallback,
+                    is_cancelled: CancelCheck | None = None, needs_logprobs: bool = False) -> Request:
+        """Validate now (raising RequestError), then hand the request to the loop thread."""
+        if self._stop.is_set():
+            raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
+        request = self.engine.make_request(request_id, prompt, params, needs_logprobs)
+        if self.engine.num_waiting + self._commands.qsize() >= self.engine.config.max_queue_len:
+            raise RequestError(
+                RequestError.UNAVAILABLE,
+                f"waiting queue is full ({self.engine.config.max_queue_len} requests, max_queue_len); retry later",
+            )
+        self._commands.put(("add", request, on_output, is_cancelled))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout_s)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self.IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request, on_output, is_cancelled = command
+            try:
+                self.engine.enqueue(request)
+            except RequestError as exc:
+                self._deliver(on_output, self._rejected(request, exc))
+                return
+            self._handlers[request.request_id] = (on_output, is_cancelled)
+        elif kind == "abort":
+            self.engine.abort(command[1])
+
+    def _rejected(self, request: Request, error: RequestError) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, text_delta="", token_ids_delta=[], finished=True,
+            finish_reason=FinishReason.ERROR.value, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=0, prompt_text=request.prompt_text, error=error,
+        )
+
+    def _poll_cancellations(self) -> None:
+        for request_id, (_, is_cancelled) in list(self._handlers.items()):
+            if is_cancelled is None:
+                continue
+            try:
+                cancelled = is_cancelled()
+            except Exception:  # noqa: BLE001 - a broken sender counts as a gone client
+                cancelled = True
+            if cancelled:
+                self.engine.abort(request_id)
+
+    def _deliver(self, on_output: OutputCallback, output: RequestOutput) -> None:
+        try:
+            on_output(output)
+        except Exception:  # noqa: BLE001 - one client's failure must not stop the loop
+            log.exception("output callback failed for request %s", output.request_id)
+            if not output.finished:
+                self.engine.abort(output.request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            handler = self._handlers.get(output.request_id)
+            if handler is None:
+                continue
+            if output.finished:
+                del self._handlers[output.request_id]
+            self._deliver(handler[0], output)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if self._stop.is_set():
+                break
+            self._poll_cancellations()
+            try:
+                self._dispatch(self.engine.step())
+            except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
+                log.exception("engine step failed")
+        # Shutdown: every live request gets its one final response.
+        self._drain_commands(block=False)
+        for request_id in list(self._handlers):
+            self.engine.abort(request_id)
+        self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])
+        for request_id, (on_output, _) in list(self._handlers.items()):
+            del self._handlers[request_id]
+            self._deliver(on_output, RequestOutput(request_id, "", [], True, FinishReason.ABORT.value, 0, 0))

@@ -1,0 +1,271 @@
+"""Paged KV-cache bookkeeping: block allocation, prefix caching, swap space.
+
+Only ids and counts live here; the KV tensors themselves belong to the model runner.
+A block holds `block_size` consecutive tokens of one sequence. Full blocks may be
+shared between requests through the prefix cache (reference counted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from backend.request import Request
+
+# Chain root: the parent hash of a sequence's first block.
+ROOT_HASH = b""
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Chained content hash of a full block: equal iff the whole prefix is equal.
+
+    sha256 so that a collision of two different prefixes is not a practical concern;
+    hits still compare the block's token ids as a second line of defence.
+    """
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set once the block is full and registered in the prefix cache.
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Fixed pool of KV blocks with an LRU free list and a prefix-cache index.
+
+    Invariants (checked by `check_invariants`, exercised by property tests):
+    - a block with ref_count > 0 is never in the free list, one with ref_count == 0 always is;
+    - the free list is in LRU order: allocation takes (and evicts) from its front, a freed
+      block goes to its back; `OrderedDict` makes allocate, free and touch O(1);
+    - every block in `cached` has the hash it is indexed under, and vice versa.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_list: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free ones, cached or not)."""
+        return len(self.free_list)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_list)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_list):
+            raise RuntimeError(f"out of KV blocks: asked for {n}, {len(self.free_list)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_list.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.num_evictions += 1
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_list[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference each; blocks reaching zero join the back of the LRU list.
+
+        Callers pass a sequence's blocks tail first, so a freed prefix outlives its tail.
+        """
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_list[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """Register a full block. If an equal block is already indexed, keep that one."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self.cached.items()):
+            self._uncache(self.blocks[block_id])
+
+    def _uncache(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+
+    def check_invariants(self) -> None:
+        for block in self.blocks:
+            in_free = block.block_id in self.free_list
+            assert block.ref_count >= 0
+            assert in_free == (block.ref_count == 0), f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) == block.block_id
+        for block_hash, block_id in self.cached.items():
+            assert self.blocks[block_id].block_hash == block_hash
+
+
+class KVCacheManager:
+    """Maps requests to blocks: prefix-cache lookup, growth, release.
+
+    A request's `block_ids` cover `token_ids[:num_computed_tokens + granted]`. Its full
+    blocks are hashed as they fill, so a later request with the same prefix (or the
+    same request recomputing after preemption) reuses them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # of which found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend `request.block_hashes` over every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Longest run of cached full blocks that starts the request's tokens.
+
+        Never covers the last token: its logits must be computed to sample from them.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        tokens = request.token_ids
+        bs = self.block_size
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        return self._num_blocks_to_take(request, num_new_tokens, cached_blocks) <= self.pool.num_free
+
+    def _num_blocks_to_take(self, request: Request, num_new_tokens: int, cached_blocks: list[int]) -> int:
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total = self.blocks_needed(num_computed + num_new_tokens)
+        fresh = max(0, total - len(request.block_ids) - len(cached_blocks))
+        # A hit on a free cached block takes it off the free list too.
+        revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        return fresh + revived
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] = (), reserve_tokens: int = 0
+    ) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix),
+        and at least `reserve_tokens` in all (a protected request reserves its whole life).
+
+        Returns False, changing nothing, when the pool cannot cover it.
+        """
+        num_new_tokens = max(num_new_tokens, reserve_tokens - request.num_computed_tokens - len(cached_blocks) * self.block_size)
+        if not self.can_allocate(request, num_new_tokens, cached_blocks):
+            return False
+        if cached_blocks:
+            assert not request.block_ids and request.num_computed_tokens == 0
+            self.pool.touch(list(cached_blocks))
+            request.block_ids.extend(cached_blocks)
+            request.num_computed_tokens = len(cached_blocks) * self.block_size
+            request.num_registered_blocks = len(cached_blocks)
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        fresh = total - len(request.block_ids)
+        if fresh > 0:
+            request.block_ids.extend(self.pool.allocate(fresh))
+        return True
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_queries += num_query_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        if num_full <= request.num_registered_blocks:
+            return
+        self._update_block_hashes(request)
+        tokens = request.token_ids
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+        request.num_registered_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids.clear()
+        request.num_registered_blocks = 0
+
+
+class SwapSpace:
+    """Host-memory blocks that hold preempted requests' KV in swap mode (no sharing)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free_ids)
+        return [self.free_ids.pop() for _ in range(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self.free_ids.extend(block_ids)

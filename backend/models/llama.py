@@ -1,0 +1,160 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Our own torch modules; every hot operation goes through `kernels`, which runs the
+OpenAI Triton kernels on CUDA tensors and the torch references on CPU. Projections are
+fused at load time (q|k|v and gate|up) so a layer makes three large matmuls, not five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The fields of a Hugging Face config this implementation honours."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: biases on q, k and v
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the ragged batch, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens], -1 = do not store
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs], context length including the new tokens
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, positions, hidden, cos_sin_cache, k_cache, v_cache, meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, positions, hidden, residual, cos_sin_cache, k_cache, v_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer(
+            "cos_sin_cache",
+            kernels.build_cos_sin_cache(
+                arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
+            ),
+            persistent=False,
+        )
+        self.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of every scheduled token, after the final norm."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, k_cache, v_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()

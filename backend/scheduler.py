@@ -1,0 +1,309 @@
+"""Iteration-level scheduler: decides, every step, which requests run and how many tokens each.
+
+There are no prefill and decode phases. Each request has `num_tokens` and
+`num_computed_tokens`; a step grants new tokens so the two meet, under one token budget
+(`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`). Running
+requests are served first, then waiting ones. A long prompt is granted at most
+`long_prefill_token_threshold` tokens a step (chunked prefill), so its prefill shares
+steps with other requests' decodes.
+
+Policies: `fcfs`, `priority` (smaller number first, FCFS within a priority; a waiting
+request may preempt a less important running one) and `static` (the baseline: a batch is
+admitted only into an empty running set and runs until its longest member finishes).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from backend.config import EngineConfig
+from backend.kv_cache import KVCacheManager, SwapSpace
+from backend.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step. `scheduled` is in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Copies the model runner makes before the forward pass, swap-outs first.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    schedule_time_s: float = 0.0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out
+
+
+class WaitingQueue:
+    """FCFS: a deque, preempted requests go back to its front. Priority: a heap on
+    (priority, arrival order), which puts a preempted request back where it was."""
+
+    def __init__(self, by_priority: bool):
+        self.by_priority = by_priority
+        self._deque: collections.deque[Request] = collections.deque()
+        self._heap: list[tuple[int, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._deque)
+
+    def __iter__(self):
+        if self.by_priority:
+            return iter([entry[2] for entry in sorted(self._heap)])
+        return iter(self._deque)
+
+    def push(self, request: Request) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (request.priority, request.arrival_seq, request))
+        else:
+            self._deque.append(request)
+
+    def push_front(self, request: Request) -> None:
+        if self.by_priority:
+            self.push(request)
+        else:
+            self._deque.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][2] if self.by_priority else self._deque[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2] if self.by_priority else self._deque.popleft()
+
+    def remove(self, request: Request) -> None:
+        """O(n); only aborts use it."""
+        if self.by_priority:
+            self._heap = [entry for entry in self._heap if entry[2] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._deque.remove(request)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, swap: SwapSpace | None = None):
+        self.config = config
+        self.kv = kv
+        self.swap = swap
+        self.policy = config.scheduling_policy
+        self.waiting = WaitingQueue(by_priority=self.policy == "priority")
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Host blocks read by this step's swap-ins; freed only after the step's copies ran.
+        self._host_blocks_to_free: list[int] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a request wherever it is and release everything it holds, at once."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        if request.swapped_block_ids:
+            self.swap.free(request.swapped_block_ids)
+            request.swapped_block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        del self.requests[request.request_id]
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def is_protected(self, request: Request) -> bool:
+        """Preempted often enough: it now reserves blocks for its whole life and is never a victim."""
+        return request.num_preemptions >= self.config.max_preemptions
+
+    def _victim_key(self, request: Request) -> tuple[int, int]:
+        # Least important first: the largest priority number, then the latest arrival.
+        priority = request.priority if self.policy == "priority" else 0
+        return (priority, request.arrival_seq)
+
+    def _pick_victim(self) -> Request | None:
+        candidates = [r for r in self.running if not self.is_protected(r)]
+        return max(candidates, key=self._victim_key) if candidates else None
+
+    def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int]) -> int:
+        """Move `victim` back to the waiting queue; return the budget it gave back."""
+        self.running.remove(victim)
+        returned = granted.pop(victim, 0)
+        use_swap = (
+            self.swap is not None
+            and victim.num_computed_tokens > 0
+            and self.swap.num_free >= len(victim.block_ids)
+        )
+        if use_swap:
+            host_ids = self.swap.allocate(len(victim.block_ids))
+            plan.swap_out.extend(zip(victim.block_ids, host_ids))
+            victim.swapped_block_ids = host_ids
+            # Its device blocks hold valid KV until this step's forward pass, and the
+            # runner copies them out before that; a cached block keeps its hash for the same reason.
+            self.kv.free(victim)
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(victim)
+        plan.preempted.append(victim)
+        return returned
+
+    def schedule(self) -> SchedulerOutput:
+        start = time.perf_counter()
+        if self._host_blocks_to_free:
+            self.swap.free(self._host_blocks_to_free)
+            self._host_blocks_to_free = []
+        cfg = self.config
+        plan = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        granted: dict[Request, int] = {}  # insertion order is batch order
+        running_at_start = bool(self.running)
+
+        if self.policy == "priority":
+            self.running.sort(key=self._victim_key)
+
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, cfg.long_prefill_token_threshold, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate(request, num_new):
+                victim = self._pick_victim()
+                # Protected requests reserved their whole life's blocks, so an allocation
+                # that fails belongs to an unprotected request: a victim always exists.
+                assert victim is not None, "allocation failed for a protected request"
+                budget += self._preempt(victim, plan, granted)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                granted[request] = num_new
+                budget -= num_new
+
+        # Admitting while evicting would only thrash: wait for the pool to recover.
+        admit = not plan.preempted and not (self.policy == "static" and running_at_start)
+        while admit and self.waiting and (budget > 0 or self.policy == "static"):
+            request = self.waiting.peek()
+            if len(self.running) >= cfg.max_num_seqs:
+                if not self._preempt_for(request, plan, granted):
+                    break
+                budget = cfg.max_num_batched_tokens - sum(granted.values())
+                continue
+            num_new, ok = self._try_admit(request, budget, plan)
+            if not ok:
+                if not self._preempt_for(request, plan, granted):
+                    break
+                budget = cfg.max_num_batched_tokens - sum(granted.values())
+                continue
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if num_new > 0:
+                granted[request] = num_new
+                budget -= num_new
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+
+        plan.scheduled = list(granted.items())
+        self.num_steps += 1
+        plan.schedule_time_s = time.perf_counter() - start
+        return plan
+
+    def _try_admit(self, request: Request, budget: int, plan: SchedulerOutput) -> tuple[int, bool]:
+        """Allocate what `request` needs to join the batch; (tokens granted, ok)."""
+        cfg = self.config
+        reserve = request.max_total_tokens if self.is_protected(request) else 0
+        if request.swapped_block_ids:
+            num_new = min(request.num_tokens - request.num_computed_tokens, cfg.long_prefill_token_threshold, budget)
+            host_ids = request.swapped_block_ids
+            if not self.kv.allocate(request, num_new, reserve_tokens=reserve):
+                return 0, False
+            plan.swap_in.extend(zip(host_ids, request.block_ids[: len(host_ids)]))
+            self._host_blocks_to_free.extend(host_ids)
+            request.swapped_block_ids = []
+            return num_new, True
+        cached = self.kv.find_cached_prefix(request)
+        num_computed = len(cached) * self.kv.block_size
+        num_new = min(request.num_tokens - num_computed, cfg.long_prefill_token_threshold, max(budget, 0))
+        if not self.kv.allocate(request, num_new, cached, reserve_tokens=reserve):
+            return 0, False
+        if request.num_preemptions == 0:
+            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_computed)
+            request.num_cached_prompt_tokens = num_computed
+        return num_new, True
+
+    def _preempt_for(self, request: Request, plan: SchedulerOutput, granted: dict[Request, int]) -> bool:
+        """Priority policy: make room for `request` by preempting a less important running one."""
+        if self.policy != "priority":
+            return False
+        victim = self._pick_victim()
+        if victim is None or self._victim_key(victim)[0] <= request.priority:
+            return False
+        self._preempt(victim, plan, granted)
+        return True
+
+    def update(self, plan: SchedulerOutput, sampled: dict[Request, int]) -> None:
+        """Account for a finished forward pass: advance computed tokens, append samples."""
+        now = time.monotonic()
+        for request, num_new in plan.scheduled:
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(request)
+        for request, token_id in sampled.items():
+            if request.is_finished:
+                continue
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request, token_id)
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                self.finish_request(request, FinishReason.STOP, stop_reason=None)
+                return
+            if token_id in params.stop_token_ids:
+                self.finish_request(request, FinishReason.STOP, stop_reason=token_id)
+                return
+        if request.num_output_tokens >= request.max_tokens:
+            self.finish_request(request, FinishReason.LENGTH)
+
+    def check_invariants(self) -> None:
+        cfg = self.config
+        assert len(self.running) <= cfg.max_num_seqs, (len(self.running), cfg.max_num_seqs)
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            assert len(request.block_ids) * self.kv.block_size >= request.num_computed_tokens
+        self.kv.pool.check_invariants()

@@ -54,6 +54,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    finish_time: float | None = None
 
 
 @dataclass
@@ -380,6 +381,7 @@ class LLMEngine:
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
+            finish_time=time.monotonic(),
         )
 
     def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -412,13 +414,15 @@ class EngineLoop:
 
     Cancellation callbacks are polled once per iteration, so a cancelled request is seen
     and its blocks freed within one step. Every request's callback receives exactly one
-    output with finished=True, including on shutdown.
+    output with finished=True, including on shutdown. An optional `observer` (metrics)
+    gets `on_step()` after every iteration and `on_finished(output)` per ended request.
     """
 
     IDLE_WAIT_S = 0.1
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, observer=None):
         self.engine = engine
+        self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[str, tuple[OutputCallback, CancelCheck | None]] = {}
         self._stop = threading.Event()
@@ -505,7 +509,16 @@ class EngineLoop:
                 continue
             if output.finished:
                 del self._handlers[output.request_id]
+                self._observe(lambda: self.observer.on_finished(output))
             self._deliver(handler[0], output)
+
+    def _observe(self, call: Callable[[], None]) -> None:
+        if self.observer is None:
+            return
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - metrics must never take serving down
+            log.exception("metrics update failed")
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -517,6 +530,7 @@ class EngineLoop:
                 self._dispatch(self.engine.step())
             except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
                 log.exception("engine step failed")
+            self._observe(self.observer.on_step if self.observer else None)
         # Shutdown: every live request gets its one final response.
         self._drain_commands(block=False)
         for request_id in list(self._handlers):

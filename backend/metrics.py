@@ -1,0 +1,126 @@
+"""Engine metrics on Triton's /metrics endpoint, in three naming families.
+
+vLLM's names (what vLLM dashboards and genai-perf users read), TensorRT-LLM backend's
+names (`nv_trt_llm_*`), and ours (`inflight_*`) for what neither exports. Triton owns the
+registry and the endpoint; this module only needs something with pb_utils' metric API,
+passed in so that `model.py` stays the one importer of `triton_python_backend_utils`.
+"""
+
+from __future__ import annotations
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils, labels: dict[str, str], engine):
+        self.engine = engine
+        MF = pb_utils.MetricFamily
+
+        def family(name, description, kind):
+            return MF(name=name, description=description, kind=kind)
+
+        def counter(name, description, **extra):
+            return family(name, description, MF.COUNTER).Metric(labels={**labels, **extra})
+
+        def gauge_family(name, description):
+            return family(name, description, MF.GAUGE)
+
+        def histogram(name, description, buckets):
+            return family(name, description, MF.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+        # vLLM
+        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS)
+        self.prompt_hist = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.generation_hist = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS)
+        vllm_running = gauge_family("vllm:num_requests_running", "Number of requests currently running.")
+        vllm_waiting = gauge_family("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        vllm_kv = gauge_family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.vllm_running = vllm_running.Metric(labels=labels)
+        self.vllm_waiting = vllm_waiting.Metric(labels=labels)
+        self.vllm_kv = vllm_kv.Metric(labels=labels)
+        success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
+        self.success = {reason: success.Metric(labels={**labels, "finished_reason": reason}) for reason in ("stop", "length", "abort")}
+
+        # TensorRT-LLM backend
+        requests = gauge_family("nv_trt_llm_request_metrics", "TRT LLM request metrics")
+        self.trt_requests = {
+            kind: requests.Metric(labels={**labels, "request_type": kind})
+            for kind in ("active", "max", "scheduled", "context", "waiting")
+        }
+        blocks = gauge_family("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics")
+        self.trt_blocks = {
+            kind: blocks.Metric(labels={**labels, "kv_cache_block_type": kind})
+            for kind in ("max", "free", "used", "tokens_per", "reused", "fraction")
+        }
+
+        # inflight
+        def our_gauge(name, description):
+            return gauge_family(name, description).Metric(labels=labels)
+
+        self.running = our_gauge("inflight_requests_running", "Requests in the running batch.")
+        self.waiting = our_gauge("inflight_requests_waiting", "Requests in the waiting queue.")
+        self.kv_usage = our_gauge("inflight_kv_cache_usage_ratio", "Fraction of KV blocks in use.")
+        self.prefix_hit_rate = our_gauge("inflight_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.")
+        self.occupancy = our_gauge("inflight_slot_occupancy", "running / max_num_seqs in the last iteration.")
+        self.tokens_per_iteration = our_gauge("inflight_tokens_per_iteration", "Tokens computed in the last iteration.")
+        self.preemptions = counter("inflight_preemptions_total", "Requests preempted for lack of KV blocks or by priority.")
+        self.cancellations = counter("inflight_cancellations_total", "Requests cancelled by the client or the server.")
+        self.iterations = counter("inflight_iterations_total", "Engine iterations (forward passes).")
+        self.queue_time = histogram("inflight_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        finished = family("inflight_requests_finished_total", "Requests ended, by finish reason.", MF.COUNTER)
+        self.finished = {
+            reason: finished.Metric(labels={**labels, "finish_reason": reason})
+            for reason in ("stop", "length", "abort", "error")
+        }
+        self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+
+    def on_step(self) -> None:
+        """Refresh gauges and counters from the engine; called by the loop thread after each step."""
+        engine = self.engine
+        c = engine.counters
+        for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+                             ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
+            value = getattr(c, name)
+            if value > self._last[name]:
+                metric.increment(value - self._last[name])
+                self._last[name] = value
+        running, waiting = engine.num_running, engine.num_waiting
+        kv = engine.kv
+        step = engine.last_step
+        for metric, value in ((self.running, running), (self.vllm_running, running), (self.waiting, waiting),
+                              (self.vllm_waiting, waiting), (self.kv_usage, kv.usage), (self.vllm_kv, kv.usage),
+                              (self.prefix_hit_rate, kv.prefix_hit_rate),
+                              (self.occupancy, running / engine.config.max_num_seqs),
+                              (self.tokens_per_iteration, step.num_scheduled_tokens)):
+            metric.set(value)
+        prefill = sum(1 for r in engine.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens)
+        for kind, value in (("active", running), ("max", engine.config.max_num_seqs), ("scheduled", running),
+                            ("context", prefill), ("waiting", waiting)):
+            self.trt_requests[kind].set(value)
+        pool = kv.pool
+        for kind, value in (("max", pool.num_blocks), ("free", pool.num_free), ("used", pool.num_used),
+                            ("tokens_per", kv.block_size), ("reused", kv.num_prefix_hits // kv.block_size),
+                            ("fraction", kv.usage)):
+            self.trt_blocks[kind].set(value)
+
+    def on_finished(self, output) -> None:
+        """Per-request latencies, from the final output of a request."""
+        reason = output.finish_reason or "abort"
+        if reason in self.finished:
+            self.finished[reason].increment(1)
+        if reason in self.success:
+            self.success[reason].increment(1)
+        self.prompt_hist.observe(output.num_prompt_tokens)
+        self.generation_hist.observe(output.num_output_tokens)
+        if output.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, output.first_scheduled_time - output.arrival_time))
+        if output.first_token_time is not None and output.finish_time is not None:
+            self.ttft.observe(output.first_token_time - output.arrival_time)
+            self.e2e.observe(output.finish_time - output.arrival_time)
+            if output.num_output_tokens > 1:
+                self.tpot.observe((output.finish_time - output.first_token_time) / (output.num_output_tokens - 1))

@@ -1,0 +1,208 @@
+"""The engine loop thread: one final output per request on every path, cancellation
+within one iteration, fault isolation, and draining on shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import EngineLoop, LLMEngine
+from backend.request import RequestError, SamplingParams
+from tests.checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("loop") / "tiny-llama"))
+
+
+class Collector:
+    """Records every output per request and signals when each has its final one."""
+
+    def __init__(self):
+        self.outputs: dict[str, list] = {}
+        self.done: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def callback(self, request_id: str):
+        self.outputs[request_id] = []
+        self.done[request_id] = threading.Event()
+
+        def on_output(output):
+            with self.lock:
+                assert not self.done[request_id].is_set(), f"{request_id}: output after the final one"
+                self.outputs[request_id].append(output)
+                if output.finished:
+                    self.done[request_id].set()
+
+        return on_output
+
+    def wait(self, timeout: float = 60.0) -> None:
+        for request_id, event in self.done.items():
+            assert event.wait(timeout), f"{request_id} never finished"
+
+    def finals(self, request_id: str) -> list:
+        return [o for o in self.outputs[request_id] if o.finished]
+
+
+def make_loop(model_path: str, **overrides) -> EngineLoop:
+    config = EngineConfig(model_path=model_path, **{"max_num_seqs": 4, "num_kv_blocks": 64, **overrides})
+    return EngineLoop(LLMEngine(config))
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_every_request_gets_exactly_one_final_output(tiny_model):
+    loop = make_loop(tiny_model)
+    collector = Collector()
+    try:
+        for i in range(10):
+            rid = f"r{i}"
+            loop.add_request(rid, f"prompt number {i} " * (i + 1), SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True),
+                             collector.callback(rid))
+        collector.wait()
+        for i in range(10):
+            finals = collector.finals(f"r{i}")
+            assert len(finals) == 1 and finals[0].finish_reason == "length"
+            assert finals[0].num_output_tokens == 5 + i
+            assert sum(len(o.token_ids_delta) for o in collector.outputs[f"r{i}"]) == 5 + i
+    finally:
+        loop.shutdown()
+    assert loop.engine.kv.pool.num_used == 0
+
+
+def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_model):
+    loop = make_loop(tiny_model)
+    engine = loop.engine
+    collector = Collector()
+    cancelled = threading.Event()
+    steps_at_cancel = []
+    try:
+        loop.add_request("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+                         collector.callback("long"), is_cancelled=cancelled.is_set)
+        loop.add_request("short", "a short one", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                         collector.callback("short"))
+        wait_until(lambda: len(collector.outputs["long"]) >= 3)
+        steps_at_cancel.append(engine.counters.steps)
+        cancelled.set()
+        collector.wait()
+        finals = collector.finals("long")
+        assert len(finals) == 1 and finals[0].finish_reason == "abort"
+        assert finals[0].num_output_tokens < 500
+        # Seen at the next iteration boundary: at most the step in flight plus one more.
+        assert finals[0].num_output_tokens <= len(collector.outputs["long"]) + 1
+        assert collector.finals("short")[0].finish_reason == "length"
+        wait_until(lambda: engine.kv.pool.num_used == 0)
+        assert engine.counters.aborts == 1
+    finally:
+        loop.shutdown()
+
+
+def test_cancel_while_queued_and_twice(tiny_model):
+    loop = make_loop(tiny_model, max_num_seqs=1)
+    collector = Collector()
+    try:
+        loop.add_request("busy", "occupies the only slot", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         collector.callback("busy"))
+        loop.add_request("queued", "waits behind it", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         collector.callback("queued"))
+        wait_until(lambda: len(collector.outputs["busy"]) >= 2)
+        loop.abort("queued")
+        loop.abort("queued")
+        loop.abort("busy")
+        loop.abort("busy")
+        collector.wait()
+        for rid in ("busy", "queued"):
+            finals = collector.finals(rid)
+            assert len(finals) == 1 and finals[0].finish_reason == "abort"
+        assert collector.outputs["queued"][-1].num_output_tokens == 0
+        wait_until(lambda: loop.engine.kv.pool.num_used == 0)
+    finally:
+        loop.shutdown()
+
+
+def test_admission_errors_are_raised_at_once(tiny_model):
+    loop = make_loop(tiny_model, max_model_len=64)
+    collector = Collector()
+    try:
+        with pytest.raises(RequestError) as info:
+            loop.add_request("big", "word " * 10, SamplingParams(max_tokens=100), collector.callback("big"))
+        assert info.value.code == RequestError.INVALID_ARG
+        assert "max_model_len 64" in str(info.value) and "max_tokens" in str(info.value)
+        with pytest.raises(RequestError) as info:
+            loop.add_request("topk", "hi", SamplingParams(top_k=10**6), collector.callback("topk"))
+        assert info.value.param == "top_k" and "49152" in str(info.value)
+        with pytest.raises(RequestError) as info:
+            loop.add_request("stopid", "hi", SamplingParams(stop_token_ids=[10**6]), collector.callback("stopid"))
+        assert info.value.param == "stop_token_ids"
+    finally:
+        loop.shutdown()
+
+
+def test_kv_pool_too_small_for_a_request_is_rejected_with_numbers(tiny_model):
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, num_kv_blocks=4, block_size=16))
+    with pytest.raises(RequestError) as info:
+        engine.add_request("r", "hello", SamplingParams(max_tokens=100))
+    message = str(info.value)
+    assert info.value.code == RequestError.INVALID_ARG
+    assert "the whole pool has 4" in message and "KV blocks" in message
+
+
+def test_full_waiting_queue_answers_unavailable(tiny_model):
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, max_queue_len=2))
+    engine.add_request("a", "one", SamplingParams(max_tokens=2))
+    engine.add_request("b", "two", SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError) as info:
+        engine.add_request("c", "three", SamplingParams(max_tokens=2))
+    assert info.value.code == RequestError.UNAVAILABLE and "max_queue_len" in str(info.value)
+
+
+def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "3")
+    loop = make_loop(tiny_model)
+    engine = loop.engine
+    collector = Collector()
+    try:
+        for i in range(3):
+            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                             collector.callback(f"r{i}"))
+        collector.wait()
+        for i in range(3):
+            finals = collector.finals(f"r{i}")
+            assert len(finals) == 1 and finals[0].finish_reason == "error"
+            assert finals[0].error is not None and finals[0].error.code == RequestError.INTERNAL
+            assert "injected fault" in str(finals[0].error)
+        assert engine.kv.pool.num_used == 0
+        # The fault switch off again: new requests are served normally.
+        engine._fail_after_steps = 0
+        loop.add_request("after", "works again", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         collector.callback("after"))
+        collector.wait()
+        assert collector.finals("after")[0].finish_reason == "length"
+    finally:
+        loop.shutdown()
+
+
+def test_shutdown_drains_live_requests(tiny_model):
+    loop = make_loop(tiny_model)
+    collector = Collector()
+    for i in range(6):
+        loop.add_request(f"r{i}", "keeps going", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                         collector.callback(f"r{i}"))
+    wait_until(lambda: any(collector.outputs[f"r{i}"] for i in range(6)))
+    loop.shutdown(timeout_s=30)
+    collector.wait(timeout=1)
+    for i in range(6):
+        assert len(collector.finals(f"r{i}")) == 1
+    assert loop.engine.kv.pool.num_used == 0
+    with pytest.raises(RequestError) as info:
+        loop.add_request("late", "too late", SamplingParams(), collector.callback("late"))
+    assert info.value.code == RequestError.UNAVAILABLE

@@ -24,7 +24,7 @@ from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
-from backend.models.loader import load_model
+from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput
@@ -89,12 +89,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path, trust_remote_code=False)
         # Fast tokenizers are not safe to call from two threads at once; the loop decodes
         # while Triton's thread encodes new prompts.
         self.tokenizer_lock = threading.Lock()
-        self.max_model_len = self._resolve_max_model_len()
+        arch, _ = load_arch(config.model_path)  # refuses unsupported checkpoints first, by name
+        self.max_model_len = self._resolve_max_model_len(arch)
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size
@@ -125,16 +126,18 @@ class LLMEngine:
 
     # ---- setup helpers -----------------------------------------------------------------
 
-    def _resolve_max_model_len(self) -> int:
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(self.config.model_path, trust_remote_code=False)
-        model_max = getattr(hf, "max_position_embeddings", MAX_MODEL_LEN_CAP)
+    def _resolve_max_model_len(self, arch) -> int:
+        model_max = arch.max_position_embeddings
         if self.config.max_model_len:
             if self.config.max_model_len > model_max:
-                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+                raise ValueError(
+                    f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
+                )
             return self.config.max_model_len
-        return min(model_max, MAX_MODEL_LEN_CAP)
+        default = min(model_max, MAX_MODEL_LEN_CAP)
+        if arch.sliding_window is not None:  # honoured only within the window
+            default = min(default, arch.sliding_window)
+        return default
 
     def _blocks_for_memory(self, block_bytes: int) -> int:
         if self.device.type == "cuda" and self.config.gpu_memory_utilization > 0:

@@ -29,11 +29,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
     if name == "auto":
         # float32 on CPU: it is what the correctness oracle compares against, and this
-        # CPU's bf16 matmuls are not reliably faster for small models.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # CPU's bf16 matmuls are not reliably faster for small models. On CUDA the
+        # checkpoint's half type (fp16 stays fp16, as in vLLM), else bf16.
+        if device.type != "cuda":
+            return torch.float32
+        return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
     return DTYPES[name]
 
 

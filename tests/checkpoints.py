@@ -17,8 +17,12 @@ DEFAULT_CHECKPOINT = os.path.join(REPO_ROOT, ".models", "SmolLM2-135M-Instruct")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 # Small enough to run a forward pass in milliseconds, big enough to have GQA and
-# several layers; vocabulary shared with the default tokenizer.
+# several layers; vocabulary shared with the default tokenizer. initializer_range is
+# ~1/sqrt(hidden_size) rather than transformers' 0.02: with tiny weights every layer is
+# a small perturbation of the residual stream, so greedy decoding of a tied-embedding
+# model collapses to repeating one token and compares nothing; at 0.2 it is diverse.
 TINY_SHAPE = dict(
+    initializer_range=0.2,
     vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
@@ -48,8 +52,13 @@ def copy_tokenizer(dest: str, source: str = DEFAULT_CHECKPOINT) -> None:
 
 
 def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_shard_size: str | None = None,
-                         **overrides) -> str:
-    """Write a random-weight checkpoint of `family` to `dest` (idempotent) and return it."""
+                         dtype: torch.dtype = torch.float32, **overrides) -> str:
+    """Write a random-weight checkpoint of `family` to `dest` (idempotent) and return it.
+
+    `overrides` go to the family's `transformers` config (e.g. head_dim=64,
+    attention_bias=True, rope_parameters={...}); `max_shard_size` (e.g. "1MB") saves
+    shards with an index; `dtype` is the dtype the weights are stored in.
+    """
     if os.path.exists(os.path.join(dest, "config.json")):
         return dest
     config_cls, model_cls, family_defaults = FAMILIES[family]
@@ -63,14 +72,19 @@ def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_sh
                 param.add_(torch.randn_like(param) * 0.1)
     os.makedirs(dest, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(dest, safe_serialization=True, **kwargs)
+    model.to(dtype).save_pretrained(dest, safe_serialization=True, **kwargs)
     copy_tokenizer(dest)
     return dest
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
-    """The oracle: transformers `generate()` one prompt at a time (no padding effects)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """The oracle: transformers `generate()` one prompt at a time (no padding effects).
+
+    With ignore_eos=False it stops at the EOS ids of the checkpoint's generation_config.json
+    (the EOS token is the last one returned).
+    """
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     outputs = []
     with torch.inference_mode():

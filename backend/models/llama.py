@@ -32,8 +32,13 @@ class ModelArch:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2: biases on q, k and v
+    attention_bias: bool  # biases on q, k and v (Qwen2 always; Llama/Qwen3 when attention_bias)
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    o_proj_bias: bool = False  # Llama/Qwen3 with attention_bias: o_proj has a bias too
+    mlp_bias: bool = False  # Llama with mlp_bias: gate, up and down projections have biases
+    # Sliding-window attention span (Mistral v0.1, Qwen with use_sliding_window), or None.
+    # The engine honours it only by never holding more tokens than the window.
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -68,7 +73,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -97,8 +102,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

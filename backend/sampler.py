@@ -34,6 +34,7 @@ class Sampler:
         return torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        source = logits
         logits = logits.float().cpu()
         params = [r.params for r in requests]
         num_rows = len(requests)
@@ -48,6 +49,8 @@ class Sampler:
                 if not r.params.ignore_eos:
                     banned.extend(r.eos_token_ids)
                 if banned:
+                    if logits is source:
+                        logits = logits.clone()  # never write into the caller's tensor
                     logits[row, banned] = float("-inf")
 
         tokens = logits.argmax(dim=-1)

@@ -213,6 +213,8 @@ class Scheduler:
         admit = not plan.preempted and not (self.policy == "static" and running_at_start)
         while admit and self.waiting and (budget > 0 or self.policy == "static"):
             request = self.waiting.peek()
+            if request in plan.preempted:
+                break  # a victim of this very step: re-admitting it now would only thrash
             if len(self.running) >= cfg.max_num_seqs:
                 if not self._preempt_for(request, plan, granted):
                     break

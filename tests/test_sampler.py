@@ -1,0 +1,323 @@
+"""The sampler: greedy, the random path's masks and distribution, seeds, penalties,
+min_tokens and logprobs, on small hand-made logits (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backend.request import Request, SamplingParams
+from backend.sampler import Sampler
+
+EOS = 2
+
+
+def req(rid: str = "r", prompt=(5, 6, 7), output=(), eos=(EOS,), needs_logprobs=False, **params) -> Request:
+    r = Request(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(**params),
+        max_tokens=100,
+        arrival_time=0.0,
+        arrival_seq=0,
+        eos_token_ids=frozenset(eos),
+        needs_logprobs=needs_logprobs or params.get("logprobs") is not None,
+    )
+    for t in output:
+        r.append_output_token(t)
+    if r.params.seed is not None:
+        r.generator = Sampler.make_request_generator(r.params.seed)
+    return r
+
+
+def random_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn((rows, vocab), generator=torch.Generator().manual_seed(seed)) * 3
+
+
+# --------------------------------------------------------------------------------------
+# Greedy
+# --------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(8)
+    requests = [req(f"r{i}", temperature=0.0) for i in range(8)]
+    out = Sampler(seed=1)(logits, requests)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 8 and out.top_logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_top_k_one_is_greedy_at_any_temperature(temperature):
+    logits = random_logits(16, seed=3)
+    requests = [req(f"r{i}", temperature=temperature, top_k=1) for i in range(16)]
+    for seed in range(3):
+        assert Sampler(seed=seed)(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_are_unaffected_by_random_rows_in_the_batch():
+    logits = random_logits(6, seed=4)
+    requests = [req(f"r{i}", temperature=0.0 if i % 2 else 1.0) for i in range(6)]
+    out = Sampler(seed=0)(logits, requests)
+    for i in (1, 3, 5):
+        assert out.token_ids[i] == int(logits[i].argmax())
+
+
+# --------------------------------------------------------------------------------------
+# Seeds
+# --------------------------------------------------------------------------------------
+
+
+def _seeded_run(batch_builder, steps: int = 12) -> list[int]:
+    """Sample `steps` times for a seeded request placed in a batch; return its tokens."""
+    target = req("target", temperature=1.0, seed=1234)
+    tokens = []
+    for step in range(steps):
+        batch, logits = batch_builder(target, step)
+        out = Sampler(seed=step * 31 + 7)(logits, batch)
+        tokens.append(out.token_ids[batch.index(target)])
+        target.append_output_token(tokens[-1])
+    return tokens
+
+
+def _flat_logits(step: int) -> torch.Tensor:
+    # Nearly uniform over 50 tokens: the draw decides everything.
+    return torch.randn(50, generator=torch.Generator().manual_seed(1000 + step)) * 0.2
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch():
+    def alone(target, step):
+        return [target], _flat_logits(step).unsqueeze(0)
+
+    def crowded(target, step):
+        others = [req("u1", temperature=1.0), req("s2", temperature=0.7, seed=99), req("g", temperature=0.0),
+                  req("u3", temperature=1.5, top_p=0.9)]
+        batch = others[:2] + [target] + others[2:]
+        logits = torch.stack([torch.randn(50) for _ in others[:2]] + [_flat_logits(step)] + [torch.randn(50) for _ in others[2:]])
+        return batch, logits
+
+    def reversed_batch(target, step):
+        batch, logits = crowded(target, step)
+        return batch[::-1], logits.flip(0)
+
+    reference = _seeded_run(alone)
+    assert _seeded_run(crowded) == reference
+    assert _seeded_run(reversed_batch) == reference
+    assert len(set(reference)) > 3, "near-uniform logits should give varied tokens"
+
+
+def test_different_seeds_differ_and_unseeded_rows_use_the_engine_generator():
+    def tokens_for(seed):
+        r = req("x", temperature=1.0, seed=seed)
+        out = []
+        for step in range(10):
+            tok = Sampler()(_flat_logits(step).unsqueeze(0), [r]).token_ids[0]
+            r.append_output_token(tok)
+            out.append(tok)
+        return out
+
+    assert tokens_for(1) != tokens_for(2)
+    logits = _flat_logits(0).expand(64, -1).contiguous()
+    rows = [req(f"u{i}", temperature=1.0) for i in range(64)]
+    a = Sampler(seed=5)(logits, rows).token_ids
+    assert a == Sampler(seed=5)(logits, rows).token_ids, "the engine seed makes unseeded sampling reproducible"
+    assert len(set(a)) > 10, "each unseeded row draws its own noise"
+
+
+# --------------------------------------------------------------------------------------
+# The distribution and its masks (statistical, on a small vocabulary)
+# --------------------------------------------------------------------------------------
+
+PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+LOGITS = PROBS.log()
+DRAWS = 6000
+
+
+def draw(**params) -> torch.Tensor:
+    """Token frequencies over DRAWS rows of the same logits, one unseeded request per row."""
+    logits = LOGITS.expand(DRAWS, -1).contiguous()
+    shared = SamplingParams(**params)
+    requests = [Request(f"r{i}", [5], shared, 10, 0.0, i) for i in range(DRAWS)]
+    tokens = torch.tensor(Sampler(seed=42)(logits, requests).token_ids)
+    return torch.bincount(tokens, minlength=len(PROBS)).float() / DRAWS
+
+
+def assert_frequencies(freq: torch.Tensor, expected: torch.Tensor) -> None:
+    expected = expected / expected.sum()
+    for token, (f, p) in enumerate(zip(freq.tolist(), expected.tolist())):
+        if p == 0:
+            assert f == 0, f"token {token} is masked but was drawn ({f:.4f})"
+        else:
+            sigma = math.sqrt(p * (1 - p) / DRAWS)
+            assert abs(f - p) < 5 * sigma + 1e-3, f"token {token}: frequency {f:.4f}, expected {p:.4f}"
+
+
+def test_plain_sampling_follows_the_softmax():
+    assert_frequencies(draw(temperature=1.0), PROBS)
+    # top_k -1 / 0, top_p 1 and min_p 0 all mean "no mask".
+    assert_frequencies(draw(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0), PROBS)
+
+
+def test_temperature_sharpens_and_flattens():
+    for t in (0.5, 2.0):
+        assert_frequencies(draw(temperature=t), (LOGITS / t).softmax(-1))
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    assert_frequencies(draw(temperature=1.0, top_k=3), torch.tensor([0.40, 0.25, 0.15, 0, 0, 0]))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # 0.40 + 0.25 = 0.65 >= 0.6: two tokens.
+    assert_frequencies(draw(temperature=1.0, top_p=0.6), torch.tensor([0.40, 0.25, 0, 0, 0, 0]))
+    # 0.40 + 0.25 + 0.15 = 0.80 >= 0.7 (0.65 is not enough): three tokens.
+    assert_frequencies(draw(temperature=1.0, top_p=0.7), torch.tensor([0.40, 0.25, 0.15, 0, 0, 0]))
+    # A tiny top_p still keeps the most likely token.
+    assert_frequencies(draw(temperature=1.0, top_p=0.01), torch.tensor([1.0, 0, 0, 0, 0, 0]))
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # 0.3 * 0.40 = 0.12: tokens with p >= 0.12 stay.
+    assert_frequencies(draw(temperature=1.0, min_p=0.3), torch.tensor([0.40, 0.25, 0.15, 0, 0, 0]))
+
+
+def test_top_k_and_top_p_combined():
+    # top_k=4 renormalises to 0.4/0.9, 0.25/0.9, 0.15/0.9, 0.1/0.9; top_p=0.5 then keeps 0.444 + 0.278.
+    assert_frequencies(draw(temperature=1.0, top_k=4, top_p=0.5), torch.tensor([0.40, 0.25, 0, 0, 0, 0]))
+
+
+def test_masks_apply_per_row():
+    logits = LOGITS.expand(4000, -1).contiguous()
+    requests = [req(f"r{i}", temperature=1.0, top_k=2) if i % 2 else req(f"r{i}", temperature=1.0) for i in range(4000)]
+    tokens = torch.tensor(Sampler(seed=3)(logits, requests).token_ids)
+    assert set(tokens[1::2].tolist()) <= {0, 1}
+    assert len(set(tokens[0::2].tolist())) == 6, "the unrestricted rows must still reach every token"
+
+
+# --------------------------------------------------------------------------------------
+# Penalties
+# --------------------------------------------------------------------------------------
+
+
+def reference_penalties(logits: torch.Tensor, r: Request) -> torch.Tensor:
+    """vLLM's definitions, one token at a time."""
+    out = logits.clone()
+    p = r.params
+    seen = set(r.token_ids)  # repetition: prompt and output
+    for t in seen:
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(r.output_token_ids):  # presence / frequency: output only
+        count = r.output_token_ids.count(t)
+        out[t] -= p.presence_penalty + p.frequency_penalty * count
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(repetition_penalty=1.5),
+        dict(repetition_penalty=0.7),
+        dict(presence_penalty=1.0),
+        dict(presence_penalty=-0.5),
+        dict(frequency_penalty=0.4),
+        dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+    ],
+)
+def test_penalties_change_logits_as_defined(params):
+    vocab = 12
+    logits = torch.tensor([2.0, -1.0, 0.5, -3.0, 1.5, 0.0, 4.0, -0.5, 3.0, -2.0, 1.0, 0.25])
+    a = req("a", prompt=(0, 1, 1), output=(2, 3, 3, 3), **params)
+    b = req("b", prompt=(9,), output=(0, 0, 8), **params)
+    neutral = req("n", prompt=(4,), output=(4, 5))
+    batch = [a, b, neutral]
+    got = Sampler()._apply_penalties(logits.expand(3, vocab).clone(), batch)
+    for row, r in enumerate(batch):
+        assert torch.allclose(got[row], reference_penalties(logits, r), atol=1e-6), (r.request_id, got[row])
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(0,), output=(1,))]).token_ids == [1]
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(0,), output=(1,), repetition_penalty=1.2)]).token_ids == [2]
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(0,), output=(1,), presence_penalty=0.2)]).token_ids == [2]
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(0,), output=(1, 1), frequency_penalty=0.06)]).token_ids == [2]
+    # Prompt tokens count for the repetition penalty only.
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(1,), presence_penalty=2.0)]).token_ids == [1]
+    assert Sampler()(logits, [req(temperature=0.0, prompt=(1,), repetition_penalty=1.2)]).token_ids == [2]
+
+
+# --------------------------------------------------------------------------------------
+# min_tokens
+# --------------------------------------------------------------------------------------
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros((1, 10))
+    logits[0, EOS] = 10.0
+    logits[0, 7] = 9.0
+    logits[0, 4] = 8.0
+    early = req(temperature=0.0, output=(5,), min_tokens=3, stop_token_ids=[7])
+    assert Sampler()(logits, [early]).token_ids == [4], "EOS and stop tokens are masked before min_tokens"
+    random_early = [req(f"s{i}", temperature=1.0, output=(5,), min_tokens=3, stop_token_ids=[7]) for i in range(500)]
+    drawn = set(Sampler(seed=0)(logits.expand(500, -1).contiguous(), random_early).token_ids)
+    assert EOS not in drawn and 7 not in drawn
+    reached = req(temperature=0.0, output=(5, 5, 5), min_tokens=3)
+    assert Sampler()(logits, [reached]).token_ids == [EOS]
+    ignore = req(temperature=0.0, output=(5,), min_tokens=3, stop_token_ids=[7], ignore_eos=True)
+    # ignore_eos: EOS is not a stop anyway, so it is not masked; stop tokens still are.
+    assert Sampler()(logits, [ignore]).token_ids == [EOS]
+    logits[0, EOS] = -1.0
+    assert Sampler()(logits, [ignore]).token_ids == [4]
+
+
+def test_min_tokens_masks_every_eos_id():
+    logits = torch.zeros((1, 10))
+    logits[0, 2] = 5.0
+    logits[0, 3] = 4.0
+    r = req(temperature=0.0, eos=(2, 3), min_tokens=1)
+    assert Sampler()(logits, [r]).token_ids not in ([2], [3])
+
+
+# --------------------------------------------------------------------------------------
+# Logprobs
+# --------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = random_logits(4, vocab=30, seed=9)
+    requests = [
+        req("a", temperature=0.0, logprobs=3),
+        req("b", temperature=0.7, top_k=5, repetition_penalty=1.5, output=(1, 2), logprobs=5),
+        req("c", temperature=1.0),  # did not ask
+        req("d", temperature=1.0, needs_logprobs=True),  # cumulative logprob only
+    ]
+    out = Sampler(seed=2)(logits, requests)
+    raw = torch.log_softmax(logits, dim=-1)
+    for row in (0, 1, 3):
+        assert out.logprobs[row] == pytest.approx(float(raw[row, out.token_ids[row]]), abs=1e-6)
+    assert out.logprobs[2] is None and out.top_logprobs[2] is None
+    assert out.top_logprobs[3] is None
+    for row, n in ((0, 3), (1, 5)):
+        values, ids = raw[row].topk(n)
+        assert [t for t, _ in out.top_logprobs[row]] == ids.tolist()
+        assert [v for _, v in out.top_logprobs[row]] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.token_ids[0] == out.top_logprobs[0][0][0], "greedy picks the top logprob"
+
+
+def test_logprobs_zero_returns_only_the_sampled_token():
+    logits = random_logits(1, seed=11)
+    out = Sampler()(logits, [req(temperature=0.0, logprobs=0)])
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0].max()), abs=1e-6)
+    assert not out.top_logprobs[0]
+
+
+def test_the_callers_logits_are_never_modified():
+    logits = random_logits(3, vocab=10, seed=5)
+    logits[:, EOS] = 50.0
+    before = logits.clone()
+    requests = [req("a", temperature=0.0, min_tokens=2), req("b", temperature=0.8, min_tokens=2, top_k=3, top_p=0.5),
+                req("c", temperature=1.0, repetition_penalty=1.4, output=(1,))]
+    Sampler()(logits, requests)
+    assert torch.equal(logits, before)

@@ -1,0 +1,70 @@
+"""Compute kernels of the engine: tensors in, tensors out; nothing here knows the engine.
+
+Every operation exists twice with the same signature: `<op>_triton` (an OpenAI Triton
+kernel) and `<op>_reference` (plain torch, vectorised; the production path on CPU). The
+exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
+else the reference. Tests run the Triton kernels on CPU tensors through Triton's
+interpreter and compare them with the references (and the references with naive loops).
+
+    store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
+    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                    max_seqlen_q=None, max_seqlen_k=None) -> out
+    rms_norm(x, weight, eps, residual=None) -> out | (out, x + residual)
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> (query, key)
+    silu_and_mul(x) -> out
+    build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import silu_and_mul_reference, silu_and_mul_triton
+from .kv_store import store_kv_reference, store_kv_triton
+from .paged_attention import paged_attention_reference, paged_attention_triton
+from .rms_norm import rms_norm_reference, rms_norm_triton
+from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton
+
+__all__ = [
+    "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "build_cos_sin_cache",
+    "store_kv_reference", "store_kv_triton",
+    "paged_attention_reference", "paged_attention_triton",
+    "rms_norm_reference", "rms_norm_triton",
+    "rotary_embedding_reference", "rotary_embedding_triton",
+    "silu_and_mul_reference", "silu_and_mul_triton",
+]
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if key.is_cuda:
+        return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    return store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, scale: float,
+                    max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None) -> torch.Tensor:
+    fn = paged_attention_triton if query.is_cuda else paged_attention_reference
+    return fn(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+              max_seqlen_q, max_seqlen_k)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    fn = rms_norm_triton if x.is_cuda else rms_norm_reference
+    return fn(x, weight, eps, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool = True,
+                     head_size: int | None = None):
+    fn = rotary_embedding_triton if query.is_cuda else rotary_embedding_reference
+    return fn(positions, query, key, cos_sin_cache, is_neox, head_size)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_reference(x)

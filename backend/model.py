@@ -184,34 +184,6 @@ def parse_request(request) -> ParsedRequest:
     )
 
 
-class _KeptFamilies:
-    """``pb_utils.MetricFamily`` that keeps every family it makes alive.
-
-    Triton drops a family's metrics when the Python ``MetricFamily`` object is collected
-    ("Invalid metric operation as the corresponding 'MetricFamily' has been deleted"), so
-    the model holds them until ``finalize`` has released the metrics.
-    """
-
-    def __init__(self, real):
-        self._real = real
-        self.families: list = []
-
-    def __call__(self, *args, **kwargs):
-        family = self._real(*args, **kwargs)
-        self.families.append(family)
-        return family
-
-    def __getattr__(self, name: str):  # COUNTER, GAUGE, HISTOGRAM
-        return getattr(self._real, name)
-
-
-class _MetricsApi:
-    """The part of pb_utils that backend.metrics uses."""
-
-    def __init__(self, families: _KeptFamilies):
-        self.MetricFamily = families
-
-
 @dataclass(eq=False)
 class _Live:
     """Response-side state of one request that has not had its final response yet."""
@@ -296,9 +268,8 @@ class TritonPythonModel:
         from backend.metrics import EngineMetrics
 
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
-        self._metric_families = _KeptFamilies(pb_utils.MetricFamily)
         try:
-            self._engine_metrics = EngineMetrics(_MetricsApi(self._metric_families), labels, self.engine)
+            self._engine_metrics = EngineMetrics(pb_utils, labels, self.engine)
         except pb_utils.TritonModelException as exc:
             self.logger.log_info(f"[inflight] metrics disabled: {exc}")
             self._engine_metrics = None
@@ -321,11 +292,11 @@ class TritonPythonModel:
             self._live.clear()
         for live in leftovers:
             self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE")
-        # Metrics before their families (Triton's rule), once the loop no longer updates them.
-        self._engine_metrics = None
+        # Once the loop no longer updates them.
         self.loop.observer = None
-        if getattr(self, "_metric_families", None) is not None:
-            self._metric_families.families.clear()
+        if self._engine_metrics is not None:
+            self._engine_metrics.close()
+            self._engine_metrics = None
 
     # ------------------------------------------------------------------ requests
 

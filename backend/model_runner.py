@@ -79,8 +79,11 @@ class ModelRunner:
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         scheduled = plan.scheduled
         bs = self.block_size
-        num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
-        start = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        requests = [r for r, _ in scheduled]
+        # One pass of Python attribute reads; everything after is numpy over the batch.
+        counts = np.array([(n, r.num_computed_tokens, r.num_tokens, len(r.block_ids)) for r, n in scheduled],
+                          dtype=np.int64).reshape(-1, 4)
+        num_new, start, num_tokens, num_blocks = counts.T
         cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
         total = int(cu[-1])
@@ -90,15 +93,17 @@ class ModelRunner:
             itertools.chain.from_iterable(r.token_ids[s : s + n] for (r, n), s in zip(scheduled, start.tolist())),
             dtype=np.int64, count=total,
         )
-        max_blocks = max(len(r.block_ids) for r, _ in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, (r, _) in zip(block_tables, scheduled):
-            row[: len(r.block_ids)] = r.block_ids
+        block_tables = np.zeros((len(scheduled), int(num_blocks.max())), dtype=np.int32)
+        flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32,
+                                  count=int(num_blocks.sum()))
+        rows = np.repeat(np.arange(len(scheduled)), num_blocks)
+        block_starts = np.cumsum(num_blocks) - num_blocks
+        block_tables[rows, np.arange(len(flat_blocks)) - block_starts[rows]] = flat_blocks
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start + num_new
-        ends_input = seq_lens == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        ends_input = seq_lens == num_tokens
         logits_indices = cu[1:][ends_input] - 1
-        sample_requests = [r for (r, _), ends in zip(scheduled, ends_input.tolist()) if ends]
+        sample_requests = [r for r, ends in zip(requests, ends_input.tolist()) if ends]
 
         def to_device(array, dtype):
             return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)

@@ -3,6 +3,7 @@
 #   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
 #   make test    setup, then the whole pytest suite
+#   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make bench   benchmark runner (client/bench.py): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    byte-compile every project module (cheap sanity check)
 #
@@ -36,7 +37,7 @@ MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | test | bench | lint | clean | distclean"
+	@echo "make setup | serve | openai | test | bench | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP)
@@ -66,6 +67,15 @@ test: setup
 	@# One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
 	@# where a second spinning OpenMP thread per process costs far more than it gives.
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# OpenAI-compatible frontend (client/openai_server.py) beside `make serve`, over Triton gRPC.
+OPENAI_PORT ?= 9000
+TRITON_GRPC_URL ?= $(if $(filter 0.0.0.0,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT)
+
+.PHONY: openai
+openai: $(VENV_STAMP)
+	$(VPY) -m client.openai_server --triton-url "$(TRITON_GRPC_URL)" --host "$(HOST)" --port $(OPENAI_PORT) \
+		--model-repository "$(MODEL_REPOSITORY)"
 
 bench: setup
 	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)

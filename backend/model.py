@@ -175,6 +175,11 @@ def parse_request(request) -> ParsedRequest:
 
     stream = switches.get(STREAM, False)
     exclude = switches.get(EXCLUDE_INPUT, stream)
+    if stream and not exclude:
+        # As Triton's vLLM backend: streamed responses carry only new text, never the prompt.
+        raise BadRequest(
+            f"{EXCLUDE_INPUT} must be true when {STREAM} is true: streamed responses carry only the new text"
+        )
     return ParsedRequest(
         prompt=prompt,
         sampling=sampling,
@@ -267,7 +272,9 @@ class TritonPythonModel:
         """Engine metrics on Triton's /metrics (None when the server runs without metrics)."""
         from backend.metrics import EngineMetrics
 
-        labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
+        # One engine per instance: an instance label keeps two instances' series apart.
+        labels = {"model": self.model_name, "version": str(args.get("model_version", "1")),
+                  "instance": args.get("model_instance_name", "")}
         try:
             self._engine_metrics = EngineMetrics(pb_utils, labels, self.engine)
         except pb_utils.TritonModelException as exc:

@@ -1,0 +1,55 @@
+"""Markdown table of every benchmark result: `python -m client.bench_table [bench/results/*.json]`.
+
+README's results section is this command's output, pasted as is.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+from client.bench import REPO_ROOT
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(paths: list[str]) -> str:
+    lines = [
+        "| workload | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ratios = []
+    machines = set()
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores")
+        name = report["workload"]["name"]
+        rel = os.path.relpath(path, REPO_ROOT)
+        for r in report["results"]:
+            lines.append(
+                f"| {name} | {r['system']} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
+                f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
+                f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
+                f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "
+                f"{_fmt(r.get('prefix_hit_rate'), '.2f')} | [{os.path.basename(path)}]({rel}) |"
+            )
+        for ratio_name, values in report.get("ratios", {}).items():
+            parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]
+            parts += [f"TTFT p99 of class {label} {v:.2f}x" for label, v in values.get("ttft_p99_by_class", {}).items()]
+            ratios.append(f"- {name} {ratio_name}: " + ", ".join(parts))
+    return "\n".join(lines + [""] + ratios + ["", "Machine: " + "; ".join(sorted(machines))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = (argv if argv is not None else sys.argv[1:]) or sorted(glob.glob(os.path.join(REPO_ROOT, "bench", "results", "*.json")))
+    print(table(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

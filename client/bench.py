@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face checkpoint folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
+    parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W4, W5); 0 = all at once")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="engine parameter for every engine system (as in config.pbtxt), repeatable")
     parser.add_argument("--json", help="write the report here (e.g. bench/results/w1.json)")
@@ -335,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"seed": args.seed}
     if args.num_requests:
         kwargs["num_requests"] = args.num_requests
+    if args.rate is not None:
+        kwargs["rate_per_s"] = args.rate
     workload = WORKLOADS[args.workload](**kwargs)
     from backend.config import EngineConfig
 

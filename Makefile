@@ -68,6 +68,21 @@ test: setup
 	@# where a second spinning OpenMP thread per process costs far more than it gives.
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
+# genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
+# out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/genai_perf_setup.py).
+# tests/test_genai_perf.py runs this target itself; a second run is a no-op.
+GENAI_VENV ?= .venv-genai
+GENAI_STAMP := $(GENAI_VENV)/.inflight-setup
+
+.PHONY: genai-perf-setup
+genai-perf-setup: $(GENAI_STAMP)
+
+$(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(VENV_STAMP)
+	@test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/genai_perf_requirements.txt
+	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
+	@touch $@
+
 # OpenAI-compatible frontend (client/openai_server.py) beside `make serve`, over Triton gRPC.
 OPENAI_PORT ?= 9000
 TRITON_GRPC_URL ?= $(if $(filter 0.0.0.0,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT)
@@ -88,4 +103,4 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) .triton .models *.egg-info

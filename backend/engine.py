@@ -116,7 +116,8 @@ class LLMEngine:
         self.last_step = StepStats()
         self._pending: list[RequestOutput] = []
         self._arrival_seq = itertools.count()
-        # Test-only fault injection: the forward pass raises after this many steps.
+        # Test-only fault injection: the forward pass raises once, at the step after this many
+        # successful ones (then the engine serves again, as after a transient fault).
         self._fail_after_steps = int(os.environ.get("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "0") or 0)
         log.info(
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
@@ -288,6 +289,7 @@ class LLMEngine:
         start = time.perf_counter()
         try:
             if self._fail_after_steps and self.counters.steps >= self._fail_after_steps:
+                self._fail_after_steps = 0
                 raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
             logits, sample_requests = self.runner.execute(plan)
             sampled = self.sampler(logits, sample_requests) if logits is not None else None

@@ -62,6 +62,17 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
+    @field_validator(
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", mode="before",
+    )
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any) -> Any:
+        # pydantic's lax mode reads true as 1; a boolean where a number belongs is a client bug.
+        if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
+            raise ValueError("expected a number, got a boolean")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:

@@ -53,6 +53,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.request import RequestError, SamplingParams
+from client.generate import make_inputs
 
 log = logging.getLogger("inflight.openai")
 
@@ -380,7 +381,8 @@ class Generation:
         self.model = model
         self.finished = False
         self.cancelled = False
-        inputs = _make_inputs(prompt, sampling, want_logprobs)
+        flags = RETURN_FLAGS + (("return_logprobs",) if want_logprobs else ())
+        inputs = make_inputs(prompt, sampling, stream=True, exclude_input=True, returns=flags)
 
         async def requests_iter():
             yield {"model_name": model, "inputs": inputs, "request_id": request_id,
@@ -421,26 +423,6 @@ class Generation:
             self.cancelled = True
             self._call.cancel()
             log.info("cancelled Triton request on model %s (client went away)", self.model)
-
-
-def _make_inputs(prompt: str, sampling: dict[str, Any], want_logprobs: bool) -> list:
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name: str, value: Any, dtype: str):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
-        return t
-
-    inputs = [
-        tensor("text_input", prompt.encode("utf-8"), "BYTES"),
-        tensor("stream", True, "BOOL"),
-        tensor("sampling_parameters", json.dumps(sampling).encode("utf-8"), "BYTES"),
-        tensor("exclude_input_in_output", True, "BOOL"),
-    ]
-    flags = RETURN_FLAGS + (("return_logprobs",) if want_logprobs else ())
-    inputs += [tensor(name, True, "BOOL") for name in flags]
-    return inputs
 
 
 @dataclass

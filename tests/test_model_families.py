@@ -411,36 +411,14 @@ def test_progress_bar_for_large_checkpoints(ckpt_root, monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
-    """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`.
-
-    Built from tests/conftest.py's helpers: a copy of model_repository/llm whose
-    model_path points at the checkpoint.
-    """
-    import subprocess
-
-    from conftest import SERVER_READY_TIMEOUT_S, TritonServer, free_ports, make_model_repository
-    from tools import serve
+    """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
+    from tests.e2e_util import run_server
 
     root = tmp_path_factory.mktemp("qwen3-triton")
     path = make_tiny_checkpoint(str(root / "qwen3"), family="qwen3", attention_bias=True)
-    repository = make_model_repository(root / "model_repository", {
-        "model_path": path, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256",
-    })
-    http_port, grpc_port, metrics_port = free_ports(3)
-    log_path = root / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port,
-                            stdout=log, stderr=subprocess.STDOUT)
-    server = TritonServer(http_port, grpc_port, metrics_port, proc.pid, log_path)
-    try:
-        serve.wait_ready(http_port, SERVER_READY_TIMEOUT_S, proc=proc)
-    except (RuntimeError, TimeoutError) as exc:
-        serve.stop(proc)
-        pytest.fail(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}", pytrace=False)
-    try:
+    parameters = {"model_path": path, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
+    with run_server(root, {"llm": parameters}) as server:
         yield server, path
-    finally:
-        serve.stop(proc)
 
 
 @pytest.mark.e2e
@@ -462,7 +440,7 @@ def test_qwen3_through_tritonserver_matches_transformers(qwen3_server):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
             inputs = make_inputs(PROMPTS[i], sampling, stream=False, returns=("return_logprobs",))
-            responses = list(stream_generate(client, server.model, inputs, request_id=str(i), timeout_s=300))
+            responses = list(stream_generate(client, "llm", inputs, request_id=str(i), timeout_s=300))
         finally:
             client.close()
         assert len(responses) == 1

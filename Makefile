@@ -4,6 +4,7 @@
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
 #   make test    setup, then the whole pytest suite
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
+#   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make bench   benchmark runner (client/bench.py): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    byte-compile every project module (cheap sanity check)
 #
@@ -37,7 +38,7 @@ MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | lint | clean | distclean"
+	@echo "make setup | serve | openai | test | bench | perf | genai-perf | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP)
@@ -77,11 +78,23 @@ GENAI_STAMP := $(GENAI_VENV)/.inflight-setup
 .PHONY: genai-perf-setup
 genai-perf-setup: $(GENAI_STAMP)
 
-$(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(VENV_STAMP)
+$(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(TRITON_STAMP)
 	@test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
 	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/genai_perf_requirements.txt
 	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
+
+# Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
+# (tools/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
+#   make perf LOADTEST_ARGS="--concurrency 1,8,32 --num-requests 128"
+LOADTEST_ARGS ?=
+
+.PHONY: perf genai-perf
+perf: setup
+	$(VPY) -m tools.loadtest perf-analyzer --url $(TRITON_GRPC_URL) $(LOADTEST_ARGS)
+
+genai-perf: genai-perf-setup
+	$(VPY) -m tools.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
 
 # OpenAI-compatible frontend (client/openai_server.py) beside `make serve`, over Triton gRPC.
 OPENAI_PORT ?= 9000

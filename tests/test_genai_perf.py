@@ -4,9 +4,9 @@ as strings (`"max_tokens": "16"`). The profile must complete with no error, ever
 answered, and the engine idle afterwards.
 
 genai-perf 0.0.16 lives in its own venv (`make genai-perf-setup`, run here; a no-op once
-done), with a `perf_analyzer` wrapper around the project venv's tritonclient 2.51 binary
-(tests/genai_perf_setup.py). perf_analyzer 2.51 hangs when --warmup-request-count is below
-the concurrency, so there is no warm-up (BENCHMARKS.md).
+done), whose `perf_analyzer` is the project's wrapper of the tritonclient 2.51 binary. The
+command is `make genai-perf`'s (tools/loadtest.py); `make perf`'s perf_analyzer recipe is
+tested here too.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import DEFAULT_CHECKPOINT
 from tests.e2e_util import REPO_ROOT, scrape, wait_idle
+from tools.loadtest import RETURN_FLAGS, genai_perf_command
 
 pytestmark = pytest.mark.e2e
 
@@ -41,15 +43,11 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     model = triton_server.model
     before = wait_idle(triton_server.metrics_port, model)
     artifacts = tmp_path / "artifacts"
-    command = [
-        str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
-        "-u", triton_server.grpc_url, "--tokenizer", str(DEFAULT_CHECKPOINT),
-        "--concurrency", str(CONCURRENCY), "--num-prompts", str(REQUESTS), "--request-count", str(REQUESTS),
-        "--warmup-request-count", "0", "--random-seed", "7",
-        "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
-        "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
-        "--artifact-dir", str(artifacts),
-    ]
+    command = genai_perf_command(
+        genai_perf, model=model, grpc_url=triton_server.grpc_url, tokenizer=DEFAULT_CHECKPOINT,
+        concurrency=CONCURRENCY, num_requests=REQUESTS, input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS,
+        artifact_dir=artifacts, seed=7,
+    )
     env = {
         **os.environ,
         "PATH": f"{GENAI_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -78,8 +76,17 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
         inputs = record["request_inputs"]
         assert inputs["stream"] is True and inputs["exclude_input_in_output"] is True
         assert json.loads(inputs["sampling_parameters"]) == {"max_tokens": str(OUTPUT_TOKENS)}
-        texts = [r.get("text_output", "") for r in record["response_outputs"]]
+        assert all(inputs[flag] is True for flag in RETURN_FLAGS)
+        responses = record["response_outputs"]
+        texts = [r.get("text_output", "") for r in responses]
         assert len(texts) >= 2 and "".join(texts).strip(), record  # streamed, with text
+        # Every output is real, so perf_analyzer records no stray memory (tools/loadtest.py).
+        assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
+        assert sum(r["num_output_tokens"] for r in responses) <= OUTPUT_TOKENS
+        assert [r["finish_reason"] for r in responses[:-1]] == ["None"] * (len(responses) - 1)
+        assert responses[-1]["finish_reason"] in ("stop", "length")
+        logprobs = [r["cumulative_logprob"] for r in responses]
+        assert all(b <= a <= 0 for a, b in zip(logprobs, logprobs[1:])), logprobs  # a running sum of log p
 
     # The server's side: every request ended normally and nothing is left behind.
     after = wait_idle(triton_server.metrics_port, model)
@@ -90,3 +97,34 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     assert ended["stop"] + ended["length"] == REQUESTS, ended
     assert scrape(triton_server.metrics_port).get(
         "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="used") == 0
+
+
+def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
+    """`make perf`'s recipe at a small size: perf_analyzer 2.51 over gRPC streaming with the
+    project's wrapper, EOS ignored so every request streams exactly its max_tokens."""
+    model, requests, output_tokens = triton_server.model, 6, 8
+    before = wait_idle(triton_server.metrics_port, model)
+    out = tmp_path / "perf_analyzer"
+    command = [sys.executable, "-m", "tools.loadtest", "perf-analyzer", "--url", triton_server.grpc_url,
+               "--model", model, "--concurrency", "3", "--num-requests", str(requests),
+               "--input-tokens", "24", "--output-tokens", str(output_tokens), "--out", str(out)]
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    log = f"$ {' '.join(command)}\n--- stdout ---\n{run.stdout[-6000:]}\n--- stderr ---\n{run.stderr[-6000:]}"
+    assert run.returncode == 0, log
+    assert "Thread [" not in run.stdout + run.stderr, log
+
+    csv_header, csv_row = (out / "concurrency3.csv").read_text().splitlines()[:2]
+    assert csv_header.startswith("Concurrency,Inferences/Second") and csv_row.startswith("3,"), log
+    records = json.loads((out / "concurrency3_profile_export.json").read_text())["experiments"][0]["requests"]
+    assert len(records) >= requests
+    for record in records:
+        responses = record["response_outputs"]
+        assert sum(r["num_output_tokens"] for r in responses) == output_tokens, responses
+        assert all(r["num_input_tokens"] == 24 for r in responses), responses
+        assert responses[-1]["finish_reason"] == "length"
+
+    after = wait_idle(triton_server.metrics_port, model)
+    finished = sum(after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+                   - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+                   for reason in ("length",))
+    assert finished == len(records)

@@ -8,6 +8,7 @@ Python backend stub per Python version. This lays them out the way tritonserver 
                              triton_python_backend_stub}   <- stub for *this* Python
     .triton/backends/inflight -> ../../backend              (our Python-based backend)
     .triton/caches/local/...
+    .triton/bin/perf_analyzer                               (a wrapper, see below)
 
 Idempotent: files are re-copied only when missing or different in size/mtime, the
 symlink is (re)made when it does not point at ``backend/``. Writes
@@ -45,6 +46,49 @@ def pytriton_server_dir() -> Path:
 def pytriton_libs_dir() -> Path:
     """The wheel's bundled shared libraries (``site-packages/nvidia_pytriton.libs``)."""
     return pytriton_server_dir().parent.parent / "nvidia_pytriton.libs"
+
+
+def setup_perf_analyzer(triton_dir: Path) -> Path:
+    """Write ``bin/perf_analyzer``: the project venv's perf_analyzer 2.51 with its libraries.
+
+    The binary (from the ``tritonclient[all]`` wheel) needs ``libb64.so.0d`` and
+    ``libcudart.so.12``, which a CPU-only Debian 12 machine lacks: nvidia-pytriton ships
+    libb64 under a hashed name, the ``nvidia-cuda-runtime-cu12`` wheel ships libcudart.
+    The wrapper puts a correctly named link and libcudart's folder on LD_LIBRARY_PATH.
+    ``make perf`` runs it, and the genai-perf venv links its ``perf_analyzer`` to it.
+    """
+    import importlib.util
+    import shlex
+
+    binary = Path(sys.prefix) / "bin" / "perf_analyzer"
+    if not binary.exists():
+        raise SystemExit(f"{binary} is missing: tritonclient[all] ships it; run `make setup`")
+    libb64 = sorted(pytriton_libs_dir().glob("libb64*.so*"))
+    if not libb64:
+        raise SystemExit(f"no libb64 in {pytriton_libs_dir()}")
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("nvidia-cuda-runtime-cu12 is not installed in this venv: run `make setup`")
+    cudart_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+    lib_dir = triton_dir / "perf_analyzer_libs"
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    link = lib_dir / "libb64.so.0d"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(libb64[0])
+
+    wrapper = triton_dir / "bin" / "perf_analyzer"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    lib_path = f"{lib_dir}:{cudart_dir}"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "# perf_analyzer 2.51 from the project venv, with the libraries it needs (tools/setup_triton.py).\n"
+        f'LD_LIBRARY_PATH={shlex.quote(lib_path)}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" '
+        f'exec {shlex.quote(str(binary))} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def _same_file(src: Path, dst: Path) -> bool:
@@ -103,6 +147,8 @@ def setup_triton(triton_dir: Path = DEFAULT_TRITON_DIR, backend_dir: Path = REPO
             shutil.rmtree(link)
         link.symlink_to(target, target_is_directory=True)
         copied += 1
+
+    setup_perf_analyzer(triton_dir)
 
     (triton_dir / STAMP_NAME).write_text(f"python {version}\nfrom {server}\n")
     state = f"updated {copied} item(s)" if copied else "already up to date"

@@ -13,6 +13,8 @@ interpreter and compare them with the references (and the references with naive 
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> (query, key)
     silu_and_mul(x) -> out
     build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
+    linear(x, weight, bias=None, packed=None) -> out; pack_linear_weight(weight) -> packed | None
+        (CPU only: weights in the GEMM library's own layout; see linear.py)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .activation import silu_and_mul_reference, silu_and_mul_triton
+from .linear import PackedWeight, linear, pack_linear_weight
 from .kv_store import store_kv_reference, store_kv_triton
 from .paged_attention import paged_attention_reference, paged_attention_triton
 from .rms_norm import rms_norm_reference, rms_norm_triton
@@ -27,7 +30,7 @@ from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embe
 
 __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-    "build_cos_sin_cache",
+    "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight",
     "store_kv_reference", "store_kv_triton",
     "paged_attention_reference", "paged_attention_triton",
     "rms_norm_reference", "rms_norm_triton",

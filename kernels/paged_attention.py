@@ -148,10 +148,13 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Entries past a sequence's last block are arbitrary: clamp them to some real block
     # (what it holds is masked out below).
     tables = block_tables[:, :num_blocks].clamp(0, k_cache.shape[0] - 1)
-    q = q.float()
+    # q.k runs in the cache's dtype (bfloat16 there is what HF's eager attention does, and
+    # spares a float copy of K); scores and softmax are float32.
+    q = q.to(k_cache.dtype)
 
     # scores[b, j, g, l] = q[b, j * group + g] . k[b, l, j]
-    scores = q.new_empty(batch, num_kv_heads, group, padded)
+    scores = torch.empty(batch, num_kv_heads, group, padded, dtype=torch.float32, device=q.device)
+    same_dtype = k_cache.dtype == torch.float32
     block_diagonal = num_kv_heads <= 4
     if block_diagonal:
         # One batched matmul against the gathered rows [L, Hkv * D]: the query of head
@@ -168,41 +171,50 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         c1 = min(batch, c0 + step)
         idx = tables[c0:c1].reshape(-1)
         k = torch.index_select(k_cache, 0, idx, out=buf[:idx.numel()])
-        if k.dtype != torch.float32:
-            k = k.float()
         if block_diagonal:
-            torch.bmm(qbd[c0:c1], k.view(c1 - c0, padded, num_kv_heads * head_dim).transpose(1, 2),
-                      out=scores[c0:c1].view(c1 - c0, num_q_heads, padded))
+            kt = k.view(c1 - c0, padded, num_kv_heads * head_dim).transpose(1, 2)
+            target = scores[c0:c1].view(c1 - c0, num_q_heads, padded)
+            if same_dtype:
+                torch.bmm(qbd[c0:c1], kt, out=target)
+            else:
+                target.copy_(torch.bmm(qbd[c0:c1], kt))
         else:
             kv = k.view(c1 - c0, padded, num_kv_heads, head_dim)
             for j in range(num_kv_heads):
-                torch.bmm(qg[c0:c1, j], kv[:, :, j].transpose(1, 2), out=scores[c0:c1, j])
+                part = torch.bmm(qg[c0:c1, j], kv[:, :, j].transpose(1, 2))
+                scores[c0:c1, j].copy_(part)
     scores.mul_(scale)
     pad = torch.arange(padded, device=q.device)[None, :] >= ctx[:, None]   # [B, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)                                  # [B, Hkv, G, L]
 
+    # Padded positions read position 0's row of their own sequence (written, finite) and
+    # carry probability exactly 0, so V needs no masking.
+    slot = ((tables.to(torch.int64) * block_size)[:, :, None]
+            + torch.arange(block_size, device=q.device)).view(batch, padded)
+    slot = torch.where(pad, slot[:, :1], slot)
     if v_cache.dtype == torch.float32 and v_cache.is_contiguous():
         # out[b, h] = sum_l probs[b, h, l] * V[slot(b, l), h // group]: a weighted bag of
-        # cache rows, read in place. Padded positions point at position 0's row (written,
-        # finite) and carry probability exactly 0.
-        slot = ((tables.to(torch.int64) * block_size)[:, :, None]
-                + torch.arange(block_size, device=q.device)).view(batch, padded)
-        slot = torch.where(pad, slot[:, :1], slot)
+        # cache rows, read in place.
         head_of = torch.arange(num_q_heads, device=q.device) // group
         rows = (slot * num_kv_heads)[:, None, :] + head_of[None, :, None]  # [B, Hq, L]
         offsets = torch.arange(0, batch * num_q_heads * padded, padded, device=q.device)
         o = F.embedding_bag(rows.view(-1), v_cache.view(-1, head_dim), offsets, mode="sum",
                             per_sample_weights=probs.reshape(-1))
         return o.view(batch, num_q_heads, head_dim)
-    v = v_cache.index_select(0, tables.reshape(-1)).view(batch, padded, num_kv_heads, head_dim)
-    if v.dtype != torch.float32:
-        v = v.float()
-    v.masked_fill_(pad[:, :, None, None], 0.0)   # 0 * (garbage that may be inf/nan) must be 0
-    o = q.new_empty(batch, num_kv_heads, group, head_dim)
-    for j in range(num_kv_heads):
-        torch.bmm(probs[:, j], v[:, :, j], out=o[:, j])
-    return o.view(batch, num_q_heads, head_dim)
+    # Reduced precision: probabilities rounded to the cache dtype (as HF's eager attention
+    # rounds them) times V rows gathered by slot, float32 accumulation inside the matmul.
+    v = v_cache.reshape(-1, num_kv_heads * head_dim).index_select(0, slot.view(-1))
+    v = v.view(batch, padded, num_kv_heads * head_dim)
+    p = probs.to(v.dtype)
+    if block_diagonal:
+        # Every query head against every KV head's slice in one matmul (Hkv times the tiny
+        # flops, V read once and contiguously), then keep each head's own slice.
+        full = torch.bmm(p.view(batch, num_q_heads, padded), v)            # [B, Hq, Hkv * D]
+        o = full.view(batch, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)
+        return o.permute(0, 3, 1, 2).reshape(batch, num_q_heads, head_dim).float()
+    vt = v.view(batch, padded, num_kv_heads, head_dim).transpose(1, 2)    # [B, Hkv, L, D]
+    return torch.matmul(p, vt).reshape(batch, num_q_heads, head_dim).float()
 
 
 # ---------------------------------------------------------------------------------------

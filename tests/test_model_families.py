@@ -172,7 +172,7 @@ def test_rope_scaling_is_applied(ckpt_root, tmp_path, case, rope_type, theta):
 
 
 def _state(path: str, dtype=torch.float32):
-    model, _ = load_model(path, dtype, torch.device("cpu"), 64)
+    model, _ = load_model(path, dtype, torch.device("cpu"), 64, pack_weights=False)
     return {k: v for k, v in model.state_dict().items()}
 
 

@@ -53,6 +53,21 @@ class AttentionMetadata:
     max_seqlen_k: int
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be packed once for the CPU's GEMM library (kernels.linear)."""
+
+    packed: kernels.PackedWeight | None = None
+
+    def pack(self) -> None:
+        self.packed = kernels.pack_linear_weight(self.weight)
+        if self.packed is not None:
+            # The packed copy is the weight from now on; keep only its shape and dtype.
+            self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias, self.packed)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -72,8 +87,8 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -102,8 +117,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -138,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # The tied embedding packed as an output projection (the embedding keeps its own).
+        self.tied_lm_head_packed: kernels.PackedWeight | None = None
         self.register_buffer(
             "cos_sin_cache",
             kernels.build_cos_sin_cache(
@@ -148,9 +165,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.requires_grad_(False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def pack_weights(self) -> None:
+        """Pack every projection for the CPU's GEMM library (a no-op on CUDA); call once,
+        after the weights are loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every scheduled token, after the final norm."""
@@ -162,4 +184,6 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return kernels.linear(hidden, self.embed_tokens.weight, None, self.tied_lm_head_packed).float()

@@ -240,8 +240,12 @@ def _listing(names: list[str], limit: int = 10) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int) -> tuple[LlamaForCausalLM, object]:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
+               pack_weights: bool = True) -> tuple[LlamaForCausalLM, object]:
     """Build the model for `model_path` with weights in `dtype` on `device`.
+
+    With `pack_weights` (the serving default) the projections are packed for the CPU's GEMM
+    library and their `weight` parameters keep only shapes: inspect weights with False.
 
     Each tensor is read once, checked, converted and moved to the device; a fused
     parameter is assembled as soon as its last part arrives, so peak memory stays near
@@ -317,4 +321,6 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
         arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
     ).to(device)
     model.eval()
+    if pack_weights:
+        model.pack_weights()
     return model, hf_config

@@ -1,0 +1,58 @@
+"""kernels.linear: prepacked CPU weights give F.linear's results, for every shape the
+model feeds them, and packing is skipped where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from backend.models.llama import Linear
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 80, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 80, generator=gen).to(dtype)
+    packed = kernels.pack_linear_weight(weight)
+    assert packed is not None, "this CPU build of torch packs float32 (MKL) and bfloat16 (oneDNN)"
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    got = kernels.linear(x, weight, b, packed)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_takes_batched_and_strided_inputs(dtype):
+    weight = torch.randn(48, 32).to(dtype)
+    packed = kernels.pack_linear_weight(weight)
+    x3 = torch.randn(2, 5, 32).to(dtype)
+    torch.testing.assert_close(kernels.linear(x3, weight, None, packed).float(),
+                               F.linear(x3.float(), weight.float()), **TOLERANCE[dtype])
+    strided = torch.randn(7, 64).to(dtype)[:, ::2]  # a column slice, as split() makes
+    torch.testing.assert_close(kernels.linear(strided, weight, None, packed).float(),
+                               F.linear(strided.float(), weight.float()), **TOLERANCE[dtype])
+
+
+def test_packing_is_skipped_where_it_does_not_apply():
+    assert kernels.pack_linear_weight(torch.randn(8, 4).half()) is None
+    assert kernels.pack_linear_weight(torch.randn(8, 4, 2)) is None
+    x, weight = torch.randn(3, 4).half(), torch.randn(8, 4).half()
+    torch.testing.assert_close(kernels.linear(x, weight), F.linear(x, weight))
+
+
+def test_packed_module_drops_its_row_major_copy():
+    layer = Linear(64, 32, bias=True)
+    x = torch.randn(5, 64)
+    expected = layer(x)
+    layer.pack()
+    assert layer.packed is not None
+    assert layer.weight.shape == (32, 64) and layer.weight.stride() == (0, 0)  # shape only, no data
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)

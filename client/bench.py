@@ -3,14 +3,24 @@
 Runs a seeded workload (client/workloads.py) against several systems in one process and
 one run, so ratios between them hold on a noisy shared machine: this engine with the
 continuous policy, the same engine with the static policy (the seeds' baseline), other
-engine settings (priority, prefix caching off), and Hugging Face `generate()` in static
-padded batches. Prints a table and writes JSON with the command, commit, machine and
-every metric of BENCHMARKS.md.
+engine settings (priority, prefix caching off), Hugging Face `generate()` in static
+padded batches, and running servers (`--target`, client/bench_targets.py: Triton gRPC or
+HTTP streaming, any OpenAI-compatible server). Prints a table and writes JSON with the
+command, commit, machine and every metric of BENCHMARKS.md.
+
+Load: open loop by default (each request is sent at its workload arrival time, whatever
+the others do); `--rates 0.5,1,2,4` runs the workload once per rate and system (a
+latency-throughput curve, `--plot`); `--concurrency N` is closed loop instead (N requests
+in flight, a new one as soon as one ends).
+
+    python -m client.bench W3 --rates 0.5,1,2 --systems continuous --target grpc://127.0.0.1:8001 \
+        --json bench/results/w3.json --plot
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -19,11 +29,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from client.workloads import WORKLOADS, BenchRequest, Workload
+from client.workloads import BUILTIN_PROMPTS, WORKLOADS, BenchRequest, TextPrompts, Workload, attach_text
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO_ROOT, ".models", "SmolLM2-135M-Instruct")
@@ -41,6 +52,7 @@ ENGINE_SYSTEMS = {
 DEFAULT_SYSTEMS = {
     "W1": ["continuous", "static"],
     "W2": ["continuous", "static"],
+    "W3": ["continuous"],
     "W4": ["prefix-cache", "no-prefix-cache"],
     "W5": ["priority", "fcfs"],
     "W6": ["continuous"],
@@ -52,17 +64,30 @@ RATIOS = {
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
 }
+# Every workload: what serving through Triton (or a frontend) costs against the engine in-process.
+SERVER_RATIOS = [("triton-grpc", "continuous"), ("triton-http", "continuous"), ("openai", "continuous")]
+# Goodput's service-level objective (BENCHMARKS.md, on CPU).
+DEFAULT_SLO = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
 
 
 @dataclass
 class RequestRecord:
+    """One request as its client saw it (times from time.perf_counter()).
+
+    `token_times` holds one time per output piece: per token in-process, per response
+    (text chunk) from a server, whose chunks may carry several tokens; TPOT therefore
+    divides by `num_output_tokens`, not by the number of pieces.
+    """
+
     arrival: float
     token_times: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     expected_output_tokens: int = 0
     queue_time: float | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # None: not completed
     label: str = ""
+    end_time: float | None = None  # the final response; None: the last piece's time
+    error: str | None = None
 
 
 @dataclass
@@ -71,12 +96,15 @@ class SystemRun:
     records: list[RequestRecord]
     duration_s: float
     engine_kpis: dict = field(default_factory=dict)
+    concurrency: int | None = None  # closed loop with this many in flight; None: open loop
 
 
 # ---- systems --------------------------------------------------------------------------
 
 
-def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True) -> SystemRun:
+def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
+               concurrency: int | None = None) -> SystemRun:
+    """The workload through this engine in-process, open loop, or closed loop with `concurrency`."""
     import torch
 
     from backend.config import EngineConfig
@@ -96,9 +124,16 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
     start = time.perf_counter()
     bar = tqdm(total=len(requests), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
     seeded = 0
+    in_flight = 0
+
+    def due(now: float) -> bool:
+        if concurrency:
+            return in_flight < concurrency
+        return requests[next_index][1].arrival_s <= now
+
     while next_index < len(requests) or engine.has_unfinished():
         now = time.perf_counter() - start
-        while next_index < len(requests) and requests[next_index][1].arrival_s <= now:
+        while next_index < len(requests) and due(now):
             index, spec = requests[next_index]
             seeded += 1
             params = SamplingParams(
@@ -108,6 +143,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             engine.add_request(str(index), spec.prompt_token_ids, params)
             records[index].arrival = time.perf_counter()
             next_index += 1
+            in_flight += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(0.01, requests[next_index][1].arrival_s - now)))
             continue
@@ -119,7 +155,11 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
                 record.token_times.extend([now_abs] * len(out.token_ids_delta))
             record.num_output_tokens = out.num_output_tokens
             if out.finished:
+                in_flight -= 1
                 record.finish_reason = out.finish_reason
+                if out.error is not None:
+                    record.error = str(out.error)
+                    record.finish_reason = None
                 if out.first_scheduled_time is not None:
                     record.queue_time = out.first_scheduled_time - out.arrival_time
                 bar.update(1)
@@ -140,7 +180,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         "torch_threads": torch.get_num_threads(),
     }
     del engine
-    return SystemRun(system, records, duration, kpis)
+    return SystemRun(system, records, duration, kpis, concurrency=concurrency)
 
 
 def _warm_up(engine) -> None:
@@ -213,25 +253,57 @@ def _stats_ms(values: list[float]) -> dict:
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(run: SystemRun, workload: Workload) -> dict:
+def _ttft(r: RequestRecord) -> float:
+    return r.token_times[0] - r.arrival
+
+
+def _e2el(r: RequestRecord) -> float:
+    return (r.end_time if r.end_time is not None else r.token_times[-1]) - r.arrival
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    """(E2EL - TTFT) / (n - 1), as vLLM and genai-perf define it; None for a single token."""
+    if r.num_output_tokens < 2:
+        return None
+    return (_e2el(r) - _ttft(r)) / (r.num_output_tokens - 1)
+
+
+def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> dict:
+    """Every metric of BENCHMARKS.md for one run; goodput against `slo` (DEFAULT_SLO's keys, in ms).
+
+    A request meets the SLO when it completed with TTFT <= slo ttft_ms and TPOT <= slo
+    tpot_ms (a one-token request has no TPOT and meets that half).
+    """
+    slo = {**DEFAULT_SLO, **(slo or {})}
     records = run.records
     completed = [r for r in records if r.finish_reason is not None]
+    streamed = [r for r in completed if r.token_times]
     output_tokens = sum(r.num_output_tokens for r in completed)
     prompt_tokens = sum(len(workload.requests[i].prompt_token_ids) for i, r in enumerate(records) if r.finish_reason)
-    ttft = [r.token_times[0] - r.arrival for r in completed if r.token_times]
-    e2el = [r.token_times[-1] - r.arrival for r in completed if r.token_times]
-    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in completed if len(r.token_times) > 1]
+    ttft = [_ttft(r) for r in streamed]
+    e2el = [_e2el(r) for r in streamed]
+    tpot = [t for t in map(_tpot, streamed) if t is not None]
     itl = [b - a for r in completed for a, b in zip(r.token_times, r.token_times[1:])]
+    good = [r for r in streamed if _ttft(r) * 1e3 <= slo["ttft_ms"]
+            and (_tpot(r) is None or _tpot(r) * 1e3 <= slo["tpot_ms"])]
+    errors = [r.error for r in records if r.error]
     result = {
         "system": run.system,
+        # Load: the workload's arrival rate (0 = all at once) unless closed loop.
+        "rate_per_s": None if run.concurrency else workload.params.get("rate_per_s"),
+        "concurrency": run.concurrency,
         "num_requests": len(records),
         "num_completed": len(completed),
+        "num_failed": len(errors),
         "all_token_counts_right": all(r.num_output_tokens == r.expected_output_tokens for r in records),
         "duration_s": run.duration_s,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / run.duration_s,
         "total_tokens_per_s": (output_tokens + prompt_tokens) / run.duration_s,
         "requests_per_s": len(completed) / run.duration_s,
+        "goodput_requests_per_s": len(good) / run.duration_s,
+        "slo": slo,
+        "slo_met": len(good),
         "ttft_ms": _stats_ms(ttft),
         "tpot_ms": _stats_ms(tpot),
         "itl_ms": _stats_ms(itl),
@@ -240,6 +312,8 @@ def summarize(run: SystemRun, workload: Workload) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **run.engine_kpis,
     }
+    if errors:
+        result["errors"] = sorted(set(errors))[:5]
     if "preemptions" in result:
         result["preemptions_per_1000_requests"] = 1000 * result["preemptions"] / max(1, len(records))
     labels = sorted({r.label for r in records if r.label})
@@ -277,19 +351,37 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _rate_label(rate: float | None) -> str:
+    return "inf" if rate == 0 else f"{rate:g}/s"
+
+
+def load_label(result: dict) -> str:
+    """The load a result ran under: 'c=N' closed loop, a rate ('inf' = all at once), or ''."""
+    if result.get("concurrency"):
+        return f"c={result['concurrency']}"
+    return "" if result.get("rate_per_s") is None else _rate_label(result["rate_per_s"])
+
+
 def ratios(workload: str, results: list[dict]) -> dict:
-    by_name = {r["system"]: r for r in results}
+    """Each pair's ratios, per load when the report holds several (keys 'a/b @ 2/s')."""
+    loads: dict[str, list[dict]] = {}
+    for r in results:
+        loads.setdefault(load_label(r), []).append(r)
     out = {}
-    for a, b in RATIOS.get(workload, []):
-        if a in by_name and b in by_name:
+    for load, group in loads.items():
+        suffix = f" @ {load}" if len(loads) > 1 else ""
+        by_name = {r["system"]: r for r in group}
+        for a, b in RATIOS.get(workload, []) + SERVER_RATIOS:
+            if a not in by_name or b not in by_name:
+                continue
             ra, rb = by_name[a], by_name[b]
-            out[f"{a}/{b}"] = {
+            entry = out[f"{a}/{b}{suffix}"] = {
                 "output_tokens_per_s": _ratio(ra["output_tokens_per_s"], rb["output_tokens_per_s"]),
                 "ttft_mean": _ratio(ra["ttft_ms"]["mean"] or 0, rb["ttft_ms"]["mean"] or 0),
                 "ttft_p99": _ratio(ra["ttft_ms"]["p99"] or 0, rb["ttft_ms"]["p99"] or 0),
             }
             if "by_class" in ra and "by_class" in rb:
-                out[f"{a}/{b}"]["ttft_p99_by_class"] = {
+                entry["ttft_p99_by_class"] = {
                     label: _ratio(ra["by_class"][label]["ttft_ms"]["p99"] or 0, rb["by_class"][label]["ttft_ms"]["p99"] or 0)
                     for label in ra["by_class"]
                 }
@@ -297,14 +389,17 @@ def ratios(workload: str, results: list[dict]) -> dict:
 
 
 def print_table(report: dict) -> None:
-    columns = ["system", "done", "out tok/s", "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit"]
+    with_load = any(load_label(r) for r in report["results"])
+    columns = ["system", *(["load"] if with_load else []), "done", "out tok/s", "goodput", "TTFT mean", "TTFT p99",
+               "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit"]
     rows = []
     for r in report["results"]:
         def fmt(value, spec=".1f"):
             return "-" if value is None else format(value, spec)
 
         rows.append([
-            r["system"], f"{r['num_completed']}/{r['num_requests']}", fmt(r["output_tokens_per_s"]),
+            r["system"], *([load_label(r)] if with_load else []), f"{r['num_completed']}/{r['num_requests']}",
+            fmt(r["output_tokens_per_s"]), fmt(r.get("goodput_requests_per_s"), ".2f"),
             fmt(r["ttft_ms"]["mean"], ".0f"), fmt(r["ttft_ms"]["p99"], ".0f"),
             fmt(r["tpot_ms"]["mean"], ".1f"), fmt(r["tpot_ms"]["p99"], ".1f"),
             fmt(r.get("slot_occupancy"), ".2f"), str(r.get("preemptions", "-")), fmt(r.get("prefix_hit_rate"), ".2f"),
@@ -316,55 +411,192 @@ def print_table(report: dict) -> None:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     for name, ratio in report["ratios"].items():
         print(f"ratio {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items() if isinstance(v, float)))
-    print("(TTFT/TPOT in ms)")
+    slo = report.get("slo", DEFAULT_SLO)
+    print(f"(TTFT/TPOT in ms; goodput: requests/s with TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms)")
+    for r in report["results"]:
+        for error in r.get("errors", []):
+            print(f"{r['system']} {load_label(r)}: error: {error}")
+
+
+# ---- systems by name --------------------------------------------------------------------
+
+
+@dataclass
+class RunContext:
+    """What every system runner gets besides the workload."""
+
+    model: str  # checkpoint folder
+    engine_parameters: dict  # --engine values, for engine systems
+    concurrency: int | None = None  # closed loop; None: open loop (arrival times)
+    progress: bool = True
+
+
+SystemRunner = Callable[[Workload, RunContext], SystemRun]
+
+
+def _engine_runner(name: str) -> SystemRunner:
+    def run(workload: Workload, ctx: RunContext) -> SystemRun:
+        return run_engine(workload, ctx.model, {**ctx.engine_parameters, **ENGINE_SYSTEMS[name]}, name,
+                          ctx.progress, ctx.concurrency)
+    return run
+
+
+def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    if ctx.concurrency:
+        raise ValueError("hf-static runs whole static batches; --concurrency applies to the engine systems and targets")
+    return run_hf_static(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32), ctx.progress)
+
+
+# System name -> runner(workload, ctx) -> SystemRun. A new system is one entry here (its
+# records as RequestRecord, one per workload request); --target adds server systems.
+SYSTEMS: dict[str, SystemRunner] = {
+    **{name: _engine_runner(name) for name in ENGINE_SYSTEMS},
+    "hf-static": _hf_static_runner,
+}
+
+
+def _target_runner(target, request_timeout_s: float) -> SystemRunner:
+    from client.bench_targets import run_target
+
+    def run(workload: Workload, ctx: RunContext) -> SystemRun:
+        return run_target(target, workload, ctx.concurrency, ctx.progress, request_timeout_s)
+    return run
+
+
+def _parse_rates(text: str) -> list[float]:
+    rates = []
+    for item in text.split(","):
+        rate = 0.0 if item.strip().lower() == "inf" else float(item)
+        if rate < 0:
+            raise ValueError(f"rate {item!r} is negative")
+        rates.append(rate)
+    return rates
+
+
+def _load_tokenizer(model: str):
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=sorted(WORKLOADS))
-    parser.add_argument("--systems", help="comma-separated: " + ", ".join([*ENGINE_SYSTEMS, "hf-static"]))
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face checkpoint folder")
+    parser.add_argument("--systems", help="comma-separated: " + ", ".join(SYSTEMS)
+                        + " (default: the workload's; none when --target is given)")
+    parser.add_argument("--target", action="append", default=[], metavar="[NAME=]SCHEME://HOST:PORT",
+                        help="a running server, repeatable: grpc:// (Triton gRPC streaming, system triton-grpc), "
+                             "http:// (Triton generate_stream, triton-http), openai:// (/v1/completions, openai)")
+    parser.add_argument("--model-name", default="llm", help="the model name servers know (default %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face checkpoint folder (and the tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
-    parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W4, W5); 0 = all at once")
+    parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W3, W4, W5); 0 = all at once")
+    parser.add_argument("--rates", help="comma-separated rates (inf = all at once): one run per rate and system")
+    parser.add_argument("--concurrency", type=int, help="closed loop: keep N requests in flight, ignoring arrivals")
+    parser.add_argument("--input-len", type=int, help="prompt tokens (W3)")
+    parser.add_argument("--output-len", type=int, help="output tokens (W3, W4)")
+    parser.add_argument("--text", action="store_true", help="prompts from natural text (a built-in list)")
+    parser.add_argument("--text-prompts", metavar="FILE", help="prompts from natural text, one prompt per line")
+    parser.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO["ttft_ms"], help="goodput's TTFT bound")
+    parser.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO["tpot_ms"], help="goodput's TPOT bound")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one server request may take")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="engine parameter for every engine system (as in config.pbtxt), repeatable")
     parser.add_argument("--json", help="write the report here (e.g. bench/results/w1.json)")
+    parser.add_argument("--plot", action="store_true", help="draw the report (PNG; bench/<json stem>.png)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
+    make_workload = WORKLOADS[args.workload]
+    accepted = inspect.signature(make_workload).parameters
     kwargs = {"seed": args.seed}
-    if args.num_requests:
-        kwargs["num_requests"] = args.num_requests
-    if args.rate is not None:
-        kwargs["rate_per_s"] = args.rate
-    workload = WORKLOADS[args.workload](**kwargs)
+    for flag, key in (("num_requests", "num_requests"), ("rate", "rate_per_s"), ("input_len", "input_len"),
+                      ("output_len", "output_len")):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if key not in accepted:
+            parser.error(f"--{flag.replace('_', '-')} does not apply to {args.workload}")
+        kwargs[key] = value
+    rates: list[float | None] = [None]
+    if args.rates:
+        if "rate_per_s" not in accepted:
+            parser.error(f"{args.workload} has no arrival rate to sweep")
+        if args.rate is not None or args.concurrency:
+            parser.error("--rates sweeps the rate: leave out --rate and --concurrency")
+        try:
+            rates = _parse_rates(args.rates)
+        except ValueError as exc:
+            parser.error(f"--rates: {exc}")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    if args.text and args.text_prompts:
+        parser.error("--text and --text-prompts exclude each other")
+
     from backend.config import EngineConfig
+    from client.bench_targets import parse_target
+
+    try:
+        targets = [parse_target(spec, args.model_name) for spec in args.target]
+    except ValueError as exc:
+        parser.error(str(exc))
+    names = args.systems.split(",") if args.systems else ([] if targets else DEFAULT_SYSTEMS[args.workload])
+    for name in names:
+        if name not in SYSTEMS:
+            parser.error(f"unknown system {name!r}")
+    runners = [(name, SYSTEMS[name]) for name in names]
+    runners += [(t.name, _target_runner(t, args.request_timeout)) for t in targets]
+    if len({name for name, _ in runners}) != len(runners):
+        parser.error("two systems have one name: name targets apart, e.g. --target vllm=openai://HOST:PORT")
 
     engine_params = dict(item.split("=", 1) for item in args.engine)
     common = {}
     if engine_params:
         parsed = EngineConfig.from_parameters({**engine_params, "model_path": args.model}, REPO_ROOT)
         common = {k: getattr(parsed, k) for k in engine_params}
-    systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS[args.workload]
+    tokenizer = _load_tokenizer(args.model) if targets or args.text or args.text_prompts else None
+    source = None
+    if args.text_prompts:
+        source = TextPrompts.from_file(args.text_prompts, tokenizer)
+    elif args.text:
+        source = TextPrompts(BUILTIN_PROMPTS, tokenizer)
+    ctx = RunContext(args.model, common, args.concurrency, not args.no_progress)
+    slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
+
     results = []
-    for system in systems:
-        if system == "hf-static":
-            batch = workload.engine_overrides.get("max_num_seqs", 32)
-            run = run_hf_static(workload, args.model, batch, progress=not args.no_progress)
-        elif system in ENGINE_SYSTEMS:
-            run = run_engine(workload, args.model, {**common, **ENGINE_SYSTEMS[system]}, system, progress=not args.no_progress)
-        else:
-            parser.error(f"unknown system {system!r}")
-        results.append(summarize(run, workload))
+    workload = None
+    for rate in rates:
+        workload = make_workload(**kwargs, **({} if rate is None else {"rate_per_s": rate}), source=source)
+        if targets or source is not None:
+            # Text that encodes to exactly the prompt ids: servers get it, the engine the ids.
+            attach_text(workload, tokenizer, source, args.seed)
+        for name, runner in runners:
+            try:
+                run = runner(workload, ctx)
+            except (RuntimeError, ValueError) as exc:
+                print(f"error: {name}: {exc}", file=sys.stderr)
+                return 2
+            results.append(summarize(run, workload, slo))
+    summary = workload.summary()
+    if args.rates:
+        summary["rates_per_s"] = rates
+        summary.pop("rate_per_s", None)
+        summary["description"] += "; rates " + ", ".join(map(_rate_label, rates))
+    elif args.concurrency:
+        summary["description"] += f"; closed loop, {args.concurrency} in flight"
     report = {
         "command": "python -m client.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(REPO_ROOT) else args.model,
-        "workload": workload.summary(),
+        "workload": summary,
+        "concurrency": args.concurrency,  # None: open loop at the workload's arrival times
         "engine_parameters": common,
+        "targets": {t.name: t.url for t in targets},
+        "slo": slo,
         "results": results,
         "ratios": ratios(args.workload, results),
     }
@@ -374,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
+    if args.plot:
+        from client.bench_plot import plot_path, plot_report
+
+        path = plot_path(args.json, args.workload)
+        plot_report(report, path)
+        print(f"wrote {path}")
     return 0
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from client.bench import REPO_ROOT
+from client.bench import REPO_ROOT, load_label
 
 
 def _fmt(value, spec: str) -> str:
@@ -32,7 +32,7 @@ def table(paths: list[str]) -> str:
         rel = os.path.relpath(path, REPO_ROOT)
         for r in report["results"]:
             lines.append(
-                f"| {name} | {r['system']} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
+                f"| {name} | {r['system']}{' @ ' + load_label(r) if load_label(r) else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "

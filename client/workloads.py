@@ -1,8 +1,16 @@
-"""Seeded benchmark workloads of BENCHMARKS.md (W1, W2, W4, W5, W6), as plain request lists.
+"""Seeded benchmark workloads of BENCHMARKS.md (W1-W6), as plain request lists.
 
 A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset
-and priority. Synthetic token ids avoid the tokenizer's special tokens so no request
-stops early or changes meaning; EOS is ignored so output lengths are exactly as drawn.
+and priority. EOS is ignored so output lengths are exactly as drawn.
+
+Prompts come from a prompt source. The default, `SyntheticTokens`, draws random ids that
+avoid the tokenizer's special tokens, so no request stops early or changes meaning.
+`TextPrompts` cuts natural text (a file, one prompt per line, or `BUILTIN_PROMPTS`) to
+the lengths the workload draws, so the lengths, and thus the load, stay the workload's.
+
+Servers take text, not ids: `attach_text` gives every request a text that the
+checkpoint's tokenizer encodes to exactly its prompt ids, so a server and the in-process
+engine see the same prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ class BenchRequest:
     temperature: float = 0.0
     # Class label for per-class metrics (W5: "high" / "low").
     label: str = ""
+    # The prompt as text, for servers; set by attach_text.
+    prompt_text: str | None = None
 
 
 @dataclass
@@ -31,11 +41,13 @@ class Workload:
     # Engine settings the workload is defined with (BENCHMARKS.md), applied to every system.
     engine_overrides: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
+    prompt_source: str = "synthetic"
 
     def summary(self) -> dict:
         return {
             "name": self.name,
             "description": self.description,
+            "prompts": self.prompt_source,
             "num_requests": len(self.requests),
             "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
             "total_output_tokens": sum(r.max_tokens for r in self.requests),
@@ -52,76 +64,231 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(TOKEN_LOW, TOKEN_HIGH, size=n).tolist()
 
 
-def w1_variance(seed: int = 0, num_requests: int = 256, max_num_seqs: int = 32) -> Workload:
+class SyntheticTokens:
+    """Random ordinary token ids (the default; draws exactly as the workloads always did)."""
+
+    name = "synthetic"
+
+    def tokens(self, rng: np.random.Generator, n: int) -> list[int]:
+        return _tokens(rng, n)
+
+    def filler(self, rng: np.random.Generator, n: int) -> list[int]:
+        return _tokens(rng, n)
+
+
+# Natural prompts for text workloads when no file is given: varied topics and lengths.
+BUILTIN_PROMPTS = [
+    "What is the capital of France, and why did it become the capital?",
+    "Explain how a refrigerator keeps food cold, in simple terms.",
+    "Write a short poem about the sea at night.",
+    "Give me three tips for learning a new language as an adult.",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do vaccines train the immune system?",
+    "Describe a typical day in the life of a medieval farmer.",
+    "What are the main differences between a virus and a bacterium?",
+    "Write a friendly email inviting a colleague to lunch next week.",
+    "Why is the sky blue during the day and red at sunset?",
+    "List some healthy breakfast ideas that take less than ten minutes.",
+    "Explain what a black hole is to a ten-year-old.",
+    "What should I pack for a three-day hiking trip in the mountains?",
+    "How does compound interest work? Give an example with numbers.",
+    "Tell me a story about a robot who learns to paint.",
+    "What were the causes of the First World War?",
+    "Describe the water cycle and why it matters for agriculture.",
+    "How can I make my small garden attract more bees and butterflies?",
+    "Explain the rules of chess for someone who has never played.",
+    "What is photosynthesis, and which parts of a plant are involved?",
+    "Write a product description for a handmade wooden chair.",
+    "Why do cats purr, and what does it mean?",
+    "Give a short history of the printing press and its effects on Europe.",
+    "How do airplanes stay in the air?",
+    "What are good ways to stay focused while working from home?",
+    "Describe the taste of a ripe mango to someone who has never eaten one.",
+    "Explain the difference between weather and climate.",
+    "Write a dialogue between a teacher and a curious student about the moon.",
+    "What makes a good night's sleep, and how can I improve mine?",
+    "How did the ancient Romans build roads that lasted for centuries?",
+    "Suggest a simple recipe for vegetable soup.",
+    "Why do leaves change color in autumn?",
+]
+
+
+class TextPrompts:
+    """Natural text cut to the token counts a workload draws.
+
+    A request of n tokens is its prompts, in a seeded random order, each prompt in full,
+    separated by a blank line, until n tokens are there; the last one is cut. A random
+    order per request, rather than the file's order, keeps requests from sharing long
+    prefixes that prefix caching would reward (the workloads that want a shared prefix
+    build it themselves).
+    """
+
+    def __init__(self, prompts: list[str], tokenizer, name: str = "text:builtin"):
+        self.name = name
+        self.pieces = [tokenizer.encode(p.strip(), add_special_tokens=False) for p in prompts if p.strip()]
+        self.pieces = [p for p in self.pieces if p]
+        if not self.pieces:
+            raise ValueError(f"{name}: no prompt text")
+        self.separator = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    @classmethod
+    def from_file(cls, path: str, tokenizer) -> "TextPrompts":
+        with open(path, encoding="utf-8") as f:
+            return cls(f.read().splitlines(), tokenizer, name=f"text:{path}")
+
+    def tokens(self, rng: np.random.Generator, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            for i in rng.permutation(len(self.pieces)):
+                if out:
+                    out += self.separator
+                out += self.pieces[i]
+                if len(out) >= n:
+                    break
+        return out[:n]
+
+    def filler(self, rng: np.random.Generator, n: int) -> list[int]:
+        return self.tokens(rng, n)
+
+
+PromptSource = SyntheticTokens | TextPrompts
+
+
+def w1_variance(seed: int = 0, num_requests: int = 256, max_num_seqs: int = 32,
+                source: PromptSource | None = None) -> Workload:
     """The seeds' thesis: varied output lengths waste static batches."""
     rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
     requests = []
     for _ in range(num_requests):
         out = int(min(512, max(1, round(rng.exponential(64)))))
-        requests.append(BenchRequest(_tokens(rng, int(rng.integers(32, 129))), out))
+        requests.append(BenchRequest(source.tokens(rng, int(rng.integers(32, 129))), out))
     return Workload(
         "W1", f"{num_requests} requests at once, prompt 32-128, output capped-exponential mean 64 cap 512, EOS ignored",
         requests, {"max_num_seqs": max_num_seqs}, {"seed": seed, "max_num_seqs": max_num_seqs},
+        prompt_source=source.name,
     )
 
 
-def w2_offline(seed: int = 0, num_requests: int = 128, low: int = 16, high: int = 256, max_num_seqs: int = 32) -> Workload:
+def w2_offline(seed: int = 0, num_requests: int = 128, low: int = 16, high: int = 256, max_num_seqs: int = 32,
+               source: PromptSource | None = None) -> Workload:
     rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
     requests = [
-        BenchRequest(_tokens(rng, int(rng.integers(low, high + 1))), int(rng.integers(low, high + 1)), temperature=0.6)
+        BenchRequest(source.tokens(rng, int(rng.integers(low, high + 1))), int(rng.integers(low, high + 1)), temperature=0.6)
         for _ in range(num_requests)
     ]
     return Workload(
         "W2", f"{num_requests} requests, input and output uniform [{low}, {high}], temperature 0.6, EOS ignored",
         requests, {"max_num_seqs": max_num_seqs}, {"seed": seed, "max_num_seqs": max_num_seqs},
+        prompt_source=source.name,
+    )
+
+
+def w3_online(seed: int = 0, num_requests: int = 64, input_len: int = 128, output_len: int = 128,
+              rate_per_s: float = 1.0, source: PromptSource | None = None) -> Workload:
+    """Poisson arrivals at `rate_per_s`, fixed input and output lengths (BENCHMARKS.md: 128 / 128).
+
+    The arrival gaps are one seeded draw of unit-rate gaps divided by the rate, drawn apart
+    from the prompts: every rate of a sweep sends the same prompts in the same pattern,
+    only compressed or stretched in time, so the points of a latency-throughput curve
+    differ in load alone. Rate 0 (or inf on the command line) sends all at once.
+    """
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    prompts = [source.tokens(rng, input_len) for _ in range(num_requests)]
+    gaps = np.random.default_rng([seed, 3]).exponential(1.0, size=num_requests)
+    arrivals = np.cumsum(gaps) / rate_per_s if rate_per_s > 0 else np.zeros(num_requests)
+    requests = [BenchRequest(p, output_len, arrival_s=float(t)) for p, t in zip(prompts, arrivals)]
+    return Workload(
+        "W3", f"{num_requests} requests, Poisson arrivals, {input_len} in / {output_len} out, EOS ignored",
+        requests, {}, {"seed": seed, "input_len": input_len, "output_len": output_len, "rate_per_s": rate_per_s},
+        prompt_source=source.name,
     )
 
 
 def w4_shared_prefix(seed: int = 0, num_requests: int = 64, prefix_len: int = 256, tail_len: int = 32,
-                     output_len: int = 16, rate_per_s: float = 0.0) -> Workload:
+                     output_len: int = 16, rate_per_s: float = 0.0, source: PromptSource | None = None) -> Workload:
     """A shared system prompt: with prefix caching it is computed once."""
     rng = np.random.default_rng(seed)
-    prefix = _tokens(rng, prefix_len)
+    source = source or SyntheticTokens()
+    prefix = source.tokens(rng, prefix_len)
     arrivals = _poisson_arrivals(rng, num_requests, rate_per_s)
-    requests = [BenchRequest(prefix + _tokens(rng, tail_len), output_len, arrival_s=t) for t in arrivals]
+    requests = [BenchRequest(prefix + source.tokens(rng, tail_len), output_len, arrival_s=t) for t in arrivals]
     return Workload(
         "W4", f"{num_requests} requests sharing one {prefix_len}-token prefix with distinct {tail_len}-token tails",
         requests, {}, {"seed": seed, "prefix_len": prefix_len, "tail_len": tail_len, "output_len": output_len,
                        "rate_per_s": rate_per_s},
+        prompt_source=source.name,
     )
 
 
 def w5_priority(seed: int = 0, num_requests: int = 200, high_fraction: float = 0.1, rate_per_s: float = 20.0,
-                max_num_seqs: int = 16) -> Workload:
+                max_num_seqs: int = 16, source: PromptSource | None = None) -> Workload:
     """A saturating stream of long low-priority requests with a few short high-priority ones."""
     rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
     arrivals = _poisson_arrivals(rng, num_requests, rate_per_s)
     requests = []
     for t in arrivals:
         if rng.random() < high_fraction:
-            requests.append(BenchRequest(_tokens(rng, 32), 16, arrival_s=t, priority=0, label="high"))
+            requests.append(BenchRequest(source.tokens(rng, 32), 16, arrival_s=t, priority=0, label="high"))
         else:
-            requests.append(BenchRequest(_tokens(rng, 128), 128, arrival_s=t, priority=1, label="low"))
+            requests.append(BenchRequest(source.tokens(rng, 128), 128, arrival_s=t, priority=1, label="low"))
     return Workload(
         "W5", f"Poisson {rate_per_s}/s: {1 - high_fraction:.0%} long low-priority (128/128), "
         f"{high_fraction:.0%} short high-priority (32/16)",
         requests, {"max_num_seqs": max_num_seqs},
         {"seed": seed, "high_fraction": high_fraction, "rate_per_s": rate_per_s, "max_num_seqs": max_num_seqs},
+        prompt_source=source.name,
     )
 
 
 def w6_overload(seed: int = 0, num_requests: int = 1000, pool_for: int = 50, prompt_len: int = 32,
-                output_len: int = 32, block_size: int = 16) -> Workload:
+                output_len: int = 32, block_size: int = 16, source: PromptSource | None = None) -> Workload:
     """Far more concurrent requests than the KV pool holds: all must complete."""
     rng = np.random.default_rng(seed)
-    requests = [BenchRequest(_tokens(rng, prompt_len), output_len) for _ in range(num_requests)]
+    source = source or SyntheticTokens()
+    requests = [BenchRequest(source.tokens(rng, prompt_len), output_len) for _ in range(num_requests)]
     blocks_per_request = -(-(prompt_len + output_len) // block_size)
     return Workload(
         "W6", f"{num_requests} concurrent requests ({prompt_len}/{output_len}) on a KV pool for ~{pool_for}",
         requests,
         {"num_kv_blocks": pool_for * blocks_per_request, "max_num_seqs": 256, "max_queue_len": num_requests + 1},
         {"seed": seed, "pool_for": pool_for},
+        prompt_source=source.name,
     )
+
+
+def attach_text(workload: Workload, tokenizer, source: PromptSource | None = None, seed: int = 0) -> Workload:
+    """Give every request a `prompt_text` that `tokenizer.encode` turns into exactly its ids.
+
+    Decoded ids rarely re-encode to the same ids (neighbours merge into one token, a
+    random id decodes to text that splits in two), so the text is re-encoded, cut or
+    topped up from `source` (the one the workload was built from), and decoded again
+    until its length holds; then the request's ids become that encoding, so the
+    in-process engine and a server (which tokenizes the text) get the same tokens.
+    Requests already holding text are left alone. Returns the workload, changed in place.
+    """
+    rng = np.random.default_rng([seed, 7])
+    source = source or SyntheticTokens()
+    for request in workload.requests:
+        if request.prompt_text is not None:
+            continue
+        target = len(request.prompt_token_ids)
+        ids = list(request.prompt_token_ids)
+        for _ in range(50):
+            # Special tokens are the tokenizer's to add (a BOS), not text to repeat.
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            encoded = tokenizer.encode(text)
+            if len(encoded) == target:
+                break
+            ids = encoded[:target] + source.filler(rng, max(0, target - len(encoded)))
+        else:
+            raise ValueError(f"no text encodes to {target} tokens (after 50 tries)")
+        request.prompt_text = text
+        request.prompt_token_ids = encoded
+    return workload
 
 
 def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> list[float]:
@@ -133,6 +300,7 @@ def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> li
 WORKLOADS = {
     "W1": w1_variance,
     "W2": w2_offline,
+    "W3": w3_online,
     "W4": w4_shared_prefix,
     "W5": w5_priority,
     "W6": w6_overload,

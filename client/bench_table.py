@@ -19,8 +19,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(paths: list[str]) -> str:
     lines = [
-        "| workload | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | file |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | FLOP bound | file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratios = []
     machines = set()
@@ -36,7 +36,8 @@ def table(paths: list[str]) -> str:
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "
-                f"{_fmt(r.get('prefix_hit_rate'), '.2f')} | [{os.path.basename(path)}]({rel}) |"
+                f"{_fmt(r.get('prefix_hit_rate'), '.2f')} | {_fmt(r.get('fraction_of_flop_bound'), '.1%')} | "
+                f"[{os.path.basename(path)}]({rel}) |"
             )
         for ratio_name, values in report.get("ratios", {}).items():
             parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]

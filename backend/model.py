@@ -46,18 +46,13 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.request import RETURN_FLAGS
+
 # Request-level switches (inputs of the model, BOOL[1]). When a client sends no
 # `sampling_parameters` input, they may also arrive among the request's parameters
 # (HTTP generate's "parameters": {...}), like Triton's vLLM backend accepts.
 STREAM = "stream"
 EXCLUDE_INPUT = "exclude_input_in_output"
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
 REQUEST_SWITCHES = (STREAM, EXCLUDE_INPUT) + RETURN_FLAGS
 
 INPUTS = [

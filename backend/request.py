@@ -14,6 +14,16 @@ from typing import Any, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The optional outputs of the Triton interface, each returned only when its BOOL input is
+# true (Triton's vLLM backend convention). Clients (tools/loadtest.py) import these names.
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+
 
 class RequestError(Exception):
     """An error that ends one request; `code` maps onto Triton's error codes."""

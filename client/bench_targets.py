@@ -84,15 +84,6 @@ def _scalar(value):
     return value[0] if isinstance(value, list) and value else value
 
 
-def _output(result, name: str):
-    """One element of a gRPC response's output, or None when the response lacks it."""
-    array = result.as_numpy(name)
-    if array is None or array.size == 0:
-        return None
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
 class _TritonGrpc:
     def __init__(self, target: Target, timeout_s: float):
         self.target = target
@@ -108,7 +99,7 @@ class _TritonGrpc:
         await self.client.close()
 
     async def send(self, request_id: str, prompt: str, sampling: dict, record: RequestRecord) -> None:
-        from client.generate import is_final, make_inputs
+        from client.generate import is_final, make_inputs, output_value
 
         inputs = make_inputs(prompt, sampling, stream=True, exclude_input=True, returns=TRITON_RETURNS)
 
@@ -125,13 +116,13 @@ class _TritonGrpc:
                 if error is not None:
                     record.error = error.message() or str(error)
                     return
-                tokens = int(_output(result, "num_output_tokens") or 0)
-                if _output(result, "text_output") or tokens:
+                tokens = int(output_value(result, "num_output_tokens") or 0)
+                if output_value(result, "text_output") or tokens:
                     record.token_times.append(now)
                     record.num_output_tokens += tokens
                 if is_final(result):
                     finished = True
-                    reason = _output(result, "finish_reason")
+                    reason = output_value(result, "finish_reason")
                     record.end_time = now
                     record.finish_reason = reason if reason not in (None, "", "None") else "unknown"
                     return

@@ -102,6 +102,16 @@ def is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+def output_value(result, name: str):
+    """The one element of a gRPC response's output `name` (str for BYTES), or None when the
+    response lacks it (optional outputs come only when a return_* input asks)."""
+    array = result.as_numpy(name)
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
 def text_of(result) -> str:
     array = result.as_numpy("text_output")
     if array is None or array.size == 0:

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from client.generate import output_value as output  # noqa: F401 - the tests import it from here
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # How long a test waits, after a request's final response, for anything (wrongly) sent after it.
 AFTER_FINAL_GRACE_S = 0.3
@@ -64,15 +66,6 @@ def inputs_for(prompt: str | bytes | None = "Hello", sampling: dict | str | None
 def is_final(result) -> bool:
     params = result.get_response().parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
-
-
-def output(result, name: str):
-    """The one element of an output of a response, or None when the response lacks it."""
-    array = result.as_numpy(name)
-    if array is None or array.size == 0:
-        return None
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 @dataclass

@@ -23,16 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from backend.request import RETURN_FLAGS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
 DEFAULT_TOKENIZER = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
 
 
 def genai_perf_command(

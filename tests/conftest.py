@@ -91,6 +91,18 @@ class TritonServer:
             return "(no log)"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of small tensors (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):
+    intra-op threads only add overhead there, ~10x of it on a busy 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory) -> TritonServer:
     from tools import serve

@@ -44,13 +44,7 @@ SHARED_PROMPTS = [SYSTEM + _random_prompt(_rng, n) for n in (1, 4, 11, 19, 26, 8
 MAX_TOKENS = [MAX_NEW - (i * 5) % 9 for i in range(len(PROMPTS) + len(SHARED_PROMPTS))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core box: a second thread only adds contention."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")

@@ -20,13 +20,7 @@ from kernels import (
 from kernels.testing import make_paged_batch, naive_paged_attention, naive_rms_norm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small tensors: OpenMP threads only add overhead (a lot of it when the machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # float32: same math as straightforward attention, only summation order differs.
 EXACT = dict(atol=3e-6, rtol=3e-6)

@@ -106,13 +106,7 @@ def hf_logits(path: str, ids: list[int], dtype=torch.float32) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core box they lose ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,13 @@ class StepStats:
     num_waiting: int = 0
     num_scheduled_tokens: int = 0
     num_preempted: int = 0
+    # Host time per phase: scheduling, input preparation (metadata and copies to the
+    # device), forward pass plus sampling, and the update after it (scheduler state,
+    # stop checks, detokenization, outputs).
     schedule_time_s: float = 0.0
+    prepare_time_s: float = 0.0
     forward_time_s: float = 0.0
+    update_time_s: float = 0.0
     kv_usage: float = 0.0
 
 
@@ -83,6 +88,9 @@ class EngineCounters:
     sum_running: int = 0
     sum_scheduled_tokens: int = 0
     sum_schedule_time_s: float = 0.0
+    sum_prepare_time_s: float = 0.0
+    sum_forward_time_s: float = 0.0
+    sum_update_time_s: float = 0.0
 
 
 class LLMEngine:
@@ -291,14 +299,16 @@ class LLMEngine:
             if self._fail_after_steps and self.counters.steps >= self._fail_after_steps:
                 self._fail_after_steps = 0
                 raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
-            logits, sample_requests = self.runner.execute(plan)
+            inputs = self.runner.prepare(plan)
+            prepared = time.perf_counter()
+            logits, sample_requests = self.runner.execute(plan, inputs)
             sampled = self.sampler(logits, sample_requests) if logits is not None else None
         except Exception as exc:  # noqa: BLE001 - every in-flight request must end, whatever broke
             log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
             outputs.extend(self._fail_scheduled(plan, exc))
             return outputs
-        stats.forward_time_s = time.perf_counter() - start
-        self._account_step(stats)
+        forwarded = time.perf_counter()
+        stats.prepare_time_s, stats.forward_time_s = prepared - start, forwarded - prepared
 
         tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
         self.scheduler.update(plan, tokens)
@@ -306,6 +316,8 @@ class LLMEngine:
         for row, request in enumerate(sample_requests):
             outputs.append(self._output_for(request, tokens[request], sampled, row))
         stats.kv_usage = self.kv.usage
+        stats.update_time_s = time.perf_counter() - forwarded
+        self._account_step(stats)
         return outputs
 
     def _account_step(self, stats: StepStats) -> None:
@@ -314,6 +326,9 @@ class LLMEngine:
         c.sum_running += stats.num_running
         c.sum_scheduled_tokens += stats.num_scheduled_tokens
         c.sum_schedule_time_s += stats.schedule_time_s
+        c.sum_prepare_time_s += stats.prepare_time_s
+        c.sum_forward_time_s += stats.forward_time_s
+        c.sum_update_time_s += stats.update_time_s
         self.last_step = stats
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:

@@ -76,23 +76,34 @@ class ModelRunner:
             for _ in range(arch.num_layers)
         ] if num_host_blocks else []
 
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         scheduled = plan.scheduled
+        if not scheduled:
+            return None
         bs = self.block_size
         requests = [r for r, _ in scheduled]
-        # One pass of Python attribute reads; everything after is numpy over the batch.
-        counts = np.array([(n, r.num_computed_tokens, r.num_tokens, len(r.block_ids)) for r, n in scheduled],
-                          dtype=np.int64).reshape(-1, 4)
-        num_new, start, num_tokens, num_blocks = counts.T
+        # A few flat passes of Python attribute reads (one per field is faster than building
+        # tuples); everything after is numpy over the batch. This runs every iteration for
+        # every request, so it stays free of per-token Python.
+        num_new_list = [n for _, n in scheduled]
+        num_new = np.array(num_new_list, dtype=np.int64)
+        start_list = [r.num_computed_tokens for r in requests]
+        start = np.array(start_list, dtype=np.int64)
+        num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+        num_blocks = np.array([len(r.block_ids) for r in requests], dtype=np.int64)
         cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
         total = int(cu[-1])
         seq_index = np.repeat(np.arange(len(scheduled)), num_new)
         positions = np.arange(total, dtype=np.int64) - cu[seq_index] + start[seq_index]
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(r.token_ids[s : s + n] for (r, n), s in zip(scheduled, start.tolist())),
-            dtype=np.int64, count=total,
-        )
+        if total == len(scheduled):  # one token each (decodes, mostly): no slices to chain
+            input_ids = np.array([r.token_ids[s] for r, s in zip(requests, start_list)], dtype=np.int64)
+        else:
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(r.token_ids[s : s + n]
+                                              for r, s, n in zip(requests, start_list, num_new_list)),
+                dtype=np.int64, count=total,
+            )
         block_tables = np.zeros((len(scheduled), int(num_blocks.max())), dtype=np.int32)
         flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32,
                                   count=int(num_blocks.sum()))
@@ -140,12 +151,12 @@ class ModelRunner:
                 v[device_ids] = hv[host_ids].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
-        """Run the step; logits (float32, one row per sampling request) and those requests."""
+    def execute(self, plan: SchedulerOutput, inputs: StepInputs | None) -> tuple[torch.Tensor | None, list[Request]]:
+        """Run the step prepared from `plan` (None: nothing scheduled, only swaps); logits
+        (float32, one row per sampling request) and those requests."""
         self.swap(plan)
-        if not plan.scheduled:
+        if inputs is None:
             return None, []
-        inputs = self.prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sample_requests:
             return None, []

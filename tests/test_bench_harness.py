@@ -253,3 +253,25 @@ def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
     expected = 1000.0 * bench.model_flops_per_token(tiny) / 1e9
     assert results[0]["model_gflops_per_s"] == pytest.approx(expected)
     assert results[0]["fraction_of_flop_bound"] == pytest.approx(expected / bound["matmul_peak_gflops_at_256_rows"])
+
+
+# ---------------------------------------------------------------------------- host overhead
+
+
+def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_path):
+    from client import bench_overhead
+
+    out = tmp_path / "overhead.json"
+    assert bench_overhead.main(["--model", tiny, "--running", "4,16", "--prompt-len", "40", "--iterations", "6",
+                                "--warmup-iterations", "2", "--json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert [r["running"] for r in report["results"]] == [4, 16]
+    for result in report["results"]:
+        phases = result["phases_ms"]
+        assert set(phases) == {*bench_overhead.PHASES, "schedule+prepare"}
+        for phase in bench_overhead.PHASES:
+            assert 0 < phases[phase]["p50"] <= phases[phase]["p99"], (phase, phases[phase])
+        assert phases["schedule+prepare"]["mean"] == pytest.approx(
+            phases["schedule"]["mean"] + phases["prepare"]["mean"])
+    assert report["meets_target"] == all(
+        r["phases_ms"]["schedule+prepare"]["p50"] <= report["target_ms"]["schedule+prepare"] for r in report["results"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.request import Request, SamplingParams
-from backend.sampler import Sampler
+from backend.sampler import Sampler, argmax_rows
 
 EOS = 2
 
@@ -321,3 +321,12 @@ def test_the_callers_logits_are_never_modified():
                 req("c", temperature=1.0, repetition_penalty=1.4, output=(1,))]
     Sampler()(logits, requests)
     assert torch.equal(logits, before)
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(-3, 3, (64, 1000), generator=generator).float()  # many ties per row
+    values[5, 17] = float("nan")
+    values[6, :] = float("-inf")
+    for rows in (values, values[::3], values[:, 100:]):
+        assert argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()

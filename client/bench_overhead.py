@@ -7,7 +7,7 @@ detokenizers, outputs); only the model's forward pass is replaced by one that re
 fixed logits, so what each phase costs is host time alone. Requests are all in decode
 while iterations are measured, each scheduled one token per step, as in a full batch.
 
-    python -m client.bench_overhead --running 256 --json bench/results/overhead_256.json
+    python -m client.bench_overhead --running 256 --running 32,64,128,256 --json bench/overhead/noop_model.json
 
 Prints a table and writes JSON (per-phase mean, p50 and p99 in ms, the target, the
 machine and the command).

@@ -19,8 +19,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(paths: list[str]) -> str:
     lines = [
-        "| workload | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | FLOP bound | file |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | model | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | FLOP bound | file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratios = []
     machines = set()
@@ -29,10 +29,11 @@ def table(paths: list[str]) -> str:
             report = json.load(f)
         machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores")
         name = report["workload"]["name"]
+        model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))
         rel = os.path.relpath(path, REPO_ROOT)
         for r in report["results"]:
             lines.append(
-                f"| {name} | {r['system']}{' @ ' + load_label(r) if load_label(r) else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
+                f"| {name} | {model} | {r['system']}{' @ ' + load_label(r) if load_label(r) else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "
@@ -42,7 +43,7 @@ def table(paths: list[str]) -> str:
         for ratio_name, values in report.get("ratios", {}).items():
             parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]
             parts += [f"TTFT p99 of class {label} {v:.2f}x" for label, v in values.get("ttft_p99_by_class", {}).items()]
-            ratios.append(f"- {name} {ratio_name}: " + ", ".join(parts))
+            ratios.append(f"- {name} ({model}) {ratio_name}: " + ", ".join(parts))
     return "\n".join(lines + [""] + ratios + ["", "Machine: " + "; ".join(sorted(machines))])
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
-from backend.detokenizer import IncrementalDetokenizer
+from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
@@ -102,6 +102,13 @@ class LLMEngine:
         # Fast tokenizers are not safe to call from two threads at once; the loop decodes
         # while Triton's thread encodes new prompts.
         self.tokenizer_lock = threading.Lock()
+        raw_decode = raw_decoder(self.tokenizer)
+
+        def locked_decode(ids: list[int], skip_special_tokens: bool) -> str:
+            with self.tokenizer_lock:
+                return raw_decode(ids, skip_special_tokens)
+
+        self.decode = locked_decode
         arch, _ = load_arch(config.model_path)  # refuses unsupported checkpoints first, by name
         self.max_model_len = self._resolve_max_model_len(arch)
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
@@ -253,7 +260,7 @@ class LLMEngine:
         params = request.params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output,
+            params.include_stop_str_in_output, decode=self.decode,
         )
         self.scheduler.add_request(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
@@ -365,8 +372,7 @@ class LLMEngine:
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         def decoded(t: int) -> str:
-            with self.tokenizer_lock:
-                return self.tokenizer.decode([t])
+            return self.decode([t], False)
 
         entry = {token_id: {"logprob": logprob, "rank": None, "decoded_token": decoded(token_id)}}
         for rank, (t, value) in enumerate(top or [], start=1):

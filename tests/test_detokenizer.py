@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from tests.checkpoints import DEFAULT_CHECKPOINT
 
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -267,3 +267,22 @@ def test_stop_strings_property(tokenizer, text, stops, include):
     assert not any(t in before for t in stops), "an earlier stop string was missed"
     # Ended on the token that completed the first stop string, not later.
     assert result.num_fed == first_completion(tokenizer, ids, stops)
+
+
+@HYPOTHESIS
+@given(ids=st.lists(st.integers(0, 49151), max_size=12), skip_special_tokens=st.booleans())
+@example(ids=[1, 504, 3458, 2, 0, 7], skip_special_tokens=True)  # <|im_start|>, <|im_end|>, <|endoftext|>
+def test_raw_decoder_gives_transformers_text(tokenizer, ids, skip_special_tokens):
+    """The engine decodes through the Rust tokenizer directly: same text as transformers'."""
+    assert raw_decoder(tokenizer)(ids, skip_special_tokens) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_raw_decoder_keeps_transformers_cleanup_when_the_tokenizer_asks_for_it(tokenizer):
+    import copy
+
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert raw_decoder(tokenizer) == tokenizer.backend_tokenizer.decode
+    assert raw_decoder(cleaning) != cleaning.backend_tokenizer.decode  # transformers' decode, cleanup included
+    ids = tokenizer.encode("Hello , world . It 's here")
+    assert raw_decoder(cleaning)(ids, True) == cleaning.decode(ids, skip_special_tokens=True)

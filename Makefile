@@ -35,6 +35,7 @@ DEFAULT_MODEL_DIR := .models/SmolLM2-135M-Instruct
 VENV_STAMP := $(VENV)/.inflight-setup
 TRITON_STAMP := .triton/.inflight-setup
 MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
+CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 
 .PHONY: help setup serve test bench lint clean distclean
 
@@ -42,7 +43,7 @@ help:
 	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
-setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP)
+setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
 
 $(VENV_STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +60,10 @@ $(TRITON_STAMP): $(VENV_STAMP) tools/setup_triton.py
 
 $(MODEL_STAMP): $(VENV_STAMP) tools/make_default_checkpoint.py
 	$(VPY) -m tools.make_default_checkpoint
+
+# The C++ CPU kernels, compiled for this machine (kernels/cpu_ext.py; about a minute).
+$(CPU_KERNELS): $(VENV_STAMP) kernels/cpu_ext.py $(wildcard kernels/cpu/*.cpp)
+	$(VPY) -c 'from kernels import cpu_ext; cpu_ext.build()'
 
 serve: setup
 	$(VPY) -m tools.serve --model-repository "$(MODEL_REPOSITORY)" --host "$(HOST)" \

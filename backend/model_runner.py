@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from backend.config import EngineConfig
+from kernels import cpu_ext
 from backend.models.llama import AttentionMetadata, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
@@ -64,6 +65,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        if device.type == "cpu":
+            cpu_ext.load()  # at startup, not in the first request's forward pass
         shape = (num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

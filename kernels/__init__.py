@@ -3,7 +3,8 @@
 Every operation exists twice with the same signature: `<op>_triton` (an OpenAI Triton
 kernel) and `<op>_reference` (plain torch, vectorised; the production path on CPU). The
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
-else the reference. Tests run the Triton kernels on CPU tensors through Triton's
+else the reference; paged attention alone has a third, `paged_attention_cpu`, the CPU
+production path (decodes in a C++ kernel, kernels/cpu/, built by kernels/cpu_ext.py). Tests run the Triton kernels on CPU tensors through Triton's
 interpreter and compare them with the references (and the references with naive loops).
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
@@ -24,7 +25,7 @@ import torch
 from .activation import silu_and_mul_reference, silu_and_mul_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .kv_store import store_kv_reference, store_kv_triton
-from .paged_attention import paged_attention_reference, paged_attention_triton
+from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
 from .rms_norm import rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton
 
@@ -32,7 +33,7 @@ __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
     "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight",
     "store_kv_reference", "store_kv_triton",
-    "paged_attention_reference", "paged_attention_triton",
+    "paged_attention_reference", "paged_attention_triton", "paged_attention_cpu",
     "rms_norm_reference", "rms_norm_triton",
     "rotary_embedding_reference", "rotary_embedding_triton",
     "silu_and_mul_reference", "silu_and_mul_triton",
@@ -51,7 +52,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     cu_seqlens_q: torch.Tensor, scale: float,
                     max_seqlen_q: int | None = None,
                     max_seqlen_k: int | None = None) -> torch.Tensor:
-    fn = paged_attention_triton if query.is_cuda else paged_attention_reference
+    fn = paged_attention_triton if query.is_cuda else paged_attention_cpu
     return fn(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
               max_seqlen_q, max_seqlen_k)
 

@@ -1,8 +1,10 @@
-"""The torch references (the CPU production path) against naive loops and against HF.
+"""The torch references and the CPU production path against naive loops and against HF.
 
-The references are what the engine runs on CPU, and what the Triton kernels are checked
-against, so they are checked here against implementations too simple to be wrong, and
-against transformers' own Llama modules where those define the numerics (bit-exact).
+The references are what the engine runs on CPU (paged attention's decodes excepted: a
+C++ kernel, `paged_attention_cpu`, checked here the same way), and what the Triton
+kernels are checked against, so they are checked here against implementations too simple
+to be wrong, and against transformers' own Llama modules where those define the numerics
+(bit-exact).
 """
 
 import pytest
@@ -11,12 +13,14 @@ import torch.nn.functional as F
 
 from kernels import (
     build_cos_sin_cache,
+    paged_attention_cpu,
     paged_attention_reference,
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
     store_kv_reference,
 )
+from kernels import cpu_ext
 from kernels.testing import make_paged_batch, naive_paged_attention, naive_rms_norm
 
 
@@ -40,31 +44,40 @@ CASES = {
 }
 # Up to 4 KV heads the decode path uses one block-diagonal matmul, beyond that one per KV head.
 HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa8": (8, 1), "gqa2_kv8": (16, 8)}
+ATTENTION = {"reference": paged_attention_reference, "cpu": paged_attention_cpu}
 
 
+def test_cpp_cpu_kernels_build_on_this_machine():
+    """Else paged_attention_cpu silently is the reference, and the tests below test it twice."""
+    assert cpu_ext.load() is not None, "kernels/cpu_ext.py could not build the C++ kernels (see its warning)"
+
+
+@pytest.mark.parametrize("impl", list(ATTENTION))
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_paged_attention_reference_matches_naive(case, heads, block_size):
+def test_paged_attention_reference_matches_naive(case, heads, block_size, impl):
     q_lens, seq_lens = CASES[case]
     batch = make_paged_batch(q_lens, seq_lens, *HEADS[heads], 64, block_size, seed=block_size)
-    out = paged_attention_reference(*batch.args())
+    out = ATTENTION[impl](*batch.args())
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     torch.testing.assert_close(out, naive_paged_attention(*batch.args()), **EXACT)
 
 
+@pytest.mark.parametrize("impl", list(ATTENTION))
 @pytest.mark.parametrize("head_dim", [80, 96, 128])
-def test_paged_attention_reference_head_dims(head_dim):
+def test_paged_attention_reference_head_dims(head_dim, impl):
     batch = make_paged_batch([1, 12, 1], [30, 12, 5], 6, 2, head_dim, 16, seed=head_dim)
-    torch.testing.assert_close(paged_attention_reference(*batch.args()),
+    torch.testing.assert_close(ATTENTION[impl](*batch.args()),
                                naive_paged_attention(*batch.args()), **EXACT)
 
 
+@pytest.mark.parametrize("impl", list(ATTENTION))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(9, 3), (16, 8)])
-def test_paged_attention_reference_low_precision(dtype, heads):
+def test_paged_attention_reference_low_precision(dtype, heads, impl):
     batch = make_paged_batch([1, 14, 1, 1], [40, 20, 17, 300], *heads, 64, 16, dtype=dtype, seed=1)
-    out = paged_attention_reference(*batch.args())
+    out = ATTENTION[impl](*batch.args())
     assert out.dtype == dtype
     # float32 accumulation: as close to the float32 result as the output rounding allows
     torch.testing.assert_close(out.float(), naive_paged_attention(*batch.args()), **LOW[dtype])
@@ -87,9 +100,10 @@ def test_paged_attention_reference_is_plain_softmax_attention():
         torch.testing.assert_close(out, expected, **EXACT)
 
 
-def test_paged_attention_reference_empty_batch():
+@pytest.mark.parametrize("impl", list(ATTENTION))
+def test_paged_attention_reference_empty_batch(impl):
     batch = make_paged_batch([1], [4], 4, 2, 64, 16)
-    out = paged_attention_reference(batch.query[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
+    out = ATTENTION[impl](batch.query[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
                                     batch.seq_lens[:0], torch.zeros(1, dtype=torch.int32), batch.scale)
     assert out.shape == (0, 4, 64)
 

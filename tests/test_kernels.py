@@ -229,14 +229,17 @@ def test_kernels_run_in_the_interpreter(monkeypatch):
                         "_rotary_kernel", "_silu_and_mul_kernel"]
 
 
-def test_dispatch_uses_references_on_cpu(monkeypatch):
+def test_dispatch_runs_the_cpu_paths_on_cpu(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("Triton kernel called for CPU tensors")
 
     for name in ("store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul"):
         monkeypatch.setattr(kernels, f"{name}_triton", boom)
     batch = make_paged_batch([1, 3], [9, 3], 4, 2, 64, 16)
-    assert torch.equal(kernels.paged_attention(*batch.args()), paged_attention_reference(*batch.args()))
+    # Paged attention's CPU path is its own (C++ decodes, the reference's prefill).
+    out = kernels.paged_attention(*batch.args())
+    assert torch.equal(out, kernels.paged_attention_cpu(*batch.args()))
+    torch.testing.assert_close(out, paged_attention_reference(*batch.args()), atol=3e-6, rtol=3e-6)
     x = torch.randn(3, 64)
     assert torch.equal(kernels.rms_norm(x, torch.ones(64), 1e-6), rms_norm_reference(x, torch.ones(64), 1e-6))
     assert torch.equal(kernels.silu_and_mul(x), silu_and_mul_reference(x))

@@ -32,7 +32,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
                  decode: Callable[[list[int], bool], str] | None = None):
-        self.tokenizer = tokenizer
         self.raw_decode = decode or raw_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])

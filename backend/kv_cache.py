@@ -209,9 +209,10 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot cover it.
         """
-        if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size \
-                and reserve_tokens <= len(request.block_ids) * self.block_size:
-            return True  # the common decode step: the last block still has room
+        if not cached_blocks:
+            capacity = len(request.block_ids) * self.block_size
+            if request.num_computed_tokens + num_new_tokens <= capacity and reserve_tokens <= capacity:
+                return True  # the common decode step: the last block still has room
         num_new_tokens = max(num_new_tokens, reserve_tokens - request.num_computed_tokens - len(cached_blocks) * self.block_size)
         if not self.can_allocate(request, num_new_tokens, cached_blocks):
             return False

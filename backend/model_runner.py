@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from backend.config import EngineConfig
-from kernels import cpu_ext
 from backend.models.llama import AttentionMetadata, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
+from kernels import cpu_ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -173,10 +173,10 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         "iterations": steps,
         "slot_occupancy": (c.sum_running - counters_before["sum_running"]) / max(1, steps) / config.max_num_seqs,
         "tokens_per_iteration": (c.sum_scheduled_tokens - counters_before["sum_scheduled_tokens"]) / max(1, steps),
-        "scheduler_ms_per_iteration": 1e3 * (c.sum_schedule_time_s - counters_before["sum_schedule_time_s"]) / max(1, steps),
-        "prepare_ms_per_iteration": 1e3 * (c.sum_prepare_time_s - counters_before["sum_prepare_time_s"]) / max(1, steps),
-        "forward_ms_per_iteration": 1e3 * (c.sum_forward_time_s - counters_before["sum_forward_time_s"]) / max(1, steps),
-        "update_ms_per_iteration": 1e3 * (c.sum_update_time_s - counters_before["sum_update_time_s"]) / max(1, steps),
+        **{f"{name}_ms_per_iteration": 1e3 * (getattr(c, f"sum_{phase}_time_s") - counters_before[f"sum_{phase}_time_s"])
+           / max(1, steps)
+           for name, phase in (("scheduler", "schedule"), ("prepare", "prepare"), ("forward", "forward"),
+                               ("update", "update"))},
         "preemptions": c.preemptions - counters_before["preemptions"],
         "prefix_hit_rate": _ratio(engine.kv.num_prefix_hits - pool_hits_before, engine.kv.num_prefix_queries - pool_queries_before),
         "num_kv_blocks": engine.num_kv_blocks,
@@ -491,14 +491,21 @@ def _engine_runner(name: str) -> SystemRunner:
 def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     if ctx.concurrency:
         raise ValueError("hf-static runs whole static batches; --concurrency applies to the engine systems and targets")
-    return run_hf_static(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32), ctx.progress)
+    return run_hf_static(workload, ctx.model, _peer_batch(workload), ctx.progress)
 
 
-def _peer_dtype(ctx: RunContext) -> str:
-    """The peers compute in the dtype the engine systems were given (--engine dtype=...);
-    `auto` is float32 on CPU, as for the engine."""
-    value = str(ctx.engine_parameters.get("dtype", "auto")).replace("torch.", "")
+def engine_dtype_name(engine_parameters: dict) -> str:
+    """The dtype the engine systems compute in (--engine dtype=...), which the peers and the
+    FLOP bound use too; `auto` is float32 on CPU, as for the engine."""
+    value = str(engine_parameters.get("dtype", "auto")).replace("torch.", "")
     return "float32" if value == "auto" else value
+
+
+def _peer_batch(workload: Workload) -> int:
+    """The peers' max_num_seqs: the workload's, else the engine's default."""
+    from backend.config import EngineConfig
+
+    return workload.engine_overrides.get("max_num_seqs", EngineConfig.max_num_seqs)
 
 
 def _offline_only(name: str, ctx: RunContext) -> None:
@@ -510,16 +517,16 @@ def _vllm_offline_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     from client.peers import run_vllm_offline
 
     _offline_only("vllm-offline", ctx)
-    return run_vllm_offline(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32),
-                            _peer_dtype(ctx), ctx.progress)
+    return run_vllm_offline(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
+                            ctx.progress)
 
 
 def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     from client.peers import run_hf_continuous
 
     _offline_only("hf-continuous", ctx)
-    return run_hf_continuous(workload, ctx.model, workload.engine_overrides.get("max_num_seqs", 32),
-                             _peer_dtype(ctx), ctx.progress)
+    return run_hf_continuous(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
+                             ctx.progress)
 
 
 # System name -> runner(workload, ctx) -> SystemRun. A new system is one entry here (its
@@ -663,8 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["description"] += "; rates " + ", ".join(map(_rate_label, rates))
     elif args.concurrency:
         summary["description"] += f"; closed loop, {args.concurrency} in flight"
-    dtype_name = str(common.get("dtype", "auto")).replace("torch.", "")
-    flop_bound = add_flop_bound(results, args.model, "float32" if dtype_name == "auto" else dtype_name)
+    flop_bound = add_flop_bound(results, args.model, engine_dtype_name(common))
     report = {
         "command": "python -m client.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),

@@ -7,7 +7,7 @@ detokenizers, outputs); only the model's forward pass is replaced by one that re
 fixed logits, so what each phase costs is host time alone. Requests are all in decode
 while iterations are measured, each scheduled one token per step, as in a full batch.
 
-    python -m client.bench_overhead --running 256 --running 32,64,128,256 --json bench/overhead/noop_model.json
+    python -m client.bench_overhead --running 32,64,128,256 --json bench/overhead/noop_model.json
 
 Prints a table and writes JSON (per-phase mean, p50 and p99 in ms, the target, the
 machine and the command).
@@ -63,7 +63,7 @@ def measure(model_path: str, running: int, prompt_len: int, iterations: int, war
     # place in the prefill order.
     prefill_steps = -(-running * prompt_len // (token_budget // 2))
     max_tokens = prefill_steps + warmup_iterations + iterations + 1
-    blocks_per_request = -(-(prompt_len + max_tokens) // 16)
+    blocks_per_request = -(-(prompt_len + max_tokens) // EngineConfig.block_size)
     config = EngineConfig(model_path=model_path, dtype="float32", device="cpu", max_num_seqs=running,
                           max_num_batched_tokens=token_budget, num_kv_blocks=running * blocks_per_request,
                           enable_prefix_caching=True)

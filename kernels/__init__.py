@@ -4,8 +4,9 @@ Every operation exists twice with the same signature: `<op>_triton` (an OpenAI T
 kernel) and `<op>_reference` (plain torch, vectorised; the production path on CPU). The
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
 else the reference; paged attention alone has a third, `paged_attention_cpu`, the CPU
-production path (decodes in a C++ kernel, kernels/cpu/, built by kernels/cpu_ext.py). Tests run the Triton kernels on CPU tensors through Triton's
-interpreter and compare them with the references (and the references with naive loops).
+production path (decodes in a C++ kernel, kernels/cpu/, built by kernels/cpu_ext.py).
+Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
+with the references (and the references with naive loops).
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,

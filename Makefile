@@ -62,7 +62,7 @@ $(MODEL_STAMP): $(VENV_STAMP) tools/make_default_checkpoint.py
 	$(VPY) -m tools.make_default_checkpoint
 
 # The C++ CPU kernels, compiled for this machine (kernels/cpu_ext.py; about a minute).
-$(CPU_KERNELS): $(VENV_STAMP) kernels/cpu_ext.py $(wildcard kernels/cpu/*.cpp)
+$(CPU_KERNELS): $(VENV_STAMP) kernels/cpu_ext.py $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(VPY) -c 'from kernels import cpu_ext; cpu_ext.build()'
 
 serve: setup

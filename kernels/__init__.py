@@ -3,8 +3,9 @@
 Every operation exists twice with the same signature: `<op>_triton` (an OpenAI Triton
 kernel) and `<op>_reference` (plain torch, vectorised; the production path on CPU). The
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
-else the reference; paged attention alone has a third, `paged_attention_cpu`, the CPU
-production path (decodes in a C++ kernel, kernels/cpu/, built by kernels/cpu_ext.py).
+else the reference, or, where one exists, `<op>_cpu`: the CPU production path in C++
+(kernels/cpu/, built by kernels/cpu_ext.py; paged attention's decodes, RMSNorm, and RoPE
+fused with the KV store).
 Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
 with the references (and the references with naive loops).
 
@@ -13,6 +14,8 @@ with the references (and the references with naive loops).
                     max_seqlen_q=None, max_seqlen_k=None) -> out
     rms_norm(x, weight, eps, residual=None) -> out | (out, x + residual)
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> (query, key)
+    rotary_store_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache,
+                    slot_mapping, is_neox=True) -> query     RoPE, then key and value stored
     silu_and_mul(x) -> out
     build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
     linear(x, weight, bias=None, packed=None) -> out; pack_linear_weight(weight) -> packed | None
@@ -27,16 +30,16 @@ from .activation import silu_and_mul_reference, silu_and_mul_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .kv_store import store_kv_reference, store_kv_triton
 from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
-from .rms_norm import rms_norm_reference, rms_norm_triton
-from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton
+from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
+from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
 
 __all__ = [
-    "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "rotary_store_kv", "silu_and_mul",
     "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight",
     "store_kv_reference", "store_kv_triton",
     "paged_attention_reference", "paged_attention_triton", "paged_attention_cpu",
-    "rms_norm_reference", "rms_norm_triton",
-    "rotary_embedding_reference", "rotary_embedding_triton",
+    "rms_norm_reference", "rms_norm_triton", "rms_norm_cpu",
+    "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
     "silu_and_mul_reference", "silu_and_mul_triton",
 ]
 
@@ -60,7 +63,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    fn = rms_norm_triton if x.is_cuda else rms_norm_reference
+    fn = rms_norm_triton if x.is_cuda else rms_norm_cpu
     return fn(x, weight, eps, residual)
 
 
@@ -69,6 +72,19 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      head_size: int | None = None):
     fn = rotary_embedding_triton if query.is_cuda else rotary_embedding_reference
     return fn(positions, query, key, cos_sin_cache, is_neox, head_size)
+
+
+def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+    """RoPE on query [T, Hq, D] and key [T, Hkv, D]; the rotated key and the value go into
+    the paged cache at `slot_mapping` (-1: skip); returns the rotated query. One pass on
+    CPU; on CUDA the two Triton kernels."""
+    if query.is_cuda:
+        query, key = rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return query
+    return rotary_store_kv_cpu(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ torch's extension builder compiles them with g++ and ninja into `.build/cpu_kern
 Triton backend's first request waits for the compiler. `-march=native`: the build runs on
 the machine that serves, and the kernels' inner loops are what the vector units are for;
 no errno, reassociation and finite math let g++ vectorise expf (glibc's libmvec) and the
-reductions: softmax's scalar expf was decode attention's largest cost. Compile flags only:
+reductions: softmax's scalar expf was decode attention's largest cost (layer_ops.cpp opts
+out: it matches the torch references' roundings). Compile flags only:
 linked without -ffast-math, the module never changes the process's denormal handling.
 A machine that cannot build them gets the torch reference, with one warning.
 """
@@ -21,7 +22,7 @@ log = logging.getLogger("inflight")
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 BUILD_DIR = os.path.join(REPO_ROOT, ".build", "cpu_kernels")
-SOURCES = [os.path.join(HERE, "cpu", "paged_decode_attention.cpp")]
+SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_decode_attention.cpp", "layer_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
 
 

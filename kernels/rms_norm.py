@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_ext
 from .triton_utils import launch, next_power_of_2
 
 
@@ -24,6 +25,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(dtype)
     return out if residual is None else (out, x)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """The CPU production path: one C++ pass per row (kernels/cpu/layer_ops.cpp), the
+    reference's roundings (only a row's sum of squares is added up in another order).
+    The reference where the C++ kernels could not be built or the dtypes differ."""
+    module = cpu_ext.load()
+    if module is None or weight.dtype != x.dtype:
+        return rms_norm_reference(x, weight, eps, residual)
+    if residual is None:
+        return module.rms_norm(x, weight, eps)
+    return module.add_rms_norm(x, residual, weight, eps)
 
 
 @triton.jit

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_ext
+from .kv_store import store_kv_reference
 from .triton_utils import launch, next_power_of_2
 
 
@@ -93,6 +95,21 @@ def rotary_embedding_reference(positions: torch.Tensor, query: torch.Tensor, key
     cos, sin = cs[:, :rotary_dim // 2], cs[:, rotary_dim // 2:]
     return (_rotate_reference(query, cos, sin, rotary_dim, head_size, is_neox),
             _rotate_reference(key, cos, sin, rotary_dim, head_size, is_neox))
+
+
+def rotary_store_kv_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, is_neox: bool = True) -> torch.Tensor:
+    """The CPU production path of `kernels.rotary_store_kv`: one C++ pass per token
+    (kernels/cpu/layer_ops.cpp), bit-identical to `rotary_embedding_reference` followed by
+    `store_kv_reference`, which it is where the C++ kernels could not be built."""
+    module = cpu_ext.load()
+    if module is None or cos_sin_cache.dtype != torch.float32 or query.dim() != 3:
+        query, key = rotary_embedding_reference(positions, query, key, cos_sin_cache, is_neox)
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        return query
+    return module.rotary_store_kv(positions.to(torch.int64), query, key, value, cos_sin_cache, k_cache, v_cache,
+                                  slot_mapping.to(torch.int64), is_neox)
 
 
 @triton.jit

@@ -15,8 +15,10 @@ from kernels import (
     build_cos_sin_cache,
     paged_attention_cpu,
     paged_attention_reference,
+    rms_norm_cpu,
     rms_norm_reference,
     rotary_embedding_reference,
+    rotary_store_kv_cpu,
     silu_and_mul_reference,
     store_kv_reference,
 )
@@ -141,6 +143,56 @@ def test_rms_norm_reference(dtype):
     with torch.no_grad():
         hf.weight.copy_(weight)
         assert torch.equal(out, hf(x))   # bit-exact
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_cpu_matches_the_reference(dtype, threads):
+    """The C++ pass rounds where the reference rounds; only a row's sum of squares is added
+    in another order, so float32 differs by a rounding at most and 16-bit types almost never."""
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(37, 576, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype)
+    torch.set_num_threads(threads)  # the fixture restores it
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    out = rms_norm_cpu(x, weight, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), **tolerance)
+    out2, summed = rms_norm_cpu(x, weight, 1e-5, residual)
+    ref2, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(out2, ref2, **tolerance)
+    # a 3-D input and a mismatched weight dtype (the reference then) still work
+    torch.testing.assert_close(rms_norm_cpu(x.view(1, 37, 576), weight, 1e-5), out.view(1, 37, 576))
+    torch.testing.assert_close(rms_norm_cpu(x, weight.float(), 1e-5), rms_norm_reference(x, weight.float(), 1e-5))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_store_kv_cpu_is_the_reference_bit_for_bit(dtype, is_neox, rotary_dim, threads):
+    """RoPE then the cache store, on views of a fused qkv output as the model passes them,
+    with padding slots (-1) and partial rotary dimensions: the same bits as the reference."""
+    g = torch.Generator().manual_seed(3)
+    tokens, q_heads, kv_heads, head_dim, block_size, num_blocks = 21, 9, 3, 64, 16, 6
+    cache = build_cos_sin_cache(rotary_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    qkv = (2 * torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g)).to(dtype)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[[2, 7, 8]] = -1
+    torch.set_num_threads(threads)
+    caches = [torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    q_ours = rotary_store_kv_cpu(positions, q, k, v, cache, caches[0], caches[1], slots, is_neox)
+    q_ref, k_ref = rotary_embedding_reference(positions, q, k, cache, is_neox)
+    store_kv_reference(k_ref, v, caches[2], caches[3], slots)
+    assert q_ours.shape == q.shape and q_ours.dtype == dtype
+    assert torch.equal(q_ours, q_ref)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))  # unwritten slots stay NaN in both
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
 
 
 def test_silu_and_mul_reference():

@@ -105,8 +105,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = kernels.rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
             self.scale, meta.max_seqlen_q, meta.max_seqlen_k,

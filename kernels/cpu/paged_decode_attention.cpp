@@ -14,8 +14,7 @@
 // in registers across a block's rows. That path was 3-4x the plain loops' speed here; the
 // plain loops remain for any other head size.
 
-#include <torch/extension.h>
-
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -26,6 +25,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "ops.h"
 
 namespace {
 
@@ -223,17 +224,17 @@ void decode_sequence_scalar(const T* q, const T* k_cache, const T* v_cache, cons
 }
 
 template <typename T>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int64_t* seq_lens,
-            float* out, int64_t num_seqs, const Shape& shape, float scale) {
+void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+            T* out, int64_t num_seqs, const Shape& shape, float scale) {
   const int64_t token_width = shape.num_q_heads * shape.head_dim;
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(shape.row_width()), buffer(shape.block_size * shape.head_dim);
+    std::vector<float> scores, row(shape.row_width()), buffer(shape.block_size * shape.head_dim), result(token_width);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = seq_lens[seq];
       scores.resize(shape.num_q_heads * len);
       const int32_t* table = block_tables + seq * shape.max_blocks;
       const T* query = q + seq * token_width;
-      float* o = out + seq * token_width;
+      float* o = result.data();
 #define INFLIGHT_VECTORISED(VECTORS)                                                                                 \
   case VECTORS:                                                                                                      \
     decode_sequence_vectorised<T, VECTORS>(query, k_cache, v_cache, table, len, o, shape, scale, scores.data(), \
@@ -250,6 +251,8 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           decode_sequence_scalar(query, k_cache, v_cache, table, len, o, shape, scale, scores.data(), row);
       }
 #undef INFLIGHT_VECTORISED
+      T* destination = out + seq * token_width;
+      for (int64_t i = 0; i < token_width; ++i) destination[i] = static_cast<T>(o[i]);
     }
   });
 }
@@ -257,29 +260,26 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
 }  // namespace
 
 // query [B, Hq, D] in the cache's dtype; caches [num_blocks, block_size, Hkv, D] contiguous;
-// block_tables int32 [B, max_blocks]; seq_lens int64 [B] (>= 1). Returns float32 [B, Hq, D].
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+// block_tables int32 [B, max_blocks]; seq_lens int32 [B] (>= 1). Returns [B, Hq, D] in the
+// query's dtype.
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64,
-              "block_tables int32, seq_lens int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens int32");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
-  auto out = torch::empty(query.sizes(), query.options().dtype(torch::kFloat32));
+  auto out = at::empty(query.sizes(), query.options());
   const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_tables.size(1)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
                      query.size(0), shape, static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
 }

@@ -1,0 +1,10 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention");
+  m.def("rms_norm", &rms_norm, "RMSNorm, HF's roundings");
+  m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normed, x + residual)");
+  m.def("rotary_store_kv", &rotary_store_kv, "RoPE on query and key, key and value into the paged cache");
+}

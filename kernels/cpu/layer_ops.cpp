@@ -1,0 +1,194 @@
+// The small per-layer operations of a decoder layer, one pass each over a few KB of
+// activations: RMSNorm (with the residual add) and RoPE plus the KV-cache store. As torch
+// operations they were ~25 separate ops per layer (a temporary and a dispatch each, ~10 us
+// apiece at batch 32), more time than their arithmetic.
+//
+// Numerics follow the torch references (kernels/rms_norm.py, rotary.py, kv_store.py), which
+// follow Hugging Face: float32 arithmetic, rounded to the activations' dtype exactly where
+// HF rounds (the residual sum, the normalised value, each RoPE product and sum). RoPE and
+// the store are bit-identical to the references; RMSNorm differs from them only in the
+// order in which a row's squares are summed. Hence no contraction into FMAs and no
+// reassociation in this file, whatever cpu_ext.py's flags allow the attention kernel.
+#pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// The value as the activations' dtype holds it (a no-op for float32).
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// Rows at a time per task: small enough to spread a decode batch over the cores, large
+// enough that a task outweighs its scheduling.
+constexpr int64_t kRowsPerTask = 8;
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t width,
+                   float eps) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(width);
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + row * width;
+      float squares = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        float value = static_cast<float>(xr[i]);
+        if (residual != nullptr) {
+          value = round_to<T>(value + static_cast<float>(residual[row * width + i]));
+          sum_out[row * width + i] = static_cast<T>(value);
+        }
+        h[i] = value;
+        squares += value * value;
+      }
+      const float inverse_rms = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+      T* o = out + row * width;
+      for (int64_t i = 0; i < width; ++i)
+        o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(h[i] * inverse_rms));
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: x [..., H], weight [H]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_norm_args(x, weight);
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t width = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            nullptr, x.numel() / width, width, static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must match x");
+  x = x.contiguous();
+  residual = residual.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty_like(x);
+  auto sum = at::empty_like(x);
+  const int64_t width = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), x.numel() / width, width,
+                            static_cast<float>(eps));
+  });
+  return {out, sum};
+}
+
+namespace {
+
+// Rotates one head (`head_dim` values at `src`, written to `dst`): neox pairs (i, i + half),
+// GPT-J pairs (2i, 2i + 1); dimensions past the rotary ones are copied. Each product and
+// each sum rounded to T, as HF's `q * cos + rotate_half(q) * sin` in the activations' dtype.
+template <typename T>
+inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half, int64_t head_dim,
+                        bool is_neox) {
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+    const float x1 = static_cast<float>(src[a]), x2 = static_cast<float>(src[b]);
+    const float c = cos[i], s = sin[i];
+    dst[a] = static_cast<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+    dst[b] = static_cast<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+  }
+  for (int64_t d = 2 * half; d < head_dim; ++d) dst[d] = src[d];
+}
+
+template <typename T>
+void rotary_store(const int64_t* positions, const T* query, const T* key, const T* value, const float* cos_sin,
+                  T* k_cache, T* v_cache, const int64_t* slots, T* query_out, int64_t num_tokens,
+                  int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+                  int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size, bool is_neox) {
+  const int64_t half = rotary_dim / 2;
+  const int64_t kv_width = num_kv_heads * head_dim;
+  at::parallel_for(0, num_tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> cos(half), sin(half);
+    for (int64_t t = begin; t < end; ++t) {
+      // HF casts cos and sin to the activations' dtype before use.
+      const float* row = cos_sin + positions[t] * rotary_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        cos[i] = round_to<T>(row[i]);
+        sin[i] = round_to<T>(row[half + i]);
+      }
+      for (int64_t h = 0; h < num_q_heads; ++h)
+        rotate_head(query + t * query_stride + h * head_dim, query_out + (t * num_q_heads + h) * head_dim, cos.data(),
+                    sin.data(), half, head_dim, is_neox);
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // a padding token: nothing to store
+      const int64_t offset = (slot / block_size) * block_size * kv_width + (slot % block_size) * kv_width;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rotate_head(key + t * key_stride + h * head_dim, k_cache + offset + h * head_dim, cos.data(), sin.data(), half,
+                    head_dim, is_neox);
+      const T* v = value + t * value_stride;
+      std::copy(v, v + kv_width, v_cache + offset);
+    }
+  });
+}
+
+// [T, H, D] with each token's heads contiguous (a view of the fused qkv projection is).
+void check_heads(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotary_store_kv: ", name, " must be [tokens, heads, head_dim] with each token's heads contiguous");
+}
+
+}  // namespace
+
+// query [T, Hq, D], key and value [T, Hkv, D] (strided over tokens: views of qkv are fine),
+// positions and slot_mapping int64 [T] (slot -1: do not store), cos_sin_cache float32
+// [max_position, rotary_dim], caches [num_blocks, block_size, Hkv, D] contiguous. Stores the
+// rotated key and the value; returns the rotated query, [T, Hq, D] contiguous.
+at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
+                           at::Tensor cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                           bool is_neox) {
+  check_heads(query, "query");
+  check_heads(key, "key");
+  check_heads(value, "value");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(2) == query.size(2),
+              "rotary_store_kv: query, key and value shapes disagree");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
+              "rotary_store_kv: caches must be contiguous [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
+                  k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type(),
+              "rotary_store_kv: activations and caches must share a dtype");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.size(1) <= query.size(2) && cos_sin_cache.size(1) % 2 == 0,
+              "rotary_store_kv: cos_sin_cache float32 [max_position, rotary_dim <= head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "rotary_store_kv: positions and slot_mapping int64");
+  positions = positions.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  cos_sin_cache = cos_sin_cache.contiguous();
+  auto query_out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_store_kv", [&] {
+    rotary_store<scalar_t>(positions.data_ptr<int64_t>(), query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(),
+                           value.data_ptr<scalar_t>(), cos_sin_cache.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
+                           v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
+                           query_out.data_ptr<scalar_t>(), query.size(0), query.size(1), key.size(1), query.size(2),
+                           cos_sin_cache.size(1), query.stride(0), key.stride(0), value.stride(0), k_cache.size(1),
+                           is_neox);
+  });
+  return query_out;
+}

@@ -1,0 +1,17 @@
+// The C++ CPU kernels' entry points (bound to Python in bindings.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale);
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+
+at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
+                           at::Tensor cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                           bool is_neox);

@@ -8,6 +8,7 @@ plus, in swap mode, a host pool of the same block shape.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,57 +85,69 @@ class ModelRunner:
         if not scheduled:
             return None
         bs = self.block_size
+        n = len(scheduled)
+        # This runs every iteration for every request. Per request only a few flat Python
+        # passes (one per field read: cheaper than building tuples), nothing per token or
+        # per block (block tables are rows of the KV manager's persistent table); then
+        # numpy over the batch, in as few calls as it takes: after a real step's forward
+        # pass each numpy or torch call starts with cold caches and costs 5-20 us.
         requests = [r for r, _ in scheduled]
-        # A few flat passes of Python attribute reads (one per field is faster than building
-        # tuples); everything after is numpy over the batch. This runs every iteration for
-        # every request, so it stays free of per-token Python.
-        num_new_list = [n for _, n in scheduled]
-        num_new = np.array(num_new_list, dtype=np.int64)
+        num_new_list = [k for _, k in scheduled]
         start_list = [r.num_computed_tokens for r in requests]
-        start = np.array(start_list, dtype=np.int64)
-        num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
-        num_blocks = np.array([len(r.block_ids) for r in requests], dtype=np.int64)
-        cu = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
-        total = int(cu[-1])
-        seq_index = np.repeat(np.arange(len(scheduled)), num_new)
-        positions = np.arange(total, dtype=np.int64) - cu[seq_index] + start[seq_index]
-        if total == len(scheduled):  # one token each (decodes, mostly): no slices to chain
-            input_ids = np.array([r.token_ids[s] for r, s in zip(requests, start_list)], dtype=np.int64)
+        token_lists = [r.token_ids for r in requests]
+        total = sum(num_new_list)
+        start = np.fromiter(start_list, dtype=np.int64, count=n)
+        table = plan.block_table
+        rows = table.rows(requests)
+        if total == n:  # one token each (decodes, mostly): the positions are the starts
+            positions, token_rows = start, rows
+            seq_lens = start + 1
+            cu = np.arange(n + 1, dtype=np.int32)
+            max_seqlen_q = 1
+            input_ids = np.fromiter(map(operator.getitem, token_lists, start_list), dtype=np.int64, count=n)
         else:
+            num_new = np.fromiter(num_new_list, dtype=np.int64, count=n)
+            seq_lens = start + num_new
+            cu = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(num_new, out=cu[1:])
+            seq_index = np.repeat(np.arange(n), num_new)
+            positions = np.arange(total, dtype=np.int64) - cu[seq_index] + start[seq_index]
+            token_rows = rows[seq_index]
+            max_seqlen_q = max(num_new_list)
             input_ids = np.fromiter(
-                itertools.chain.from_iterable(r.token_ids[s : s + n]
-                                              for r, s, n in zip(requests, start_list, num_new_list)),
+                itertools.chain.from_iterable(t[s : s + k] for t, s, k in zip(token_lists, start_list, num_new_list)),
                 dtype=np.int64, count=total,
             )
-        block_tables = np.zeros((len(scheduled), int(num_blocks.max())), dtype=np.int32)
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32,
-                                  count=int(num_blocks.sum()))
-        rows = np.repeat(np.arange(len(scheduled)), num_blocks)
-        block_starts = np.cumsum(num_blocks) - num_blocks
-        block_tables[rows, np.arange(len(flat_blocks)) - block_starts[rows]] = flat_blocks
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = start + num_new
-        ends_input = seq_lens == num_tokens
-        logits_indices = cu[1:][ends_input] - 1
-        sample_requests = [r for r, ends in zip(requests, ends_input.tolist()) if ends]
+        block_tables = table.gather(rows)
+        slot_mapping = np.multiply(table.ids[token_rows, positions // bs], bs, dtype=np.int64) + positions % bs
+        # A step never schedules past a request's last token, so the scheduled tokens of
+        # all of them end their input exactly when the totals agree: then all sample.
+        if sum(map(len, token_lists)) == sum(start_list) + total:
+            logits_indices = cu[1:] - 1
+            sample_requests = requests
+        else:
+            ends_input = seq_lens == np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
+            logits_indices = cu[1:][ends_input] - 1
+            sample_requests = [r for r, ends in zip(requests, ends_input.tolist()) if ends]
 
-        def to_device(array, dtype):
-            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
+        def to_device(array: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+            # dtype converted by numpy, cheaper than torch; on the CPU the tensor is the array.
+            tensor = torch.from_numpy(array.astype(dtype, copy=False))
+            return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            cu_seqlens_q=to_device(cu, torch.int32),
-            max_seqlen_q=int(num_new.max()),
+            slot_mapping=to_device(slot_mapping, np.int64),
+            block_tables=to_device(block_tables, np.int32),
+            seq_lens=to_device(seq_lens, np.int32),
+            cu_seqlens_q=to_device(cu, np.int32),
+            max_seqlen_q=max_seqlen_q,
             max_seqlen_k=int(seq_lens.max()),
         )
         return StepInputs(
-            input_ids=to_device(input_ids, torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=to_device(input_ids, np.int64),
+            positions=to_device(positions, np.int64),
             meta=meta,
-            logits_indices=to_device(logits_indices, torch.int64),
+            logits_indices=to_device(logits_indices, np.int64),
             sample_requests=sample_requests,
         )
 

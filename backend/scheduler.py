@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
-from backend.kv_cache import KVCacheManager, SwapSpace
+from backend.kv_cache import BlockTable, KVCacheManager, SwapSpace
 from backend.request import FinishReason, Request, RequestStatus
 
 
@@ -33,6 +33,9 @@ class SchedulerOutput:
     # Copies the model runner makes before the forward pass, swap-outs first.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # The KV manager's block table, where the model runner reads the scheduled requests'
+    # block ids (their rows change only when blocks are allocated or freed).
+    block_table: BlockTable | None = None
     schedule_time_s: float = 0.0
 
     @property
@@ -181,7 +184,7 @@ class Scheduler:
             self.swap.free(self._host_blocks_to_free)
             self._host_blocks_to_free = []
         cfg = self.config
-        plan = SchedulerOutput()
+        plan = SchedulerOutput(block_table=self.kv.block_table)
         budget = cfg.max_num_batched_tokens
         granted: dict[Request, int] = {}  # insertion order is batch order
         running_at_start = bool(self.running)
@@ -313,4 +316,6 @@ class Scheduler:
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
             assert len(request.block_ids) * self.kv.block_size >= request.num_computed_tokens
-        self.kv.pool.check_invariants()
+        # Only running requests hold blocks, and each of those has a row in the block table.
+        assert set(self.kv.block_table.row_of) == {r for r in self.running if r.block_ids}
+        self.kv.check_invariants()

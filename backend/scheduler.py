@@ -195,17 +195,21 @@ class Scheduler:
         # The hot loop of every iteration (one pass over up to max_num_seqs requests): locals
         # and plain attributes rather than properties keep it near 1 us per request.
         running_status, chunk_limit, allocate = RequestStatus.RUNNING, cfg.long_prefill_token_threshold, self.kv.allocate
+        block_size = self.kv.block_size
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            num_new = len(request.token_ids) - request.num_computed_tokens
+            num_computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - num_computed
             if num_new > chunk_limit or num_new > budget:
                 num_new = min(num_new, chunk_limit, budget)
             if num_new <= 0:
                 continue
-            while not allocate(request, num_new):
+            # Most steps a decode's last block still has room: that is allocate's own first
+            # test, done here without the call (~25% of this loop at 256 running).
+            while num_computed + num_new > len(request.block_ids) * block_size and not allocate(request, num_new):
                 victim = self._pick_victim()
                 # Protected requests reserved their whole life's blocks, so an allocation
                 # that fails belongs to an unprotected request: a victim always exists.

@@ -207,14 +207,23 @@ def wait_ready(
 
 
 def stop(proc: subprocess.Popen, timeout: float = EXIT_TIMEOUT_SECS + 15) -> int:
-    """Graceful stop by PID: SIGTERM, wait, then SIGKILL. Returns the exit code."""
+    """Graceful stop by PID: SIGTERM, wait, then SIGKILL. Returns the exit code.
+
+    Then whatever is left of the server's process group (it leads one, `launch`) is
+    killed: Python backend stubs outlive a tritonserver that was killed, or that timed out
+    unloading a model, and would hold a core and gigabytes with no parent to reap them."""
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGTERM)
-            return proc.wait(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return proc.wait()
+    code = proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone: nothing was left behind
+    return code
 
 
 def model_names(http_port: int, host: str = "127.0.0.1") -> list[str]:

@@ -1,10 +1,19 @@
 """Turns a step's logits into one token per request, vectorised across the batch.
 
 Order of operations (as vLLM): penalties, min_tokens masking, then greedy rows take the
-argmax; the others go through temperature, top-k, top-p and min-p and are sampled with
-the exponential race (argmax of p / Exp(1) noise), which draws exactly one noise row per
-request. A request with a `seed` draws its noise from its own generator, so its output
-does not depend on what else is in the batch. Logprobs are of the raw model output.
+argmax; the others go through temperature, top-k, top-p and min-p and are sampled by
+inverse CDF: one uniform u in [0, 1) per row, a float32 running sum of the row's
+probabilities, and the first token whose running sum exceeds u times the row's total (a
+binary search). That costs one random number per row instead of one per vocabulary entry:
+the exponential race used before (argmax of p / Exp(1) noise) drew a 49k-value noise row
+per request, ~50-70 ms per call for 32 rows on one core against ~4-5 ms now. A token of
+probability zero (masked, or underflowed) adds nothing to the running sum, so it is never
+the first to exceed the target. A request with a `seed` draws its uniform from its
+own generator, so its output does not depend on what else is in the batch; unseeded rows
+draw theirs from the engine's generator in one call. Seeded output repeats exactly for
+bit-identical logits; unlike the race, a token can change with logits that differ in the
+last bits (a run that starts from prefix-cached KV blocks against one that computes them:
+about 1 in 240 16-token runs at temperature 0.9). Logprobs are of the raw model output.
 """
 
 from __future__ import annotations
@@ -38,6 +47,11 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        # Two float32 buffers the random path reuses for its [rows, vocab] intermediates
+        # (grown to the largest batch seen): malloc hands fresh temporaries of that size back
+        # to the OS when they are freed, and faulting them in again every step cost more than
+        # the arithmetic (~6 of ~10 ms for 32 rows x 49k).
+        self._workspace = [torch.empty(0), torch.empty(0)]
 
     @staticmethod
     def make_request_generator(seed: int) -> torch.Generator:
@@ -63,9 +77,13 @@ class Sampler:
                         logits = logits.clone()  # never write into the caller's tensor
                     logits[row, banned] = float("-inf")
 
-        tokens = argmax_rows(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
+        if not random_rows:
+            tokens = argmax_rows(logits)
+        elif len(random_rows) == num_rows:  # no copy of the rows, no argmax that nobody takes
+            tokens = self._sample(logits, requests)
+        else:
+            tokens = argmax_rows(logits)
             tokens[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
 
         token_list = tokens.tolist()
@@ -102,10 +120,16 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         return logits - presence * (counts > 0) - frequency * counts
 
+    def _buffer(self, index: int, shape: torch.Size) -> torch.Tensor:
+        rows, vocab = shape
+        if self._workspace[index].numel() < rows * vocab:
+            self._workspace[index] = torch.empty(rows * vocab)
+        return self._workspace[index][: rows * vocab].view(rows, vocab)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        logits = logits / temperature
+        logits = torch.div(logits, temperature, out=self._buffer(0, logits.shape))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
             k = torch.tensor([k if k else logits.shape[1] for k in top_k])
@@ -121,15 +145,45 @@ class Sampler:
             drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
+        probs = torch.softmax(logits, dim=-1, out=self._buffer(1, logits.shape))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+            probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # The running sums overwrite the scaled logits, spent once the softmax is taken.
+        return sample_from_probs(probs, self._uniforms(requests), out=self._buffer(0, logits.shape))
+
+    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+        """One float32 uniform in [0, 1) per row: a seeded request's from its own generator,
+        the unseeded rows' from the engine's, in one draw."""
+        u = torch.empty(len(requests), dtype=torch.float32)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1])).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float32, generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        return argmax_rows(probs / noise)
+                u[i] = torch.rand(1, dtype=torch.float32, generator=r.generator)[0]
+        return u
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose float32 running sum of `probs`
+    (non-negative, not necessarily normalised: min-p does not renormalise) exceeds
+    uniform * the row's total, with `uniforms` in [0, 1).
+
+    The running sum is non-decreasing, and a token of probability zero leaves it unchanged,
+    so the first entry strictly above a target (searchsorted right=True) is always a token
+    of nonzero probability; u = 0 skips leading masked tokens the same way. The target is
+    scaled by the running sum's own last entry, not assumed to be 1 nor taken from another
+    summation, so u < 1 keeps it below that entry for any normal float32 total; where
+    rounding does put it at the total (a subnormal total can), the search runs past the
+    row, and the index is clamped to the row's last token that carries mass (the first
+    entry that reaches the total), never to the vocabulary's end, which may be masked.
+    `out`, if given, receives the running sums."""
+    cumulative = torch.cumsum(probs, dim=-1, out=out)
+    total = cumulative[:, -1:].contiguous()
+    target = uniforms.to(cumulative.dtype).unsqueeze(1) * total
+    index = torch.searchsorted(cumulative, target, right=True)
+    last = torch.searchsorted(cumulative, total, right=False)
+    # The final clamp only matters for a row with no finite logit (NaN probabilities),
+    # which has no right answer; it keeps the index inside the vocabulary.
+    return torch.minimum(index, last).squeeze(1).clamp_(max=probs.shape[1] - 1)

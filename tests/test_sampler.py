@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.request import Request, SamplingParams
-from backend.sampler import Sampler, argmax_rows
+from backend.sampler import Sampler, argmax_rows, sample_from_probs
 
 EOS = 2
 
@@ -194,6 +194,104 @@ def test_masks_apply_per_row():
     tokens = torch.tensor(Sampler(seed=3)(logits, requests).token_ids)
     assert set(tokens[1::2].tolist()) <= {0, 1}
     assert len(set(tokens[0::2].tolist())) == 6, "the unrestricted rows must still reach every token"
+
+
+# --------------------------------------------------------------------------------------
+# Inverse-CDF sampling: the draw, and the uniform's extremes
+# --------------------------------------------------------------------------------------
+
+# The largest float32 below 1: the largest value torch.rand returns.
+BELOW_ONE = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))
+
+
+def test_one_uniform_per_row_per_step_from_the_rows_own_generator():
+    """A seeded row takes one float32 uniform from its own generator per step; the unseeded
+    rows take theirs from the engine's generator, in one draw, in row order."""
+    logits = random_logits(5, seed=8)
+    rows = [req("u0", temperature=1.0), req("s1", temperature=1.0, seed=11), req("u2", temperature=1.0),
+            req("s3", temperature=1.0, seed=12), req("u4", temperature=1.0)]
+    sampler = Sampler(seed=3)
+    engine_generator = torch.Generator().manual_seed(3)
+    own = {1: torch.Generator().manual_seed(11), 3: torch.Generator().manual_seed(12)}
+    probs = logits.softmax(dim=-1)
+    for _ in range(4):
+        u = torch.empty(5)
+        u[[0, 2, 4]] = torch.rand(3, generator=engine_generator)
+        for row, generator in own.items():
+            u[row] = torch.rand(1, generator=generator)[0]
+        assert sampler(logits, rows).token_ids == sample_from_probs(probs, u).tolist()
+
+
+def test_inverse_cdf_returns_a_token_with_probability_at_the_uniforms_extremes():
+    probs = torch.tensor([
+        [0.0, 0.0, 0.3, 0.0, 0.5, 0.2, 0.0, 0.0],  # normalised; zeros at both ends and between
+        [0.0, 0.4, 0.0, 0.35, 0.0, 0.0, 0.0, 0.0],  # not renormalised (as after min-p): total 0.75
+        # For a normal float32 total, u * total < total for every u < 1; a subnormal total
+        # is where the product rounds up to the total and the search runs past the row.
+        [0.0, 2.0**-140, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ])
+    total = probs[2].sum()
+    assert torch.tensor(BELOW_ONE) * total == total, "float32 rounding puts the target at the total"
+    # u = 0 skips the leading zeros (the first entry strictly above 0); u just below 1 lands on
+    # the last token with probability, not on the masked end of the vocabulary.
+    assert sample_from_probs(probs, torch.zeros(3)).tolist() == [2, 1, 1]
+    assert sample_from_probs(probs, torch.full((3,), BELOW_ONE)).tolist() == [5, 3, 1]
+    # Between the extremes: each token owns its share of [0, total).
+    u = torch.tensor([0.29, 0.31, 0.79, 0.81, 0.99])
+    assert sample_from_probs(probs[0].expand(5, -1), u).tolist() == [2, 4, 4, 5, 5]
+
+
+def test_the_reused_buffers_carry_nothing_between_calls():
+    """The random path reuses its [rows, vocab] buffers: a call after a larger or a smaller
+    batch, with other masks, samples what a fresh Sampler does, and the caller's logits stay."""
+    def seeded(n: int, **params) -> list[Request]:
+        return [req(f"s{i}", seed=i, **params) for i in range(n)]
+
+    logits = random_logits(8, seed=12)
+    before = logits.clone()
+    used = Sampler()
+    for n, params in ((8, dict(temperature=1.0)), (3, dict(temperature=0.7, top_k=5)),
+                      (6, dict(temperature=1.3, min_p=0.1)), (8, dict(temperature=1.0, top_p=0.8))):
+        assert used(logits[:n], seeded(n, **params)).token_ids == Sampler()(logits[:n], seeded(n, **params)).token_ids
+        assert torch.equal(logits, before)
+
+
+# Each case's mask keeps tokens from the middle of the vocabulary only: both ends are masked.
+EDGE_LOGITS = torch.tensor([-1.0, 0.5, 2.0, 1.5, 1.0, 1.99, 0.0, -2.0])
+EDGE_CASES = {  # name: (sampling params, the tokens left with probability)
+    "top_k": (dict(temperature=1.0, top_k=3), {2, 3, 5}),
+    # at t=0.7: p(2) = 0.344, p(5) = 0.339 reach 0.5 together
+    "top_p": (dict(temperature=0.7, top_p=0.5), {2, 5}),
+    # p >= 0.5 * p(2): logits within log 2 of the best
+    "min_p": (dict(temperature=1.0, min_p=0.5), {2, 3, 5}),
+    # EOS (0 here) and the stop tokens 6 and 7 are masked before min_tokens
+    "min_tokens": (dict(temperature=1.0, min_tokens=5, stop_token_ids=[6, 7]), {1, 2, 3, 4, 5}),
+    # no mask, but at t=0.004 exp((1.5 - 2) / 0.004) = exp(-125) underflows to exactly 0 in float32
+    "underflow": (dict(temperature=0.004), {2, 5}),
+}
+
+
+def edge_requests(copies: int = 1) -> list[Request]:
+    return [req(f"{name}{i}", eos=(0,), **params) for name, (params, _) in EDGE_CASES.items() for i in range(copies)]
+
+
+def test_the_edge_cases_masks_keep_what_the_table_says():
+    copies = 2000
+    tokens = Sampler(seed=0)(EDGE_LOGITS.expand(len(EDGE_CASES) * copies, -1).contiguous(), edge_requests(copies)).token_ids
+    for i, (name, (_, kept)) in enumerate(EDGE_CASES.items()):
+        assert set(tokens[i * copies : (i + 1) * copies]) == kept, name
+    probs = (EDGE_LOGITS / 0.004).softmax(dim=-1)
+    assert (probs > 0).nonzero().flatten().tolist() == [2, 5], "the underflow case underflows"
+
+
+@pytest.mark.parametrize("uniform", [0.0, BELOW_ONE], ids=["zero", "below_one"])
+def test_masked_or_underflowed_tokens_are_never_drawn_at_the_uniforms_extremes(monkeypatch, uniform):
+    """u = 0 must give the first token with probability, u just below 1 the last, whatever
+    lies masked before or after them in the vocabulary."""
+    sampler = Sampler()
+    monkeypatch.setattr(sampler, "_uniforms", lambda requests: torch.full((len(requests),), uniform))
+    got = sampler(EDGE_LOGITS.expand(len(EDGE_CASES), -1).contiguous(), edge_requests()).token_ids
+    assert got == [min(kept) if uniform == 0.0 else max(kept) for _, kept in EDGE_CASES.values()]
 
 
 # --------------------------------------------------------------------------------------

@@ -83,6 +83,11 @@ class EngineMetrics:
             for reason in ("stop", "length", "abort", "error")
         }
         self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+        # Publish every gauge now, before the model reports ready: the loop's first on_step
+        # comes only after its first idle wait (EngineLoop.IDLE_WAIT_S), and a scrape right
+        # after readiness read 0 for the KV pool's size (the e2e kv_blocks fixture, once).
+        # Nothing steps the engine yet (the loop starts after this), so no race here.
+        self.on_step()
 
     def close(self) -> None:
         """Release every metric, then the families: Triton refuses the other order."""

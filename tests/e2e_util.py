@@ -240,13 +240,26 @@ def engine_state(m: Metrics, model: str) -> dict[str, float]:
 
 
 def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
-    """Poll /metrics until the model's engine holds no KV block and no request; returns that scrape."""
+    """Poll /metrics until the model's engine holds no KV block and no request, and the
+    model's series read the same on two scrapes in a row; returns the last scrape.
+
+    The engine sets its gauges one at a time while the endpoint may be read, so one scrape
+    can catch the update that emptied the engine half done (seen once: KV blocks used 0,
+    the KV fraction, set later in the same update, still the busy value)."""
     last: dict = {}
+    previous: list = []
 
     def idle():
         m = scrape(metrics_port)
         last.update(engine_state(m, model))
-        return m if not any(last.values()) else None
+        if any(last.values()):
+            previous.clear()
+            return None
+        series = sorted((n, sorted(ls.items()), repr(v)) for n, ls, v in m.samples if ls.get("model") == model)
+        if previous and previous[0] == series:
+            return m
+        previous[:] = [series]
+        return None
 
     try:
         return wait_until(idle, timeout, 0.2, "idle engine")

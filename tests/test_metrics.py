@@ -70,6 +70,21 @@ def loop(tmp_path_factory):
     loop.shutdown()
 
 
+def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
+    """A scrape right after the model reports ready must see the pool and batch sizes: the
+    loop's first on_step comes only after its first idle wait (the e2e kv_blocks fixture
+    once read 0 blocks). No loop here, so only the constructor can have set them."""
+    FakeMetricFamily.registry = {}
+    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max").value == engine.kv.pool.num_blocks > 0
+    assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free").value == engine.kv.pool.num_blocks
+    assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per").value == engine.kv.block_size
+    assert value("nv_trt_llm_request_metrics", request_type="max").value == 4
+    assert value("inflight_iterations_total").value == 0
+
+
 def test_metrics_move_and_return_to_idle(loop):
     done = []
     event = threading.Event()

@@ -3,7 +3,6 @@ within one iteration, fault isolation, and draining on shutdown."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -207,18 +206,3 @@ def test_shutdown_drains_live_requests(tiny_model):
     with pytest.raises(RequestError) as info:
         loop.add_request("late", "too late", SamplingParams(), collector.callback("late"))
     assert info.value.code == RequestError.UNAVAILABLE
-
-
-@pytest.mark.parametrize("preset", [None, "123"])
-def test_importing_backend_keeps_openmp_workers_spinning_unless_told_otherwise(preset):
-    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: importing `backend` first
-    (as the Triton model and the benchmarks do) must set it, and keep a user's value."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    if preset is not None:
-        env["GOMP_SPINCOUNT"] = preset
-    code = "import os, backend, torch; print(os.environ['GOMP_SPINCOUNT'])"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == (preset or "10000000")

@@ -126,37 +126,48 @@ inline const float* block_rows(const T* rows, int64_t row_width, int64_t count, 
   }
 }
 
+// Calls visit(kv_head, first, count, rows, stride) for every KV head and every block of a
+// sequence's context: `count` positions from `first`, the head's rows as float32 (block_rows).
+template <typename T, int kVectors, typename Visit>
+inline void for_each_head_block(const T* cache, const int32_t* table, int64_t len, const Shape& shape, float* buffer,
+                                Visit visit) {
+  const int64_t block_size = shape.block_size, num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
+    const T* head = cache + kv_head * kVectors * kLanes;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t first = b * block_size, count = std::min(block_size, len - first);
+      int64_t stride;
+      const float* rows = block_rows<T, kVectors>(head + table[b] * shape.block_stride(), shape.row_width(), count,
+                                                  buffer, &stride);
+      visit(kv_head, first, count, rows, stride);
+    }
+  }
+}
+
 // One sequence, head_dim = kVectors * 16. `scores` holds num_q_heads * len floats, `buffer`
 // block_size * head_dim.
 template <typename T, int kVectors>
 void decode_sequence_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
                                 float* out, const Shape& shape, float scale, float* scores, float* buffer) {
-  const int64_t group = shape.group(), row_width = shape.row_width(), block_stride = shape.block_stride();
-  const int64_t block_size = shape.block_size, num_blocks = (len + block_size - 1) / block_size;
+  const int64_t group = shape.group();
   for (int64_t h = 0; h < shape.num_q_heads; ++h)
     for (int j = 0; j < kVectors; ++j)
       store_vector(out + (h * kVectors + j) * kLanes, load_vector(q + (h * kVectors + j) * kLanes) * scale);
 
-  for (int64_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
-    const int64_t kv_offset = kv_head * kVectors * kLanes;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const int64_t first = b * block_size, count = std::min(block_size, len - first);
-      int64_t stride;
-      const float* keys = block_rows<T, kVectors>(k_cache + table[b] * block_stride + kv_offset, row_width, count,
-                                                  buffer, &stride);
-      for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-        vfloat query[kVectors];  // the scaled query, parked in `out` until the V pass
-        for (int j = 0; j < kVectors; ++j) query[j] = load_vector(out + (h * kVectors + j) * kLanes);
-        float* s = scores + h * len + first;
-        for (int64_t r = 0; r < count; ++r) {
-          const float* key = keys + r * stride;
-          vfloat dot = query[0] * load_vector(key);
-          for (int j = 1; j < kVectors; ++j) dot += query[j] * load_vector(key + j * kLanes);
-          s[r] = sum_lanes(dot);
-        }
+  for_each_head_block<T, kVectors>(k_cache, table, len, shape, buffer,
+                                   [&](int64_t kv_head, int64_t first, int64_t count, const float* keys, int64_t stride) {
+    for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+      vfloat query[kVectors];  // the scaled query, parked in `out` until the V pass
+      for (int j = 0; j < kVectors; ++j) query[j] = load_vector(out + (h * kVectors + j) * kLanes);
+      float* s = scores + h * len + first;
+      for (int64_t r = 0; r < count; ++r) {
+        const float* key = keys + r * stride;
+        vfloat dot = query[0] * load_vector(key);
+        for (int j = 1; j < kVectors; ++j) dot += query[j] * load_vector(key + j * kLanes);
+        s[r] = sum_lanes(dot);
       }
     }
-  }
+  });
 
   for (int64_t h = 0; h < shape.num_q_heads; ++h) {
     float* s = scores + h * len;
@@ -165,24 +176,19 @@ void decode_sequence_vectorised(const T* q, const T* k_cache, const T* v_cache, 
   }
 
   std::fill(out, out + shape.num_q_heads * kVectors * kLanes, 0.f);
-  for (int64_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
-    const int64_t kv_offset = kv_head * kVectors * kLanes;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const int64_t first = b * block_size, count = std::min(block_size, len - first);
-      int64_t stride;
-      const float* values = block_rows<T, kVectors>(v_cache + table[b] * block_stride + kv_offset, row_width, count,
-                                                    buffer, &stride);
-      for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-        float* o = out + h * kVectors * kLanes;
-        vfloat acc[kVectors];
-        for (int j = 0; j < kVectors; ++j) acc[j] = load_vector(o + j * kLanes);
-        const float* s = scores + h * len + first;
-        for (int64_t r = 0; r < count; ++r)
-          for (int j = 0; j < kVectors; ++j) acc[j] += s[r] * load_vector(values + r * stride + j * kLanes);
-        for (int j = 0; j < kVectors; ++j) store_vector(o + j * kLanes, acc[j]);
-      }
+  for_each_head_block<T, kVectors>(v_cache, table, len, shape, buffer,
+                                   [&](int64_t kv_head, int64_t first, int64_t count, const float* values,
+                                       int64_t stride) {
+    for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+      float* o = out + h * kVectors * kLanes;
+      vfloat acc[kVectors];
+      for (int j = 0; j < kVectors; ++j) acc[j] = load_vector(o + j * kLanes);
+      const float* s = scores + h * len + first;
+      for (int64_t r = 0; r < count; ++r)
+        for (int j = 0; j < kVectors; ++j) acc[j] += s[r] * load_vector(values + r * stride + j * kLanes);
+      for (int j = 0; j < kVectors; ++j) store_vector(o + j * kLanes, acc[j]);
     }
-  }
+  });
 }
 
 // Any head size: the same order of work with plain loops over the head dimension.

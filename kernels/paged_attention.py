@@ -66,15 +66,14 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     module = cpu_ext.load()
     if module is None:
         return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
-    if max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
-        # All decodes (the usual step): straight to the kernel, no host sync to find out.
-        return module.paged_decode_attention(query.to(k_cache.dtype), k_cache, v_cache, block_tables.to(torch.int32),
-                                             seq_lens.to(torch.int32), scale).to(query.dtype)
 
     def decode(q, k_cache, v_cache, tables, ctx, scale):
         return module.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
                                              ctx.to(torch.int32), scale)
 
+    if max_seqlen_q == 1 and query.shape[0] == seq_lens.shape[0]:
+        # All decodes (the usual step): straight to the kernel, no host sync to find out.
+        return decode(query, k_cache, v_cache, block_tables, seq_lens, scale).to(query.dtype)
     return _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, decode)
 
 

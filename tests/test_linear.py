@@ -3,6 +3,8 @@ model feeds them, and packing is skipped where it does not apply."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ def test_packed_linear_matches_f_linear(dtype, rows, bias):
     b = torch.randn(96, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, 80, generator=gen).to(dtype)
     packed = kernels.pack_linear_weight(weight)
-    assert packed is not None, "this CPU build of torch packs float32 (MKL) and bfloat16 (oneDNN)"
+    assert packed is not None, "this CPU build of torch packs float32 (MKL) and bfloat16 (oneDNN, or MKL in float32)"
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
     got = kernels.linear(x, weight, b, packed)
     assert got.dtype == dtype and got.shape == (rows, 96)
@@ -56,3 +58,33 @@ def test_packed_module_drops_its_row_major_copy():
     assert layer.packed is not None
     assert layer.weight.shape == (32, 64) and layer.weight.stride() == (0, 0)  # shape only, no data
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, bias):
+    # CPUs without AVX512-BF16 or AMX (AVX2-only EPYC, say): oneDNN refuses to pack bf16 there
+    # and torch's bf16 GEMM is ~7x slower than MKL's float32, so the weight is packed as its
+    # exact float32 upcast and the output rounded to bf16 once.
+    # (sys.modules: the package exports a function under the module's name `linear`)
+    monkeypatch.setattr(sys.modules["kernels.linear"], "_onednn_bf16_usable", lambda: False)
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(96, 80, generator=gen) * 0.1).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16() if bias else None
+    x = torch.randn(2, 17, 80, generator=gen).bfloat16()
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.kind == "mkl_upcast" and packed.shape_only.dtype == torch.bfloat16
+    got = kernels.linear(x, weight, b, packed)
+    # float32 accumulation rounded once: within one bf16 rounding of the exact float32 result.
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 17, 96)
+    torch.testing.assert_close(got, exact.bfloat16(), atol=1e-6, rtol=2 ** -8)
+    strided = torch.randn(7, 160, generator=gen).bfloat16()[:, ::2]
+    torch.testing.assert_close(kernels.linear(strided, weight, b, packed),
+                               F.linear(strided.float(), weight.float(), None if b is None else b.float()).bfloat16(),
+                               atol=1e-6, rtol=2 ** -8)
+
+
+def test_bf16_packing_matches_the_cpu():
+    packed = kernels.pack_linear_weight(torch.randn(8, 4).bfloat16())
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert packed.kind == ("onednn" if native else "mkl_upcast")

@@ -24,7 +24,7 @@ def test_packed_linear_matches_f_linear(dtype, rows, bias):
     b = torch.randn(96, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, 80, generator=gen).to(dtype)
     packed = kernels.pack_linear_weight(weight)
-    assert packed is not None, "this CPU build of torch packs float32 (MKL) and bfloat16 (oneDNN, or MKL in float32)"
+    assert packed is not None, "this CPU build of torch packs float32 and bfloat16 (oneDNN)"
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
     got = kernels.linear(x, weight, b, packed)
     assert got.dtype == dtype and got.shape == (rows, 96)
@@ -60,19 +60,22 @@ def test_packed_module_drops_its_row_major_copy():
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("library", ["onednn", "mkl"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, bias):
+def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, library, bias):
     # CPUs without AVX512-BF16 or AMX (AVX2-only EPYC, say): oneDNN refuses to pack bf16 there
-    # and torch's bf16 GEMM is ~7x slower than MKL's float32, so the weight is packed as its
-    # exact float32 upcast and the output rounded to bf16 once.
-    # (sys.modules: the package exports a function under the module's name `linear`)
-    monkeypatch.setattr(sys.modules["kernels.linear"], "_onednn_bf16_usable", lambda: False)
+    # and torch's bf16 GEMM is ~7x slower than float32, so the weight is packed as its exact
+    # float32 upcast and the output rounded to bf16 once. (sys.modules: the package exports a
+    # function under the module's name `linear`.)
+    module = sys.modules["kernels.linear"]
+    monkeypatch.setattr(module, "_native_bf16", lambda: False)
+    monkeypatch.setattr(module, "_onednn_usable", lambda: library == "onednn")
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(96, 80, generator=gen) * 0.1).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
     x = torch.randn(2, 17, 80, generator=gen).bfloat16()
     packed = kernels.pack_linear_weight(weight)
-    assert packed.kind == "mkl_upcast" and packed.shape_only.dtype == torch.bfloat16
+    assert (packed.kind, packed.upcast, packed.shape_only.dtype) == (library, True, torch.bfloat16)
     got = kernels.linear(x, weight, b, packed)
     # float32 accumulation rounded once: within one bf16 rounding of the exact float32 result.
     exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
@@ -84,7 +87,18 @@ def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, bias):
                                atol=1e-6, rtol=2 ** -8)
 
 
-def test_bf16_packing_matches_the_cpu():
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_float32_falls_back_to_mkl_without_onednn(monkeypatch, rows):
+    monkeypatch.setattr(sys.modules["kernels.linear"], "_onednn_usable", lambda: False)
+    gen = torch.Generator().manual_seed(rows)
+    weight, b, x = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 80, generator=gen)
+    packed = kernels.pack_linear_weight(weight)
+    assert (packed.kind, packed.upcast) == ("mkl", False)
+    torch.testing.assert_close(kernels.linear(x, weight, b, packed), F.linear(x, weight, b), **TOLERANCE[torch.float32])
+
+
+def test_packing_matches_the_cpu():
+    assert kernels.pack_linear_weight(torch.randn(8, 4)).kind == "onednn"
     packed = kernels.pack_linear_weight(torch.randn(8, 4).bfloat16())
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert packed.kind == ("onednn" if native else "mkl_upcast")
+    assert (packed.kind, packed.upcast) == ("onednn", not native)

@@ -176,3 +176,18 @@ def test_hf_continuous_one_temperature_only(tiny):
     workload.requests[0].temperature = 0.6
     with pytest.raises(ValueError, match="one temperature"):
         peers.run_hf_continuous(workload, tiny, max_num_seqs=2, dtype="float32", progress=False)
+
+
+def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch):
+    from client import vllm_server
+
+    calls = []
+    monkeypatch.setattr(vllm_server.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")  # the caller's own preload is kept
+    monkeypatch.setattr(vllm_server.sys, "argv", ["vllm_server", "--model", "m", "--port", "9100"])
+    vllm_server.main()
+    [(path, argv, env)] = calls
+    assert argv[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9100"]
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_offline.DEFAULT_KVCACHE_SPACE_GIB)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] and env["LD_PRELOAD"] == ""

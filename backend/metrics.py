@@ -83,6 +83,9 @@ class EngineMetrics:
             for reason in ("stop", "length", "abort", "error")
         }
         self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+        # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
+        # process, made by the engine's loop thread between two steps, so only changes go.
+        self._published: dict[int, float] = {}
         # Publish every gauge now, before the model reports ready: the loop's first on_step
         # comes only after its first idle wait (EngineLoop.IDLE_WAIT_S), and a scrape right
         # after readiness read 0 for the KV pool's size (the e2e kv_blocks fixture, once).
@@ -108,21 +111,24 @@ class EngineMetrics:
         running, waiting = engine.num_running, engine.num_waiting
         kv = engine.kv
         step = engine.last_step
-        for metric, value in ((self.running, running), (self.vllm_running, running), (self.waiting, waiting),
-                              (self.vllm_waiting, waiting), (self.kv_usage, kv.usage), (self.vllm_kv, kv.usage),
-                              (self.prefix_hit_rate, kv.prefix_hit_rate),
-                              (self.occupancy, running / engine.config.max_num_seqs),
-                              (self.tokens_per_iteration, step.num_scheduled_tokens)):
-            metric.set(value)
-        prefill = sum(1 for r in engine.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens)
-        for kind, value in (("active", running), ("max", engine.config.max_num_seqs), ("scheduled", running),
-                            ("context", prefill), ("waiting", waiting)):
-            self.trt_requests[kind].set(value)
         pool = kv.pool
-        for kind, value in (("max", pool.num_blocks), ("free", pool.num_free), ("used", pool.num_used),
-                            ("tokens_per", kv.block_size), ("reused", kv.num_prefix_hits // kv.block_size),
-                            ("fraction", kv.usage)):
-            self.trt_blocks[kind].set(value)
+        prefill = sum(1 for r in engine.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens)
+        gauges = [
+            (self.running, running), (self.vllm_running, running), (self.waiting, waiting),
+            (self.vllm_waiting, waiting), (self.kv_usage, kv.usage), (self.vllm_kv, kv.usage),
+            (self.prefix_hit_rate, kv.prefix_hit_rate), (self.occupancy, running / engine.config.max_num_seqs),
+            (self.tokens_per_iteration, step.num_scheduled_tokens),
+        ]
+        gauges += [(self.trt_requests[kind], value) for kind, value in (
+            ("active", running), ("max", engine.config.max_num_seqs), ("scheduled", running),
+            ("context", prefill), ("waiting", waiting))]
+        gauges += [(self.trt_blocks[kind], value) for kind, value in (
+            ("max", pool.num_blocks), ("free", pool.num_free), ("used", pool.num_used),
+            ("tokens_per", kv.block_size), ("reused", kv.num_prefix_hits // kv.block_size), ("fraction", kv.usage))]
+        for metric, value in gauges:
+            if self._published.get(id(metric)) != value:
+                metric.set(value)
+                self._published[id(metric)] = value
 
     def on_finished(self, output) -> None:
         """Per-request latencies, from the final output of a request."""

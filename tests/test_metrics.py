@@ -18,6 +18,7 @@ class FakeMetric:
     def __init__(self, family, labels, buckets=None):
         self.family, self.labels, self.buckets = family, labels, buckets
         self.value = 0.0
+        self.sets = 0
         self.observations = []
 
     def increment(self, by):
@@ -26,6 +27,7 @@ class FakeMetric:
 
     def set(self, value):
         self.value = value
+        self.sets += 1
 
     def observe(self, value):
         self.observations.append(value)
@@ -122,3 +124,26 @@ def test_metrics_move_and_return_to_idle(loop):
     for family in FakeMetricFamily.registry.values():
         for metric in family.metrics:
             assert metric.labels["model"] == "llm" and metric.labels["version"] == "1"
+
+
+def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
+    """Every set is an IPC round trip to the Triton process, made by the loop thread between
+    two steps: unchanged values are not sent again."""
+    FakeMetricFamily.registry = {}
+    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    gauges = [m for f in FakeMetricFamily.registry.values() if f.kind == f.GAUGE for m in f.metrics]
+
+    def sets():
+        return sum(m.sets for m in gauges)
+
+    first = sets()
+    assert first >= len(gauges)  # the constructor publishes every gauge
+    metrics.on_step()
+    assert sets() == first
+    engine.add_request("r", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    metrics.on_step()
+    assert value("inflight_requests_running").value == 1 and sets() > first
+    assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used").value == engine.kv.pool.num_used > 0

@@ -61,11 +61,16 @@ def value(name, **labels):
     return matches[0]
 
 
-@pytest.fixture
-def loop(tmp_path_factory):
+def tiny_engine(tmp_path_factory) -> LLMEngine:
+    """A fresh fake registry and an engine on a tiny checkpoint (max_num_seqs 4, 64 blocks)."""
     FakeMetricFamily.registry = {}
     model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    return LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+
+
+@pytest.fixture
+def loop(tmp_path_factory):
+    engine = tiny_engine(tmp_path_factory)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     loop = EngineLoop(engine, observer=metrics)
     yield loop
@@ -76,9 +81,7 @@ def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
     """A scrape right after the model reports ready must see the pool and batch sizes: the
     loop's first on_step comes only after its first idle wait (the e2e kv_blocks fixture
     once read 0 blocks). No loop here, so only the constructor can have set them."""
-    FakeMetricFamily.registry = {}
-    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    engine = tiny_engine(tmp_path_factory)
     EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max").value == engine.kv.pool.num_blocks > 0
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free").value == engine.kv.pool.num_blocks
@@ -129,9 +132,7 @@ def test_metrics_move_and_return_to_idle(loop):
 def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
     """Every set is an IPC round trip to the Triton process, made by the loop thread between
     two steps: unchanged values are not sent again."""
-    FakeMetricFamily.registry = {}
-    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    engine = tiny_engine(tmp_path_factory)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     gauges = [m for f in FakeMetricFamily.registry.values() if f.kind == f.GAUGE for m in f.metrics]
 

@@ -14,7 +14,8 @@ it is plain Python + torch. Triton calls:
 Threads: the engine loop calls ``on_output`` once per step per request; that only
 queues the output. The response thread builds the Triton responses, sends them and
 polls cancellation (``response_sender.is_cancelled()`` is an IPC round trip, so the
-engine reads a cached flag instead).
+engine reads a cached flag instead). The readiness thread notices an unload or a server
+shutdown while requests are live and aborts them, so each still gets its final response.
 
 Responses: ``stream`` true sends one response per new piece of text, and the last
 response (which may carry an empty string) has the final flag. ``stream`` false sends
@@ -34,6 +35,7 @@ try:
 except locale.Error:  # pragma: no cover - every glibc system has C.UTF-8
     pass
 
+import faulthandler
 import itertools
 import json
 import queue
@@ -46,6 +48,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.readiness import HttpReadinessProbe
 from backend.request import RETURN_FLAGS
 
 # Request-level switches (inputs of the model, BOOL[1]). When a client sends no
@@ -72,10 +75,10 @@ OUTPUTS = [
 
 # How often live requests that sent nothing lately are asked whether they were cancelled.
 CANCEL_POLL_INTERVAL_S = 0.25
-# How often, while requests are live, the model checks that Triton still has it READY.
-# Triton's shutdown marks models UNLOADING and then waits for every decoupled request to
-# send its final response (a live response sender keeps the model loaded, so `finalize`
-# never comes): on that signal the live requests are ended at once.
+# How often, while requests are live, the model checks that Triton still has it READY
+# (backend/readiness.py). Triton's shutdown stops the model and then waits for every
+# decoupled request to send its final response (a live response sender keeps the model
+# loaded, so `finalize` never comes): on that signal the live requests are ended at once.
 READINESS_POLL_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -218,6 +221,9 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ lifecycle
 
     def initialize(self, args: dict[str, str]) -> None:
+        # A crash of the stub otherwise leaves no trace in the server log, only a model
+        # that never unloads.
+        faulthandler.enable(all_threads=True)
         self.logger = pb_utils.Logger
         self.model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", self.model_config.get("name", "?"))
@@ -252,16 +258,26 @@ class TritonPythonModel:
         )
 
         self.model_version = str(args.get("model_version", ""))
-        self._last_readiness_poll = 0.0
+        self._http_readiness = HttpReadinessProbe.for_parent_server(self.model_name, self.model_version)
+        self.logger.log_info(
+            "[inflight] unload detection: "
+            + (f"GET {self._http_readiness.url}" if self._http_readiness else "pb_utils.is_model_ready (no HTTP endpoint found)")
+        )
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
         self._shutting_down = False
+        self._stopped = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._response_thread = threading.Thread(
             target=self._response_loop, name="inflight-responses", daemon=True
         )
         self._response_thread.start()
+        # Its own thread: a probe waits on the server and must never hold up responses.
+        self._readiness_thread = threading.Thread(
+            target=self._watch_readiness, name="inflight-readiness", daemon=True
+        )
+        self._readiness_thread.start()
 
     def _metrics(self, args: dict[str, str]):
         """Engine metrics on Triton's /metrics (None when the server runs without metrics)."""
@@ -281,6 +297,7 @@ class TritonPythonModel:
         if not hasattr(self, "_response_thread"):  # initialize failed half-way
             return
         self._shutting_down = True
+        self._stopped.set()
         self.logger.log_info(f"[inflight] finalize: {len(self._live)} live request(s) will be ended")
         try:
             self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
@@ -288,6 +305,7 @@ class TritonPythonModel:
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
         self._queue.put(None)
         self._response_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
+        self._readiness_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         # Whatever the engine did not finish still gets its one final response.
         with self._live_lock:
             leftovers = list(self._live.values())
@@ -383,24 +401,35 @@ class TritonPythonModel:
             if now - last_sweep >= CANCEL_POLL_INTERVAL_S:
                 last_sweep = now
                 self._poll_cancellation(now)
-            if self._live and not self._shutting_down and now - self._last_readiness_poll >= READINESS_POLL_INTERVAL_S:
-                self._last_readiness_poll = now
-                self._check_still_loaded()
 
-    def _check_still_loaded(self) -> None:
-        """End every live request once Triton unloads the model (server shutdown)."""
+    def _watch_readiness(self) -> None:
+        while not self._stopped.wait(READINESS_POLL_INTERVAL_S):
+            if self._live and not self._shutting_down:
+                try:
+                    self._check_still_loaded()
+                except Exception:  # noqa: BLE001 - keep watching
+                    self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
+
+    def _is_model_ready(self) -> bool | None:
+        """READY (True), unloading or server stopping (False), or no answer (None)."""
+        if self._http_readiness is not None:
+            ready = self._http_readiness()
+            if ready is not None:
+                return ready
+        # See backend/readiness.py: this IPC can crash the stub once the server stops.
         is_model_ready = getattr(pb_utils, "is_model_ready", None)
         if is_model_ready is None:
-            return
+            return None
         try:
-            ready = is_model_ready(model_name=self.model_name, model_version=self.model_version)
+            return bool(is_model_ready(model_name=self.model_name, model_version=self.model_version))
         except Exception as exc:  # noqa: BLE001
             # Once shutdown has begun Triton answers "Server not ready"; anything else is
             # an unanswerable question, not a shutdown.
-            if "not ready" not in str(exc).lower():
-                return
-            ready = False
-        if ready:
+            return False if "not ready" in str(exc).lower() else None
+
+    def _check_still_loaded(self) -> None:
+        """End every live request once Triton unloads the model (server shutdown)."""
+        if self._is_model_ready() is not False:
             return
         self._shutting_down = True
         with self._live_lock:

@@ -215,15 +215,9 @@ def test_metrics_endpoint_exports_engine_metrics(triton_server, reference_text):
         assert name in text, name
 
 
-def test_server_shutdown_ends_live_requests(tmp_path):
-    """SIGTERM with streams in flight: each gets its final response (abort), the server exits 0.
-
-    Triton keeps a decoupled model loaded while any response sender is open, so without
-    the backend noticing the unload, shutdown would wait for the exit timeout and crash.
-    Runs its own server on a tiny random-weight checkpoint.
-    """
+def _start_tiny_server(tmp_path, extra_args=()):
+    """A server of its own on a tiny random-weight checkpoint (for tests that stop or unload it)."""
     import subprocess
-    import time
 
     from checkpoints import make_tiny_checkpoint
     from conftest import TritonServer, free_ports, make_model_repository
@@ -234,41 +228,103 @@ def test_server_shutdown_ends_live_requests(tmp_path):
     http_port, grpc_port, metrics_port = free_ports(3)
     with open(tmp_path / "tritonserver.log", "wb") as log:
         proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port,
-                            stdout=log, stderr=subprocess.STDOUT)
+                            extra_args=extra_args, stdout=log, stderr=subprocess.STDOUT)
     server = TritonServer(http_port, grpc_port, metrics_port, proc.pid, tmp_path / "tritonserver.log")
     try:
         serve.wait_ready(http_port, 300, proc=proc)
-        results: dict[str, object] = {}
-        started = threading.Event()
+    except BaseException:
+        serve.stop(proc)
+        raise
+    return proc, server
 
-        def run(stream: bool) -> None:
-            try:
-                sampling = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-                responses = []
-                for r in grpc_generate_iter(server, "Once upon a time", sampling, stream):
-                    responses.append(r)
-                    started.set()
-                results["stream" if stream else "whole"] = responses
-            except Exception as exc:  # noqa: BLE001 - reported below
-                results["stream" if stream else "whole"] = exc
 
-        threads = [threading.Thread(target=run, args=(stream,)) for stream in (True, False)]
-        for t in threads:
-            t.start()
-        assert started.wait(120), "no token streamed"
-        time.sleep(0.5)
+def _two_long_requests(server) -> tuple[list[threading.Thread], dict[str, object]]:
+    """A streaming and a non-streaming request of 1000 tokens, both live once this returns."""
+    import time
+
+    results: dict[str, object] = {}
+    started = threading.Event()
+
+    def run(stream: bool) -> None:
+        try:
+            sampling = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+            responses = []
+            for r in grpc_generate_iter(server, "Once upon a time", sampling, stream):
+                responses.append(r)
+                started.set()
+            results["stream" if stream else "whole"] = responses
+        except Exception as exc:  # noqa: BLE001 - reported by _assert_aborted
+            results["stream" if stream else "whole"] = exc
+
+    threads = [threading.Thread(target=run, args=(stream,)) for stream in (True, False)]
+    for t in threads:
+        t.start()
+    assert started.wait(120), "no token streamed"
+    time.sleep(0.5)
+    return threads, results
+
+
+def _assert_aborted(results: dict[str, object], server) -> None:
+    for name in ("stream", "whole"):
+        responses = results[name]
+        assert not isinstance(responses, Exception), (name, responses, server.log_tail())
+        assert is_final(responses[-1])
+        assert responses[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == "abort"
+
+
+def test_server_shutdown_ends_live_requests(tmp_path):
+    """SIGTERM with streams in flight: each gets its final response (abort), the server exits 0.
+
+    Triton keeps a decoupled model loaded while any response sender is open, so without
+    the backend noticing the unload, shutdown would wait for the exit timeout and crash.
+    The backend asks the server's HTTP endpoint, found on its command line, not
+    `pb_utils.is_model_ready`, whose error path crashed the stub in one shutdown of ten.
+    """
+    import time
+
+    from tools import serve
+
+    proc, server = _start_tiny_server(tmp_path)
+    try:
+        expected = f"[inflight] unload detection: GET {server.http_url}/v2/models/llm/versions/1/ready"
+        assert expected in server.log_path.read_text(errors="replace"), server.log_tail()
+        threads, results = _two_long_requests(server)
         t0 = time.monotonic()
         proc.terminate()
         for t in threads:
             t.join(timeout=60)
         assert proc.wait(timeout=60) == 0, server.log_tail()
         assert time.monotonic() - t0 < 30
-        for name in ("stream", "whole"):
-            responses = results[name]
-            assert not isinstance(responses, Exception), (name, responses, server.log_tail())
-            assert is_final(responses[-1])
-            assert responses[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == "abort"
+        _assert_aborted(results, server)
+        assert "Fatal Python error" not in server.log_path.read_text(errors="replace")
     finally:
+        serve.stop(proc)
+
+
+def test_unloading_a_model_ends_its_live_requests(tmp_path):
+    """An explicit unload with streams in flight ends each (abort) and the unload completes."""
+    import time
+
+    import tritonclient.http as httpclient
+
+    from tools import serve
+
+    proc, server = _start_tiny_server(tmp_path, extra_args=["--model-control-mode=explicit", "--load-model=llm"])
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    try:
+        threads, results = _two_long_requests(server)
+        client.unload_model("llm")
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), server.log_tail()
+        _assert_aborted(results, server)
+        deadline = time.monotonic() + 30
+        while client.get_model_repository_index()[0].get("state") != "UNAVAILABLE":
+            assert time.monotonic() < deadline, (client.get_model_repository_index(), server.log_tail())
+            time.sleep(0.2)
+        assert client.is_server_live()
+    finally:
+        client.close()
         serve.stop(proc)
 
 

@@ -243,16 +243,21 @@ class TritonPythonModel:
         from backend.config import EngineConfig
         from backend.engine import EngineLoop, LLMEngine
 
-        if args.get("model_instance_kind") == "GPU" and torch.cuda.is_available():
-            torch.cuda.set_device(int(args.get("model_instance_device_id", "0")))
         try:
             config = EngineConfig.from_parameters(params, model_dir)
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"model '{self.model_name}': {exc}") from None
 
+        def build_engine() -> LLMEngine:
+            # On the engine's own thread (EngineLoop): CUDA's current device is per thread too.
+            if args.get("model_instance_kind") == "GPU" and torch.cuda.is_available():
+                torch.cuda.set_device(int(args.get("model_instance_device_id", "0")))
+            return LLMEngine(config)
+
         t0 = time.monotonic()
-        self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine, observer=self._metrics(args))
+        self.loop = EngineLoop(build_engine)
+        self.engine = self.loop.engine
+        self.loop.observer = self._metrics(args)
         self.logger.log_info(
             f"[inflight] model '{self.model_name}' ready in {time.monotonic() - t0:.1f}s: {config}"
         )

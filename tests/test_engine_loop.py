@@ -50,7 +50,7 @@ class Collector:
 
 def make_loop(model_path: str, **overrides) -> EngineLoop:
     config = EngineConfig(model_path=model_path, **{"max_num_seqs": 4, "num_kv_blocks": 64, **overrides})
-    return EngineLoop(LLMEngine(config))
+    return EngineLoop(lambda: LLMEngine(config))
 
 
 def wait_until(predicate, timeout: float = 30.0) -> None:
@@ -58,6 +58,43 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.005)
+
+
+def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_model):
+    """One thread owns the engine (OpenMP gives each thread that runs torch kernels its own team)."""
+    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64)
+    threads: dict[str, threading.Thread] = {}
+
+    def build() -> LLMEngine:
+        threads["build"] = threading.current_thread()
+        engine = LLMEngine(config)
+        step = engine.step
+
+        def recorded_step():
+            threads["step"] = threading.current_thread()
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    loop = EngineLoop(build)
+    collector = Collector()
+    try:
+        loop.add_request("r", "hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), collector.callback("r"))
+        collector.wait()
+        assert threads["build"] is threads["step"] is loop._thread is not threading.current_thread()
+    finally:
+        loop.shutdown()
+
+
+def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread(tiny_model):
+    def build() -> LLMEngine:
+        raise ValueError("no such checkpoint")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        EngineLoop(build)
+    wait_until(lambda: threading.active_count() == before)
 
 
 def test_every_request_gets_exactly_one_final_output(tiny_model):

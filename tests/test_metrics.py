@@ -72,7 +72,7 @@ def tiny_engine(tmp_path_factory) -> LLMEngine:
 def loop(tmp_path_factory):
     engine = tiny_engine(tmp_path_factory)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
-    loop = EngineLoop(engine, observer=metrics)
+    loop = EngineLoop(lambda: engine, observer=metrics)
     yield loop
     loop.shutdown()
 

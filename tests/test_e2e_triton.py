@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.generate import apply_chat_template, is_final, make_inputs, stream_generate, text_of
+from tests.e2e_util import run_server
 
 pytestmark = pytest.mark.e2e
 
@@ -215,27 +216,11 @@ def test_metrics_endpoint_exports_engine_metrics(triton_server, reference_text):
         assert name in text, name
 
 
-def _start_tiny_server(tmp_path, extra_args=()):
-    """A server of its own on a tiny random-weight checkpoint (for tests that stop or unload it)."""
-    import subprocess
+def _tiny_model(tmp_path) -> dict[str, dict[str, str]]:
+    """One model on a tiny random-weight checkpoint, for tests that stop or unload their own server."""
+    from tests.checkpoints import make_tiny_checkpoint
 
-    from checkpoints import make_tiny_checkpoint
-    from conftest import TritonServer, free_ports, make_model_repository
-    from tools import serve
-
-    checkpoint = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama")
-    repository = make_model_repository(tmp_path / "repo", {"model_path": checkpoint, "kv_cache_memory_mb": "16"})
-    http_port, grpc_port, metrics_port = free_ports(3)
-    with open(tmp_path / "tritonserver.log", "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port,
-                            extra_args=extra_args, stdout=log, stderr=subprocess.STDOUT)
-    server = TritonServer(http_port, grpc_port, metrics_port, proc.pid, tmp_path / "tritonserver.log")
-    try:
-        serve.wait_ready(http_port, 300, proc=proc)
-    except BaseException:
-        serve.stop(proc)
-        raise
-    return proc, server
+    return {"llm": {"model_path": make_tiny_checkpoint(str(tmp_path / "tiny"), "llama"), "kv_cache_memory_mb": "16"}}
 
 
 def _two_long_requests(server) -> tuple[list[threading.Thread], dict[str, object]]:
@@ -282,23 +267,18 @@ def test_server_shutdown_ends_live_requests(tmp_path):
     """
     import time
 
-    from tools import serve
-
-    proc, server = _start_tiny_server(tmp_path)
-    try:
+    with run_server(tmp_path, _tiny_model(tmp_path)) as server:
         expected = f"[inflight] unload detection: GET {server.http_url}/v2/models/llm/versions/1/ready"
-        assert expected in server.log_path.read_text(errors="replace"), server.log_tail()
+        assert expected in server.log(), server.log_tail()
         threads, results = _two_long_requests(server)
         t0 = time.monotonic()
-        proc.terminate()
+        server.proc.terminate()
         for t in threads:
             t.join(timeout=60)
-        assert proc.wait(timeout=60) == 0, server.log_tail()
+        assert server.proc.wait(timeout=60) == 0, server.log_tail()
         assert time.monotonic() - t0 < 30
         _assert_aborted(results, server)
-        assert "Fatal Python error" not in server.log_path.read_text(errors="replace")
-    finally:
-        serve.stop(proc)
+        assert "Fatal Python error" not in server.log()
 
 
 def test_unloading_a_model_ends_its_live_requests(tmp_path):
@@ -307,31 +287,29 @@ def test_unloading_a_model_ends_its_live_requests(tmp_path):
 
     import tritonclient.http as httpclient
 
-    from tools import serve
-
-    proc, server = _start_tiny_server(tmp_path, extra_args=["--model-control-mode=explicit", "--load-model=llm"])
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    try:
-        threads, results = _two_long_requests(server)
-        client.unload_model("llm")
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), server.log_tail()
-        _assert_aborted(results, server)
-        deadline = time.monotonic() + 30
-        while client.get_model_repository_index()[0].get("state") != "UNAVAILABLE":
-            assert time.monotonic() < deadline, (client.get_model_repository_index(), server.log_tail())
-            time.sleep(0.2)
-        assert client.is_server_live()
-    finally:
-        client.close()
-        serve.stop(proc)
+    explicit = ("--model-control-mode=explicit", "--load-model=llm")
+    with run_server(tmp_path, _tiny_model(tmp_path), extra_args=explicit) as server:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        try:
+            threads, results = _two_long_requests(server)
+            client.unload_model("llm")
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads), server.log_tail()
+            _assert_aborted(results, server)
+            deadline = time.monotonic() + 30
+            while client.get_model_repository_index()[0].get("state") != "UNAVAILABLE":
+                assert time.monotonic() < deadline, (client.get_model_repository_index(), server.log_tail())
+                time.sleep(0.2)
+            assert client.is_server_live()
+        finally:
+            client.close()
 
 
-def grpc_generate_iter(server, prompt: str, sampling: dict, stream: bool):
+def grpc_generate_iter(server, prompt: str, sampling: dict, stream: bool, model: str = "llm"):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         inputs = make_inputs(prompt, sampling, stream=stream, returns=("return_finish_reason",))
-        yield from stream_generate(client, server.model, inputs, timeout_s=120)
+        yield from stream_generate(client, model, inputs, timeout_s=120)
     finally:
         client.close()

@@ -256,7 +256,6 @@ class TritonPythonModel:
 
         t0 = time.monotonic()
         self.loop = EngineLoop(build_engine)
-        self.engine = self.loop.engine
         self.loop.observer = self._metrics(args)
         self.logger.log_info(
             f"[inflight] model '{self.model_name}' ready in {time.monotonic() - t0:.1f}s: {config}"
@@ -292,7 +291,7 @@ class TritonPythonModel:
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1")),
                   "instance": args.get("model_instance_name", "")}
         try:
-            self._engine_metrics = EngineMetrics(pb_utils, labels, self.engine)
+            self._engine_metrics = EngineMetrics(pb_utils, labels, self.loop.engine)
         except pb_utils.TritonModelException as exc:
             self.logger.log_info(f"[inflight] metrics disabled: {exc}")
             self._engine_metrics = None

@@ -47,7 +47,8 @@ class PackedWeight:
         self.shape_only = weight.new_empty(1).as_strided(weight.shape, (0,) * weight.dim())
         # The same in the dtype the GEMM computes in: what MKL's call wants of the original weight.
         gemm_dtype = torch.float32 if upcast else weight.dtype
-        self.gemm_shape_only = weight.new_empty(1, dtype=gemm_dtype).as_strided(weight.shape, (0,) * weight.dim())
+        self.gemm_shape_only = (weight.new_empty(1, dtype=gemm_dtype).as_strided(weight.shape, (0,) * weight.dim())
+                                if kind == "mkl" else None)
 
 
 def _mkl_usable() -> bool:

@@ -4,8 +4,8 @@ Every operation exists twice with the same signature: `<op>_triton` (an OpenAI T
 kernel) and `<op>_reference` (plain torch, vectorised; the production path on CPU). The
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
 else the reference, or, where one exists, `<op>_cpu`: the CPU production path in C++
-(kernels/cpu/, built by kernels/cpu_ext.py; paged attention's decodes, RMSNorm, and RoPE
-fused with the KV store).
+(kernels/cpu/, built by kernels/cpu_ext.py; paged attention (SDPA for long chunks at long
+contexts), RMSNorm, and RoPE fused with the KV store).
 Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
 with the references (and the references with naive loops).
 

@@ -236,7 +236,7 @@ def test_dispatch_runs_the_cpu_paths_on_cpu(monkeypatch):
     for name in ("store_kv", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul"):
         monkeypatch.setattr(kernels, f"{name}_triton", boom)
     batch = make_paged_batch([1, 3], [9, 3], 4, 2, 64, 16)
-    # Paged attention's CPU path is its own (C++ decodes, the reference's prefill).
+    # Paged attention's CPU path is its own (the C++ kernel).
     out = kernels.paged_attention(*batch.args())
     assert torch.equal(out, kernels.paged_attention_cpu(*batch.args()))
     torch.testing.assert_close(out, paged_attention_reference(*batch.args()), atol=3e-6, rtol=3e-6)

@@ -1,11 +1,13 @@
 """The torch references and the CPU production path against naive loops and against HF.
 
-The references are what the engine runs on CPU (paged attention's decodes excepted: a
-C++ kernel, `paged_attention_cpu`, checked here the same way), and what the Triton
+The references are what the engine runs on CPU (paged attention excepted: a C++
+kernel, `paged_attention_cpu`, checked here the same way), and what the Triton
 kernels are checked against, so they are checked here against implementations too simple
 to be wrong, and against transformers' own Llama modules where those define the numerics
 (bit-exact).
 """
+
+import sys
 
 import pytest
 import torch
@@ -39,6 +41,8 @@ CASES = {
     "after_one_block": ([9, 5], [16 + 9, 32 + 5]),
     "mixed": ([1, 23, 1, 7, 1, 1], [40, 23, 1, 30, 65, 17]),
     "long_prefill": ([150, 1], [300, 50]),
+    # a long chunk at a long context (paged_attention_cpu sends it to SDPA) beside decodes and a short chunk
+    "long_context_chunk": ([1, 100, 3, 1], [40, 600, 5, 700]),
     # decode contexts so uneven that the reference splits them into several padded groups
     "skewed_decodes": ([1] * 9, [1500, 5, 7, 1, 600, 30, 31, 2, 900]),
     "many_decodes": ([1] * 40, [(i * 37) % 200 + 1 for i in range(40)]),
@@ -64,6 +68,28 @@ def test_paged_attention_reference_matches_naive(case, heads, block_size, impl):
     out = ATTENTION[impl](*batch.args())
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     torch.testing.assert_close(out, naive_paged_attention(*batch.args()), **EXACT)
+
+
+def test_paged_attention_cpu_sends_only_long_chunks_at_long_contexts_to_sdpa(monkeypatch):
+    paged = sys.modules["kernels.paged_attention"]  # `kernels.paged_attention` is also the function's name
+
+    chunks = []
+
+    def counting_prefill(q, *args):
+        chunks.append(q.shape[0])
+        return prefill(q, *args)
+
+    prefill = paged._prefill
+    monkeypatch.setattr(paged, "_prefill", counting_prefill)
+    q_lens, seq_lens = CASES["long_context_chunk"]
+    batch = make_paged_batch(q_lens, seq_lens, 9, 3, 64, 16, seed=3)
+    for max_seqlen_q in (None, max(q_lens)):
+        out = paged_attention_cpu(*batch.args(), max_seqlen_q, max(seq_lens))
+        torch.testing.assert_close(out, naive_paged_attention(*batch.args()), **EXACT)
+    assert chunks == [100, 100]   # the 100-token chunk at context 600; decodes and the 3-token chunk: C++
+    chunks.clear()
+    paged_attention_cpu(*make_paged_batch([200, 1], [200, 900], 9, 3, 64, 16).args(), 200, 900)
+    assert chunks == []   # 200 from empty: mean context 100, the C++ kernel's
 
 
 @pytest.mark.parametrize("impl", list(ATTENTION))

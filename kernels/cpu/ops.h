@@ -5,8 +5,8 @@
 
 #include <tuple>
 
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale);
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale);
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 

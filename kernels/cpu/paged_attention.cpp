@@ -1,11 +1,14 @@
-// Paged decode attention on the CPU: one new query token per sequence, keys and values read
-// in place from the paged KV cache (no gather into a padded copy, no padding at all).
+// Paged attention on the CPU over a ragged batch: decodes and prefill chunks, keys and
+// values read in place from the paged KV cache (no gather into a padded copy, no padding).
 //
-// One task per (sequence, KV head): the KV head's slice of the context and the query heads
-// that share it (GQA: query head h reads KV head h / (Hq / Hkv)). Tasks are independent, so
-// a batch of one still spreads its KV heads over the cores. Scores for the whole context are
-// kept (group x len floats), then softmax, then the V pass. Accumulation is float32 whatever
-// the cache dtype.
+// One task per (query token, KV head): the token's causal prefix of that KV head's cache
+// and the query heads that share it (GQA: query head h reads KV head h / (Hq / Hkv)).
+// Tasks are independent, so a batch of one decode still spreads its KV heads over the
+// cores. Scores for the whole prefix are kept (group x len floats), then softmax, then the
+// V pass. Accumulation is float32 whatever the cache dtype. A prefill chunk's tokens re-read
+// their shared prefix (from cache, not memory) where a GEMM-based kernel would share each
+// load among a tile of queries: long chunks at long contexts are faster in SDPA, and
+// kernels/paged_attention.py sends those there.
 //
 // A decode step reads every cached K and V byte of the batch once (~220 MB for SmolLM2 in
 // float32 at batch 32, contexts ~150): memory-bound when the arithmetic keeps up, which sets
@@ -129,11 +132,11 @@ struct Shape {
   int64_t block_stride() const { return block_size * row_width(); }
 };
 
-// One (sequence, KV head), head_dim = kVectors * 8. `q` is the group's first query head
+// One (token, KV head) over `len` keys, head_dim = kVectors * 8. `q` is the group's first query head
 // ([group, head_dim] contiguous), `out` receives the group's heads as float32. `query`
 // holds group * head_dim floats, `scores` group * round_up(len, 8).
 template <typename T, int kVectors>
-void decode_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+void attend_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
                                int64_t kv_head, float* out, const Shape& shape, float scale, float* query,
                                float* scores) {
   constexpr int64_t kHeadDim = kVectors * kLanes;
@@ -188,9 +191,9 @@ void decode_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, c
   }
 }
 
-// Any head size: one sequence, every head, plain loops over the head dimension.
+// Any head size: one token, every head, plain loops over the head dimension.
 template <typename T>
-void decode_sequence_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+void attend_token_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
                             float* out, const Shape& shape, float scale, float* scores, std::vector<float>& row) {
   const int64_t head_dim = shape.head_dim, group = shape.group(), row_width = shape.row_width();
   const int64_t block_size = shape.block_size, block_stride = shape.block_stride();
@@ -227,28 +230,43 @@ void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// Every query token attends to its own causal prefix of its sequence's cache, so a prefill
+// chunk's token is computed exactly like a decode over a shorter context: one code path
+// for decodes, prefill chunks and mixed batches, and one parallel loop over (token, KV head)
+// tasks. Tasks differ in length (contexts vary, and a chunk's later tokens see more), hence
+// OpenMP's dynamic schedule rather than at::parallel_for's equal ranges.
 template <typename T>
-void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
-            T* out, int64_t num_seqs, const Shape& shape, float scale) {
+void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+            const int32_t* cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, T* out, const Shape& shape,
+            float scale) {
+  std::vector<int64_t> token_seq(num_tokens), token_len(num_tokens);  // len: keys the token attends to
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
+    for (int64_t i = 0; i < count; ++i) {
+      token_seq[first + i] = seq;
+      token_len[first + i] = seq_lens[seq] - count + i + 1;
+    }
+  }
   const int64_t token_width = shape.num_q_heads * shape.head_dim, group = shape.group();
-  const int64_t max_len = shape.max_blocks * shape.block_size;
+  const int64_t group_width = group * shape.head_dim, max_len = shape.max_blocks * shape.block_size;
   const int64_t vectors = shape.head_dim % kLanes == 0 ? shape.head_dim / kLanes : 0;
+  const auto table = [&](int64_t token) { return block_tables + token_seq[token] * shape.max_blocks; };
   switch (vectors) {
 #define INFLIGHT_VECTORISED(VECTORS)                                                                              \
-  case VECTORS:                                                                                                   \
-    at::parallel_for(0, num_seqs * shape.num_kv_heads, 1, [&](int64_t begin, int64_t end) {                       \
-      const int64_t group_width = group * shape.head_dim;                                                         \
+  case VECTORS: {                                                                                                 \
+    const int64_t num_tasks = num_tokens * shape.num_kv_heads;                                                    \
+    _Pragma("omp parallel num_threads(at::get_num_threads())") {                                                  \
       std::vector<float> query(group_width), result(group_width), scores(group * (max_len + kLanes));             \
-      for (int64_t task = begin; task < end; ++task) {                                                            \
-        const int64_t seq = task / shape.num_kv_heads, kv_head = task % shape.num_kv_heads;                       \
-        const int64_t offset = seq * token_width + kv_head * group_width;                                         \
-        decode_kv_head_vectorised<T, VECTORS>(q + offset, k_cache, v_cache, block_tables + seq * shape.max_blocks, \
-                                              seq_lens[seq], kv_head, result.data(), shape, scale, query.data(),  \
-                                              scores.data());                                                     \
+      _Pragma("omp for schedule(dynamic, 1)") for (int64_t task = 0; task < num_tasks; ++task) {                  \
+        const int64_t token = task / shape.num_kv_heads, kv_head = task % shape.num_kv_heads;                     \
+        const int64_t offset = token * token_width + kv_head * group_width;                                       \
+        attend_kv_head_vectorised<T, VECTORS>(q + offset, k_cache, v_cache, table(token), token_len[token],       \
+                                              kv_head, result.data(), shape, scale, query.data(), scores.data()); \
         store_row(result.data(), out + offset, group_width);                                                      \
       }                                                                                                           \
-    });                                                                                                           \
-    return;
+    }                                                                                                             \
+    return;                                                                                                       \
+  }
     INFLIGHT_VECTORISED(2)
     INFLIGHT_VECTORISED(3)
     INFLIGHT_VECTORISED(4)
@@ -259,40 +277,49 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
     INFLIGHT_VECTORISED(32)
 #undef INFLIGHT_VECTORISED
     default:
-      at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(shape.num_q_heads * max_len), row(shape.row_width()), result(token_width);
-        for (int64_t seq = begin; seq < end; ++seq) {
-          decode_sequence_scalar(q + seq * token_width, k_cache, v_cache, block_tables + seq * shape.max_blocks,
-                                 seq_lens[seq], result.data(), shape, scale, scores.data(), row);
-          store_row(result.data(), out + seq * token_width, token_width);
-        }
-      });
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      std::vector<float> scores(shape.num_q_heads * max_len), row(shape.row_width()), result(token_width);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        attend_token_scalar(q + token * token_width, k_cache, v_cache, table(token), token_len[token],
+                               result.data(), shape, scale, scores.data(), row);
+        store_row(result.data(), out + token * token_width, token_width);
+      }
+    }
   }
 }
 
 }  // namespace
 
-// query [B, Hq, D] in the cache's dtype; caches [num_blocks, block_size, Hkv, D] contiguous;
-// block_tables int32 [B, max_blocks]; seq_lens int32 [B] (>= 1). Returns [B, Hq, D] in the
-// query's dtype.
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale) {
+// query [T, Hq, D] in the cache's dtype, the new tokens of every sequence concatenated
+// (sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1]); caches [num_blocks,
+// block_size, Hkv, D] contiguous, already holding the new tokens' K and V; block_tables
+// int32 [S, max_blocks]; seq_lens int32 [S], context length including the new tokens;
+// cu_seqlens_q int32 [S + 1]. Returns [T, Hq, D] in the query's dtype.
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens int32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_seqlens_q.scalar_type() == at::kInt,
+              "block_tables, seq_lens and cu_seqlens_q int32");
+  TORCH_CHECK(cu_seqlens_q.numel() == seq_lens.numel() + 1 && block_tables.size(0) >= seq_lens.numel(),
+              "one seq_lens entry and one block table row per sequence, one more cu_seqlens_q entry");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
+  cu_seqlens_q = cu_seqlens_q.contiguous();
+  TORCH_CHECK(cu_seqlens_q[-1].item<int64_t>() == query.size(0), "cu_seqlens_q must end at the number of tokens");
   auto out = at::empty(query.sizes(), query.options());
   const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_tables.size(1)};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                     query.size(0), shape, static_cast<float>(scale));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    attend<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(),
+                     seq_lens.numel(), query.size(0), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale));
   });
   return out;
 }

@@ -5,7 +5,7 @@ kernel) and `<op>_reference` (plain torch, vectorised; the production path on CP
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
 else the reference, or, where one exists, `<op>_cpu`: the CPU production path in C++
 (kernels/cpu/, built by kernels/cpu_ext.py; paged attention (SDPA for long chunks at long
-contexts), RMSNorm, and RoPE fused with the KV store).
+contexts), RMSNorm, RoPE fused with the KV store, and SiLU-and-mul).
 Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
 with the references (and the references with naive loops).
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .activation import silu_and_mul_reference, silu_and_mul_triton
+from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .kv_store import store_kv_reference, store_kv_triton
 from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
@@ -40,7 +40,7 @@ __all__ = [
     "paged_attention_reference", "paged_attention_triton", "paged_attention_cpu",
     "rms_norm_reference", "rms_norm_triton", "rms_norm_cpu",
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
-    "silu_and_mul_reference", "silu_and_mul_triton",
+    "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
 ]
 
 
@@ -88,4 +88,4 @@ def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_reference(x)
+    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_cpu(x)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import cpu_ext
 from .triton_utils import launch, next_power_of_2
 
 
@@ -14,6 +15,13 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """HF LlamaMLP: act_fn(gate) * up, in the input dtype."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """The CPU production path: one C++ pass (kernels/cpu/activation.cpp), HF's roundings,
+    exp within an ulp of torch's. The reference where the C++ kernels could not be built."""
+    module = cpu_ext.load()
+    return silu_and_mul_reference(x) if module is None else module.silu_and_mul(x)
 
 
 @triton.jit

@@ -21,6 +21,7 @@ from kernels import (
     rms_norm_reference,
     rotary_embedding_reference,
     rotary_store_kv_cpu,
+    silu_and_mul_cpu,
     silu_and_mul_reference,
     store_kv_reference,
 )
@@ -231,6 +232,18 @@ def test_silu_and_mul_reference():
             expected[t, i] = gate / (1 + torch.exp(torch.tensor(-gate)).item()) * up
     torch.testing.assert_close(out, expected, **EXACT)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(144, 2 * 1536), (1, 2 * 1536), (5, 2 * 37), (2, 3, 2 * 64)],
+                         ids=["w1_mixed_step", "one_row", "odd_width", "3d"])
+def test_silu_and_mul_cpu_is_bit_identical_to_the_reference(dtype, shape):
+    """The engine's greedy tokens must equal HF's: the C++ path (SLEEF's expf, torch's order
+    of roundings) gives exactly torch's values, not values within an ulp of them."""
+    x = (4 * torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))).to(dtype)
+    out = silu_and_mul_cpu(x)
+    assert out.shape == shape[:-1] + (shape[-1] // 2,) and out.dtype == dtype
+    assert torch.equal(out, silu_and_mul_reference(x))
 
 ROPE = {
     "default": {"rope_type": "default", "rope_theta": 100000.0},

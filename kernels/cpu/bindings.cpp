@@ -6,5 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a ragged batch of decodes and prefill chunks");
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normed, x + residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a gated MLP");
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE on query and key, key and value into the paged cache");
 }

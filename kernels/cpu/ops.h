@@ -15,3 +15,5 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
                            at::Tensor cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                            bool is_neox);
+
+at::Tensor silu_and_mul(at::Tensor x);

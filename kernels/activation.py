@@ -18,8 +18,9 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    """The CPU production path: one C++ pass (kernels/cpu/activation.cpp), HF's roundings,
-    exp within an ulp of torch's. The reference where the C++ kernels could not be built."""
+    """The CPU production path: one C++ pass (kernels/cpu/activation.cpp), bit-identical to
+    the reference (torch's expf and roundings). The reference where the C++ kernels could
+    not be built."""
     module = cpu_ext.load()
     return silu_and_mul_reference(x) if module is None else module.silu_and_mul(x)
 

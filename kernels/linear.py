@@ -32,11 +32,11 @@ import torch.nn.functional as F
 # correct, and measured speed varied little between hints of 1 and 256.
 _BATCH_HINT = 64
 
-# oneDNN's call costs ~40-100 us more than MKL's plain sgemm behind F.linear (it looks up
-# its primitive on every call), which its layout wins back only on larger weights. Measured
-# on an AVX2 EPYC in float32 at 1, 32 and 144 rows: 128 x 128 to 128 x 512 ran 2-10x
-# faster unpacked; 384 x 384 and 576 x 576 the same either way; 3072 x 576 and the 49k-row
-# output head 1.3-3x faster packed. Below this size a weight stays as it is, unless the
+# A oneDNN call costs ~40-100 us more than the MKL sgemm behind F.linear, which its layout
+# wins back only on larger weights. Measured on an AVX2 EPYC in float32 at 1, 32 and 144
+# rows: 128 x 128 to 1024 x 128 and 128 x 512 ran 1.5-13x faster unpacked (equal at 144
+# rows for the largest); 384 x 384 and 576 x 576 the same either way; 3072 x 576 and the
+# 49k-row output head 1.1-3x faster packed. Below this size a weight stays as it is, unless the
 # packing is a float32 upcast of bf16 (that path is 4-10x faster at every size measured).
 _MIN_PACKED_ELEMENTS = 1 << 18
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "elementwise.h"
 #include "ops.h"
 
 #if defined(__AVX2__)
@@ -29,7 +30,8 @@ extern "C" __m256 Sleef_expf8_u10(__m256);  // in libtorch_cpu, which this modul
 
 namespace {
 
-constexpr int64_t kRowsPerTask = 8;
+using inflight_cpu::kRowsPerTask;
+using inflight_cpu::round_to;
 
 // torch's tail: glibc's scalar expf; a vectorised loop here would call libmvec's, which
 // differs in the last bit.
@@ -65,7 +67,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
         for (int64_t i = 0; i < width; ++i) gate[i] = static_cast<float>(gate_in[i]);
         silu(gate.data(), activated.data(), width);
         for (int64_t i = 0; i < width; ++i)
-          o[i] = static_cast<T>(static_cast<float>(static_cast<T>(activated[i])) * static_cast<float>(up[i]));
+          o[i] = static_cast<T>(round_to<T>(activated[i]) * static_cast<float>(up[i]));
       }
     }
   });

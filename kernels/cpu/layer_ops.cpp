@@ -21,19 +21,13 @@
 #include <tuple>
 #include <vector>
 
+#include "elementwise.h"
 #include "ops.h"
 
 namespace {
 
-// The value as the activations' dtype holds it (a no-op for float32).
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-// Rows at a time per task: small enough to spread a decode batch over the cores, large
-// enough that a task outweighs its scheduling.
-constexpr int64_t kRowsPerTask = 8;
+using inflight_cpu::kRowsPerTask;
+using inflight_cpu::round_to;
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t width,

@@ -22,7 +22,7 @@ log = logging.getLogger("inflight")
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 BUILD_DIR = os.path.join(REPO_ROOT, ".build", "cpu_kernels")
-SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp")]
+SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
 
 

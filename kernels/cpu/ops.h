@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -17,3 +18,10 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
                            bool is_neox);
 
 at::Tensor silu_and_mul(at::Tensor x);
+
+// gemm.cpp: float32 GEMM against a weight packed into 16-column panels (AVX2 and FMA builds).
+bool panel_gemm_supported();
+
+at::Tensor pack_panels(at::Tensor weight);
+
+at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n);

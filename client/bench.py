@@ -330,9 +330,12 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
     return result
 
 
-def model_flops_per_token(model_path: str) -> float:
-    """Matmul FLOPs per token: 2 x the projection and output-head weights (attention's own
-    q.k and p.v terms, small at these context lengths, are left out)."""
+def model_flops(model_path: str) -> tuple[float, float]:
+    """Matmul FLOPs (per token through the layers' projections, per output token through the
+    output head). Every prompt and output token goes through the layers; the head runs
+    once per generated token, at a prompt's last position for the first and at each decode
+    after, as in every system measured here. Attention's own q.k and p.v terms, small at
+    these context lengths, are left out."""
     with open(os.path.join(model_path, "config.json")) as f:
         cfg = json.load(f)
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
@@ -340,7 +343,7 @@ def model_flops_per_token(model_path: str) -> float:
     head_dim = cfg.get("head_dim") or hidden // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * cfg["intermediate_size"]
-    return 2.0 * (layers * per_layer + hidden * cfg["vocab_size"])
+    return 2.0 * layers * per_layer, 2.0 * hidden * cfg["vocab_size"]
 
 
 def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, seconds: float = 1.0) -> float:
@@ -373,15 +376,16 @@ def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, secon
 
 
 def add_flop_bound(results: list[dict], model_path: str, dtype_name: str) -> dict:
-    """Each result's fraction of the FLOP bound: its matmul GFLOP/s (every prompt and output
-    token through the model once) over the measured matmul peak."""
+    """Each result's fraction of the FLOP bound: its matmul GFLOP/s (`model_flops`) over the
+    measured matmul peak."""
     peak = matmul_peak_gflops(dtype_name)
-    per_token = model_flops_per_token(model_path)
+    per_token, per_output_token = model_flops(model_path)
     for result in results:
-        achieved = result["total_tokens_per_s"] * per_token / 1e9
+        achieved = (result["total_tokens_per_s"] * per_token + result["output_tokens_per_s"] * per_output_token) / 1e9
         result["model_gflops_per_s"] = achieved
         result["fraction_of_flop_bound"] = achieved / peak if peak else 0.0
-    return {"dtype": dtype_name, "matmul_peak_gflops_at_256_rows": peak, "model_gflops_per_token": per_token / 1e9}
+    return {"dtype": dtype_name, "matmul_peak_gflops_at_256_rows": peak, "layer_gflops_per_token": per_token / 1e9,
+            "head_gflops_per_output_token": per_output_token / 1e9}
 
 
 def machine() -> dict:

@@ -234,7 +234,7 @@ def test_server_targets_complete_every_request_with_its_token_count(triton_serve
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_flops_per_token_counts_every_projection_and_the_output_head(tmp_path, family):
+def test_model_flops_count_every_projection_per_token_and_the_head_per_output_token(tmp_path, family):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -242,15 +242,16 @@ def test_flops_per_token_counts_every_projection_and_the_output_head(tmp_path, f
     model = AutoModelForCausalLM.from_pretrained(path)
     projections = sum(m.weight.numel() for name, m in model.named_modules()
                       if isinstance(m, torch.nn.Linear) and name != "lm_head")
-    output_head = model.config.vocab_size * model.config.hidden_size  # tied or not, one matmul per token
-    assert bench.model_flops_per_token(path) == 2 * (projections + output_head)
+    output_head = model.config.vocab_size * model.config.hidden_size  # tied or not, one matmul per output token
+    assert bench.model_flops(path) == (2 * projections, 2 * output_head)
 
 
 def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
-    results = [{"total_tokens_per_s": 1000.0, "duration_s": 2.0}]
+    results = [{"total_tokens_per_s": 1000.0, "output_tokens_per_s": 400.0, "duration_s": 2.0}]
     bound = bench.add_flop_bound(results, tiny, "float32")
     assert bound["matmul_peak_gflops_at_256_rows"] > 0
-    expected = 1000.0 * bench.model_flops_per_token(tiny) / 1e9
+    per_token, per_output_token = bench.model_flops(tiny)
+    expected = (1000.0 * per_token + 400.0 * per_output_token) / 1e9
     assert results[0]["model_gflops_per_s"] == pytest.approx(expected)
     assert results[0]["fraction_of_flop_bound"] == pytest.approx(expected / bound["matmul_peak_gflops_at_256_rows"])
 

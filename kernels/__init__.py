@@ -5,7 +5,8 @@ kernel) and `<op>_reference` (plain torch, vectorised; the production path on CP
 exported `<op>` dispatches on the device: CUDA tensors run the Triton kernel, anything
 else the reference, or, where one exists, `<op>_cpu`: the CPU production path in C++
 (kernels/cpu/, built by kernels/cpu_ext.py; paged attention (SDPA for long chunks at long
-contexts), RMSNorm, RoPE fused with the KV store, and SiLU-and-mul).
+contexts), RMSNorm, RoPE fused with the KV store, SiLU-and-mul, and the panel GEMM behind
+`linear`).
 Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
 with the references (and the references with naive loops).
 

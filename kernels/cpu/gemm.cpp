@@ -4,8 +4,8 @@
 // the libraries behind torch lose most of their time outside the arithmetic. MKL's sgemm
 // (F.linear) re-blocks the row-major weight on every call; oneDNN's packed path adds
 // ~40-100 us of per-call setup. On a 2-core AVX2 EPYC this kernel ran the small random
-// Llama's 16 projections of a 32-row decode step in 0.67 ms against 1.19 (F.linear) and
-// SmolLM2's at 8-32 rows 1.1-2.5x faster than oneDNN (numbers in kernels/linear.py).
+// Llama's 16 projections of a 32-row decode step in 0.67 ms against 1.19 (F.linear), and
+// SmolLM2's at 8-32 rows at 1.0-2.5x oneDNN's rate (numbers in kernels/linear.py).
 //
 // Layout: W [N, K] becomes [ceil(N / 16), K, 16]: panel p holds output columns 16p..16p+15,
 // one 64-byte line per k, so the inner loop streams a panel front to back. The micro-tile

@@ -8,12 +8,22 @@ passed in so that `model.py` stays the one importer of `triton_python_backend_ut
 
 from __future__ import annotations
 
+from typing import Callable
+
+# One step's metric updates: (metric method, value) pairs, applied in order.
+Updates = list[tuple[Callable[[float], None], float]]
+
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str], engine):
+    """Reads the engine on its loop thread (`on_step`, `on_finished`) and hands the metric
+    updates that follow to `publish`, which applies them (`apply`) where it chooses: every
+    update is an IPC call to the Triton process, and the Triton adapter makes all of its
+    IPC calls from one thread (see model.py). Without `publish` they are applied at once."""
+
+    def __init__(self, pb_utils, labels: dict[str, str], engine, publish: Callable[[Updates], None] | None = None):
         self.engine = engine
         MF = pb_utils.MetricFamily
         # Triton drops a family's metrics once its Python object is collected, so the
@@ -84,13 +94,16 @@ class EngineMetrics:
         }
         self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
-        # process, made by the engine's loop thread between two steps, so only changes go.
+        # process, so only changes go.
         self._published: dict[int, float] = {}
         # Publish every gauge now, before the model reports ready: the loop's first on_step
         # comes only after its first idle wait (EngineLoop.IDLE_WAIT_S), and a scrape right
         # after readiness read 0 for the KV pool's size (the e2e kv_blocks fixture, once).
-        # Nothing steps the engine yet (the loop starts after this), so no race here.
+        # Nothing steps the engine yet (the loop starts after this) and nothing else calls
+        # Triton yet, so they are applied here, at once.
+        self._publish = apply
         self.on_step()
+        self._publish = publish or apply
 
     def close(self) -> None:
         """Release every metric, then the families: Triton refuses the other order."""
@@ -102,11 +115,12 @@ class EngineMetrics:
         """Refresh gauges and counters from the engine; called by the loop thread after each step."""
         engine = self.engine
         c = engine.counters
+        updates: Updates = []
         for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
             value = getattr(c, name)
             if value > self._last[name]:
-                metric.increment(value - self._last[name])
+                updates.append((metric.increment, value - self._last[name]))
                 self._last[name] = value
         running, waiting = engine.num_running, engine.num_waiting
         kv = engine.kv
@@ -127,22 +141,32 @@ class EngineMetrics:
             ("tokens_per", kv.block_size), ("reused", kv.num_prefix_hits // kv.block_size), ("fraction", kv.usage))]
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
-                metric.set(value)
+                updates.append((metric.set, value))
                 self._published[id(metric)] = value
+        if updates:
+            self._publish(updates)
 
     def on_finished(self, output) -> None:
         """Per-request latencies, from the final output of a request."""
         reason = output.finish_reason or "abort"
+        updates: Updates = []
         if reason in self.finished:
-            self.finished[reason].increment(1)
+            updates.append((self.finished[reason].increment, 1))
         if reason in self.success:
-            self.success[reason].increment(1)
-        self.prompt_hist.observe(output.num_prompt_tokens)
-        self.generation_hist.observe(output.num_output_tokens)
+            updates.append((self.success[reason].increment, 1))
+        updates.append((self.prompt_hist.observe, output.num_prompt_tokens))
+        updates.append((self.generation_hist.observe, output.num_output_tokens))
         if output.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, output.first_scheduled_time - output.arrival_time))
+            updates.append((self.queue_time.observe, max(0.0, output.first_scheduled_time - output.arrival_time)))
         if output.first_token_time is not None and output.finish_time is not None:
-            self.ttft.observe(output.first_token_time - output.arrival_time)
-            self.e2e.observe(output.finish_time - output.arrival_time)
+            updates.append((self.ttft.observe, output.first_token_time - output.arrival_time))
+            updates.append((self.e2e.observe, output.finish_time - output.arrival_time))
             if output.num_output_tokens > 1:
-                self.tpot.observe((output.finish_time - output.first_token_time) / (output.num_output_tokens - 1))
+                updates.append((self.tpot.observe,
+                                (output.finish_time - output.first_token_time) / (output.num_output_tokens - 1)))
+        self._publish(updates)
+
+
+def apply(updates: Updates) -> None:
+    for update, value in updates:
+        update(value)

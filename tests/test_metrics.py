@@ -130,8 +130,7 @@ def test_metrics_move_and_return_to_idle(loop):
 
 
 def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
-    """Every set is an IPC round trip to the Triton process, made by the loop thread between
-    two steps: unchanged values are not sent again."""
+    """Every set is an IPC round trip to the Triton process: unchanged values are not sent again."""
     engine = tiny_engine(tmp_path_factory)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     gauges = [m for f in FakeMetricFamily.registry.values() if f.kind == f.GAUGE for m in f.metrics]
@@ -148,3 +147,28 @@ def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
     metrics.on_step()
     assert value("inflight_requests_running").value == 1 and sets() > first
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used").value == engine.kv.pool.num_used > 0
+
+
+def test_updates_go_through_publish_and_only_apply_there(tmp_path_factory):
+    """The Triton adapter queues the loop's metric updates for its response thread, the one
+    thread that calls Triton (model.py): reading the engine must not touch a metric."""
+    from backend.metrics import apply
+
+    engine = tiny_engine(tmp_path_factory)
+    queued = []
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, publish=queued.append)
+    assert not queued  # the constructor's first publication is applied at once (before ready)
+    assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max").value == 64
+    engine.add_request("r", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        metrics.on_step()
+    metrics.on_finished(next(o for o in outputs if o.finished))
+    assert queued and value("inflight_iterations_total").value == 0
+    assert value("vllm:request_generation_tokens").observations == []
+    for updates in queued:
+        apply(updates)
+    assert value("inflight_iterations_total").value == engine.counters.steps
+    assert value("vllm:request_generation_tokens").observations == [2]
+    assert value("vllm:request_success_total", finished_reason="length").value == 1

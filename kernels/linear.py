@@ -92,10 +92,8 @@ def _native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def _pack(weight: torch.Tensor, upcast: bool) -> PackedWeight | None:
+def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None:
     gemm_weight = weight.float() if upcast else weight
-    if gemm_weight.dtype == torch.float32 and _panels_usable():
-        return PackedWeight("panels", cpu_ext.load().pack_panels(gemm_weight), weight, upcast)
     if _onednn_usable():
         return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(gemm_weight, _BATCH_HINT), weight, upcast)
     if gemm_weight.dtype == torch.float32 and _mkl_usable():
@@ -109,13 +107,14 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     weight = weight.detach().contiguous()
-    if weight.dtype == torch.bfloat16 and not _native_bf16():
-        return _pack(weight, upcast=True)
-    if weight.dtype not in (torch.float32, torch.bfloat16):
+    upcast = weight.dtype == torch.bfloat16 and not _native_bf16()
+    if (weight.dtype == torch.float32 or upcast) and _panels_usable():
+        return PackedWeight("panels", cpu_ext.load().pack_panels(weight.float()), weight, upcast)
+    if upcast:
+        return _pack_for_library(weight, upcast=True)
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() < _MIN_PACKED_ELEMENTS:
         return None
-    if weight.numel() < _MIN_PACKED_ELEMENTS and not (weight.dtype == torch.float32 and _panels_usable()):
-        return None
-    return _pack(weight, upcast=False)
+    return _pack_for_library(weight, upcast=False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -83,8 +83,9 @@ def test_which_weights_are_packed_and_how(monkeypatch):
     monkeypatch.setattr(LINEAR, "_panels_usable", lambda: True)
     monkeypatch.setattr(cpu_ext, "load", lambda: _AlwaysPanels())
     assert kernels.pack_linear_weight(small).kind == "panels"
-    assert (kernels.pack_linear_weight(small.bfloat16()).kind, kernels.pack_linear_weight(small.bfloat16()).upcast) \
-        == ("panels" if not LINEAR._native_bf16() else "onednn", not LINEAR._native_bf16())
+    native = LINEAR._native_bf16()
+    packed_bf16 = kernels.pack_linear_weight(small.bfloat16())
+    assert (packed_bf16.kind, packed_bf16.upcast) == ("onednn" if native else "panels", not native)
     monkeypatch.undo()
     # Without it, oneDNN packs only weights large enough to pay for its per-call setup.
     monkeypatch.setattr(LINEAR, "_panels_usable", lambda: False)

@@ -11,7 +11,8 @@ command, commit, machine and every metric of BENCHMARKS.md.
 Load: open loop by default (each request is sent at its workload arrival time, whatever
 the others do); `--rates 0.5,1,2,4` runs the workload once per rate and system (a
 latency-throughput curve, `--plot`); `--concurrency N` is closed loop instead (N requests
-in flight, a new one as soon as one ends).
+in flight, a new one as soon as one ends). `--repeat N` measures every system N times,
+interleaved, and quotes each ratio as the median of the runs' ratios.
 
     python -m client.bench W3 --rates 0.5,1,2 --systems continuous --target grpc://127.0.0.1:8001 \
         --json bench/results/w3.json --plot
@@ -425,35 +426,71 @@ def load_label(result: dict) -> str:
     return "" if result.get("rate_per_s") is None else _rate_label(result["rate_per_s"])
 
 
+def run_label(result: dict) -> str:
+    """'run K' for a result of a repeated measurement (--repeat), else ''."""
+    return f"run {result['run']}" if result.get("run") else ""
+
+
+def _pair_ratios(a: dict, b: dict) -> dict:
+    entry = {
+        "output_tokens_per_s": _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"]),
+        "ttft_mean": _ratio(a["ttft_ms"]["mean"] or 0, b["ttft_ms"]["mean"] or 0),
+        "ttft_p99": _ratio(a["ttft_ms"]["p99"] or 0, b["ttft_ms"]["p99"] or 0),
+    }
+    if "by_class" in a and "by_class" in b:
+        entry["ttft_p99_by_class"] = {
+            label: _ratio(a["by_class"][label]["ttft_ms"]["p99"] or 0, b["by_class"][label]["ttft_ms"]["p99"] or 0)
+            for label in a["by_class"]
+        }
+    return entry
+
+
 def ratios(workload: str, results: list[dict]) -> dict:
-    """Each pair's ratios, per load when the report holds several (keys 'a/b @ 2/s')."""
-    loads: dict[str, list[dict]] = {}
+    """Each pair's ratios, per load when the report holds several (keys 'a/b @ 2/s').
+
+    Ratios are taken within one run, never across runs. With repeated runs (--repeat)
+    each ratio is the median of the runs' ratios, and `runs` lists every run's output
+    tokens/s ratio: on a shared machine both systems' speed drifts between runs, so one
+    run's ratio is one draw."""
+    loads: dict[str, dict[int, list[dict]]] = {}
     for r in results:
-        loads.setdefault(load_label(r), []).append(r)
+        loads.setdefault(load_label(r), {}).setdefault(r.get("run", 0), []).append(r)
     out = {}
-    for load, group in loads.items():
+    for load, runs in loads.items():
         suffix = f" @ {load}" if len(loads) > 1 else ""
-        by_name = {r["system"]: r for r in group}
         for a, b in RATIOS.get(workload, []) + SERVER_RATIOS:
-            if a not in by_name or b not in by_name:
+            per_run = []
+            for group in runs.values():
+                by_name = {r["system"]: r for r in group}
+                if a in by_name and b in by_name:
+                    per_run.append(_pair_ratios(by_name[a], by_name[b]))
+            if not per_run:
                 continue
-            ra, rb = by_name[a], by_name[b]
-            entry = out[f"{a}/{b}{suffix}"] = {
-                "output_tokens_per_s": _ratio(ra["output_tokens_per_s"], rb["output_tokens_per_s"]),
-                "ttft_mean": _ratio(ra["ttft_ms"]["mean"] or 0, rb["ttft_ms"]["mean"] or 0),
-                "ttft_p99": _ratio(ra["ttft_ms"]["p99"] or 0, rb["ttft_ms"]["p99"] or 0),
-            }
-            if "by_class" in ra and "by_class" in rb:
+            entry = {key: float(np.median([e[key] for e in per_run])) for key in per_run[0] if key != "ttft_p99_by_class"}
+            if "ttft_p99_by_class" in per_run[0]:
                 entry["ttft_p99_by_class"] = {
-                    label: _ratio(ra["by_class"][label]["ttft_ms"]["p99"] or 0, rb["by_class"][label]["ttft_ms"]["p99"] or 0)
-                    for label in ra["by_class"]
+                    label: float(np.median([e["ttft_p99_by_class"][label] for e in per_run]))
+                    for label in per_run[0]["ttft_p99_by_class"]
                 }
+            if len(per_run) > 1:
+                entry["runs"] = [e["output_tokens_per_s"] for e in per_run]
+            out[f"{a}/{b}{suffix}"] = entry
     return out
+
+
+def format_ratio(values: dict) -> str:
+    """One ratio entry as text: its ratios (medians over runs), then each run's output tokens/s ratio."""
+    parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]
+    parts += [f"TTFT p99 of class {label} {v:.2f}x" for label, v in values.get("ttft_p99_by_class", {}).items()]
+    if "runs" in values:
+        parts.append("per run " + ", ".join(f"{v:.2f}x" for v in values["runs"]))
+    return ", ".join(parts)
 
 
 def print_table(report: dict) -> None:
     with_load = any(load_label(r) for r in report["results"])
-    columns = ["system", *(["load"] if with_load else []), "done", "out tok/s", "goodput", "TTFT mean", "TTFT p99",
+    with_run = any(run_label(r) for r in report["results"])
+    columns = ["system", *(["load"] if with_load else []), *(["run"] if with_run else []), "done", "out tok/s", "goodput", "TTFT mean", "TTFT p99",
                "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit", "FLOP bound"]
     rows = []
     for r in report["results"]:
@@ -461,7 +498,8 @@ def print_table(report: dict) -> None:
             return "-" if value is None else format(value, spec)
 
         rows.append([
-            r["system"], *([load_label(r)] if with_load else []), f"{r['num_completed']}/{r['num_requests']}",
+            r["system"], *([load_label(r)] if with_load else []), *([str(r["run"])] if with_run else []),
+            f"{r['num_completed']}/{r['num_requests']}",
             fmt(r["output_tokens_per_s"]), fmt(r.get("goodput_requests_per_s"), ".2f"),
             fmt(r["ttft_ms"]["mean"], ".0f"), fmt(r["ttft_ms"]["p99"], ".0f"),
             fmt(r["tpot_ms"]["mean"], ".1f"), fmt(r["tpot_ms"]["p99"], ".1f"),
@@ -474,7 +512,7 @@ def print_table(report: dict) -> None:
     for row in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     for name, ratio in report["ratios"].items():
-        print(f"ratio {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items() if isinstance(v, float)))
+        print(f"ratio {name}: " + format_ratio(ratio))
     slo = report.get("slo", DEFAULT_SLO)
     print(f"(TTFT/TPOT in ms; goodput: requests/s with TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms)")
     for r in report["results"]:
@@ -607,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine parameter for every engine system (as in config.pbtxt), repeatable")
     parser.add_argument("--json", help="write the report here (e.g. bench/results/w1.json)")
     parser.add_argument("--plot", action="store_true", help="draw the report (PNG; bench/<json stem>.png)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="measure every system N times, interleaved (A B A B ...); ratios are the median of the runs'")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -633,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--rates: {exc}")
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.text and args.text_prompts:
         parser.error("--text and --text-prompts exclude each other")
 
@@ -673,13 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         if targets or source is not None:
             # Text that encodes to exactly the prompt ids: servers get it, the engine the ids.
             attach_text(workload, tokenizer, source, args.seed)
-        for name, runner in runners:
-            try:
-                run = runner(workload, ctx)
-            except (RuntimeError, ValueError) as exc:
-                print(f"error: {name}: {exc}", file=sys.stderr)
-                return 2
-            results.append(summarize(run, workload, slo))
+        for repeat in range(1, args.repeat + 1):
+            for name, runner in runners:
+                try:
+                    run = runner(workload, ctx)
+                except (RuntimeError, ValueError) as exc:
+                    print(f"error: {name}: {exc}", file=sys.stderr)
+                    return 2
+                result = summarize(run, workload, slo)
+                if args.repeat > 1:
+                    result["run"] = repeat
+                results.append(result)
     summary = workload.summary()
     if args.rates:
         summary["rates_per_s"] = rates

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from client.bench import REPO_ROOT, load_label
+from client.bench import REPO_ROOT, load_label, run_label
 
 
 def plot_path(json_path: str | None, workload: str) -> str:
@@ -48,13 +48,15 @@ def plot_report(report: dict, path: str) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     results = report["results"]
     if is_rate_sweep(report):
-        systems = list(dict.fromkeys(r["system"] for r in results))
-        for system in systems:
-            points = sorted((r for r in results if r["system"] == system), key=lambda r: r["output_tokens_per_s"])
+        def curve(r: dict) -> str:  # one curve per system and run
+            return " ".join(filter(None, [r["system"], run_label(r)]))
+
+        for name in dict.fromkeys(map(curve, results)):
+            points = sorted((r for r in results if curve(r) == name), key=lambda r: r["output_tokens_per_s"])
             x = [r["output_tokens_per_s"] for r in points]
             for axis, metric in ((left, "ttft_ms"), (right, "tpot_ms")):
                 y = [r[metric]["p99"] if r[metric]["p99"] is not None else float("nan") for r in points]
-                axis.plot(x, y, marker="o", label=system)
+                axis.plot(x, y, marker="o", label=name)
                 for xi, yi, r in zip(x, y, points):
                     axis.annotate(load_label(r), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
         slo = report.get("slo", {})
@@ -68,7 +70,7 @@ def plot_report(report: dict, path: str) -> str:
             axis.grid(True, alpha=0.3)
             axis.legend()
     else:
-        labels = [r["system"] + (f"\n{load_label(r)}" if load_label(r) else "") for r in results]
+        labels = ["\n".join(filter(None, [r["system"], load_label(r), run_label(r)])) for r in results]
         left.bar(labels, [r["output_tokens_per_s"] for r in results], color="tab:blue")
         left.set_ylabel("output tokens/s")
         left.set_title("throughput")

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from client.bench import REPO_ROOT, load_label
+from client.bench import REPO_ROOT, format_ratio, load_label, run_label
 
 
 def _fmt(value, spec: str) -> str:
@@ -32,8 +32,9 @@ def table(paths: list[str]) -> str:
         model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))
         rel = os.path.relpath(path, REPO_ROOT)
         for r in report["results"]:
+            where = ", ".join(filter(None, [load_label(r), run_label(r)]))
             lines.append(
-                f"| {name} | {model} | {r['system']}{' @ ' + load_label(r) if load_label(r) else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
+                f"| {name} | {model} | {r['system']}{' @ ' + where if where else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "
@@ -41,9 +42,7 @@ def table(paths: list[str]) -> str:
                 f"[{os.path.basename(path)}]({rel}) |"
             )
         for ratio_name, values in report.get("ratios", {}).items():
-            parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]
-            parts += [f"TTFT p99 of class {label} {v:.2f}x" for label, v in values.get("ttft_p99_by_class", {}).items()]
-            ratios.append(f"- {name} ({model}) {ratio_name}: " + ", ".join(parts))
+            ratios.append(f"- {name} ({model}) {ratio_name}: " + format_ratio(values))
     return "\n".join(lines + [""] + ratios + ["", "Machine: " + "; ".join(sorted(machines))])
 
 

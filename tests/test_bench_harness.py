@@ -171,10 +171,57 @@ def test_bar_plot_of_a_single_load_report(tmp_path):
     assert bench_plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
 
 
+def _result(system: str, tokens_per_s: float, ttft_p99: float, run: int) -> dict:
+    return {"system": system, "rate_per_s": None, "run": run, "output_tokens_per_s": tokens_per_s,
+            "ttft_ms": {"mean": ttft_p99 / 2, "p99": ttft_p99}}
+
+
+def test_repeated_runs_give_the_median_of_each_runs_ratio():
+    # Run 2 is fast for both systems: pooling the runs' throughputs first would give
+    # (100 + 300 + 110) / (50 + 100 + 100) = 2.04x; the runs' own ratios are 2.0, 3.0 and 1.1x.
+    results = [
+        _result("continuous", 100.0, 10.0, 1), _result("vllm-offline", 50.0, 40.0, 1),
+        _result("continuous", 300.0, 10.0, 2), _result("vllm-offline", 100.0, 20.0, 2),
+        _result("continuous", 110.0, 10.0, 3), _result("vllm-offline", 100.0, 10.0, 3),
+    ]
+    entry = bench.ratios("W1", results)["continuous/vllm-offline"]
+    assert entry["output_tokens_per_s"] == pytest.approx(2.0)
+    assert entry["runs"] == pytest.approx([2.0, 3.0, 1.1])
+    assert entry["ttft_p99"] == pytest.approx(0.5)  # median of 0.25, 0.5 and 1.0
+    text = bench.format_ratio(entry)
+    assert "output tokens per s 2.00x" in text and text.endswith("per run 2.00x, 3.00x, 1.10x")
+    # One run: no per-run list, the ratio of that run.
+    single = bench.ratios("W1", [{**r, "run": None} for r in results[:2]])["continuous/vllm-offline"]
+    assert single["output_tokens_per_s"] == pytest.approx(2.0) and "runs" not in single
+
+
+def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):
+    out = tmp_path / "results" / "w2_repeat.json"
+    code = bench.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",
+                       "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["run"]) for r in report["results"]] == [
+        ("continuous", 1), ("static", 1), ("continuous", 2), ("static", 2)]
+    assert all(r["num_completed"] == 3 and r["all_token_counts_right"] for r in report["results"])
+    entry = report["ratios"]["continuous/static"]
+    per_run = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+               for a, b in zip(report["results"][0::2], report["results"][1::2])]
+    assert entry["runs"] == pytest.approx(per_run)
+    assert entry["output_tokens_per_s"] == pytest.approx(float(np.median(per_run)))
+    printed = capsys.readouterr().out
+    assert "run" in printed.splitlines()[2].split() and "per run" in printed
+    assert (tmp_path / "w2_repeat.png").read_bytes()[:4] == b"\x89PNG"
+    from client import bench_table
+
+    rows = bench_table.table([str(out)])
+    assert "| continuous @ run 2 |" in rows and "per run" in rows
+
+
 def test_cli_refuses_what_does_not_apply():
     for argv in (["W1", "--rates", "1,2"], ["W3", "--rates", "1", "--concurrency", "2"], ["W1", "--input-len", "8"],
                  ["W3", "--target", "ftp://h:1"], ["W3", "--systems", "nope"],
-                 ["W3", "--target", "grpc://h:1", "--target", "grpc://h:2"]):
+                 ["W3", "--target", "grpc://h:1", "--target", "grpc://h:2"], ["W1", "--repeat", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2, argv

@@ -11,8 +11,8 @@
 // one 64-byte line per k, so the inner loop streams a panel front to back. The micro-tile
 // keeps 6 rows x 16 columns of sums in 12 AVX registers; per k it loads the panel's line
 // once and broadcasts one x value per row (2 loads + 6 broadcasts per 12 FMAs).
-// Work is split over the cores by (row block, panel); a row block is sized so that its
-// rows of x stay in L2 while every panel streams past them.
+// Work is split over the cores by (row block, panel), in chunks taken as cores come free;
+// a row block is sized so that its rows of x stay in L2 while every panel streams past them.
 //
 // Each output is one float32 FMA chain over k in order, then + bias: a different summation
 // order from MKL's or oneDNN's, so results equal F.linear's up to float32 rounding.
@@ -36,6 +36,9 @@ constexpr int64_t kTileRows = 6;
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 // Below this many multiply-adds one core finishes before a second would have started.
 constexpr int64_t kMinParallelMacs = 1 << 18;
+// Work chunks per thread in a parallel GEMM: enough that a core that falls behind hands
+// its share to the others, few enough that taking a chunk costs nothing measurable.
+constexpr int64_t kChunksPerThread = 8;
 
 template <int Rows>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* out,
@@ -138,10 +141,19 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
     }
   };
   const int64_t items = row_blocks * num_panels;
-  if (m * n * k < kMinParallelMacs) {
+  const int64_t threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
     run(0, items);
-  } else {
-    at::parallel_for(0, items, 1, run);
+    return out;
+  }
+  // Handed out in chunks, several per core, as each core comes back for more (not one equal
+  // range per core, as at::parallel_for does): when another thread of the process (Triton's
+  // response thread, the gRPC server) or of the machine takes a core for a while, the other
+  // core does that core's remaining chunks instead of the whole GEMM waiting for it.
+  const int64_t chunk = std::max<int64_t>(1, items / (threads * kChunksPerThread));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t first = 0; first < items; first += chunk) {
+    run(first, std::min(items, first + chunk));
   }
   return out;
 }

@@ -6,7 +6,8 @@ answered, and the engine idle afterwards.
 genai-perf 0.0.16 lives in its own venv (`make genai-perf-setup`, run here; a no-op once
 done), whose `perf_analyzer` is the project's wrapper of the tritonclient 2.51 binary. The
 command is `make genai-perf`'s (tools/loadtest.py); `make perf`'s perf_analyzer recipe is
-tested here too.
+tested here too, and so is the comparison run (the same recipe against an OpenAI-compatible
+server, here the project's own frontend standing in for vLLM's).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     before = wait_idle(triton_server.metrics_port, model)
     artifacts = tmp_path / "artifacts"
     command = genai_perf_command(
-        genai_perf, model=model, grpc_url=triton_server.grpc_url, tokenizer=DEFAULT_CHECKPOINT,
+        genai_perf, model=model, url=triton_server.grpc_url, tokenizer=DEFAULT_CHECKPOINT,
         concurrency=CONCURRENCY, num_requests=REQUESTS, input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS,
         artifact_dir=artifacts, seed=7,
     )
@@ -84,16 +85,18 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     for record in requests:
         inputs = record["request_inputs"]
         assert inputs["stream"] is True and inputs["exclude_input_in_output"] is True
-        assert json.loads(inputs["sampling_parameters"]) == {"max_tokens": str(OUTPUT_TOKENS)}
+        # Exactly OUTPUT_TOKENS each (min_tokens = max_tokens), so every server does the same work.
+        assert json.loads(inputs["sampling_parameters"]) == {"max_tokens": str(OUTPUT_TOKENS),
+                                                             "min_tokens": str(OUTPUT_TOKENS)}
         assert all(inputs[flag] is True for flag in RETURN_FLAGS)
         responses = record["response_outputs"]
         texts = [r.get("text_output", "") for r in responses]
         assert len(texts) >= 2 and "".join(texts).strip(), record  # streamed, with text
         # Every output is real, so perf_analyzer records no stray memory (tools/loadtest.py).
         assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
-        assert 1 <= sum(r["num_output_tokens"] for r in responses) <= OUTPUT_TOKENS
+        assert sum(r["num_output_tokens"] for r in responses) == OUTPUT_TOKENS
         assert [r["finish_reason"] for r in responses[:-1]] == ["None"] * (len(responses) - 1)
-        assert responses[-1]["finish_reason"] in ("stop", "length")
+        assert responses[-1]["finish_reason"] == "length"
         logprobs = [r["cumulative_logprob"] for r in responses]
         assert all(b <= a <= 0 for a, b in zip(logprobs, logprobs[1:])), logprobs  # a running sum of log p
 
@@ -102,8 +105,7 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     ended = {reason: after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
              - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
              for reason in ("stop", "length", "abort", "error")}
-    assert ended["abort"] == 0 and ended["error"] == 0, ended
-    assert ended["stop"] + ended["length"] == REQUESTS, ended
+    assert ended == {"stop": 0, "length": REQUESTS, "abort": 0, "error": 0}, ended
     assert scrape(triton_server.metrics_port).get(
         "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="used") == 0
 
@@ -137,3 +139,49 @@ def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
                    - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
                    for reason in ("length",))
     assert finished == len(records)
+
+
+def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, genai_perf, tmp_path):
+    """`python -m tools.loadtest genai-perf --openai-url NAME=HOST:PORT --json ...`: the same
+    recipe against Triton (kserve) and an OpenAI-compatible server (completions), one export
+    folder per profile, a report with both and their ratios. The OpenAI server here is the
+    project's frontend over the same tritonserver (vLLM's is not installed in CI)."""
+    from tests.openai_frontend import run_frontend
+
+    model, requests, output_tokens = triton_server.model, 4, 8
+    before = wait_idle(triton_server.metrics_port, model)
+    out, report_path = tmp_path / "genai_perf", tmp_path / "results" / "compare.json"
+    with run_frontend(triton_server.grpc_url) as frontend:
+        command = [sys.executable, "-m", "tools.loadtest", "genai-perf", "--url", triton_server.grpc_url,
+                   "--openai-url", f"frontend=127.0.0.1:{frontend.port}", "--model", model, "--concurrency", "2",
+                   "--num-requests", str(requests), "--input-tokens", "16", "--output-tokens", str(output_tokens),
+                   "--out", str(out), "--json", str(report_path)]
+        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    log = f"$ {' '.join(command)}\n--- stdout ---\n{run.stdout[-6000:]}\n--- stderr ---\n{run.stderr[-6000:]}"
+    assert run.returncode == 0, log
+
+    report = json.loads(report_path.read_text())
+    assert [(r["system"], r["concurrency"]) for r in report["results"]] == [("triton-grpc", 2), ("frontend", 2)]
+    for r in report["results"]:
+        assert r["request_count"]["avg"] == requests and r["input_sequence_length"]["avg"] == 16, r
+        assert r["output_token_throughput"]["avg"] > 0 and r["time_to_first_token"]["avg"] > 0, r
+    ratios = report["ratios"]["triton-grpc/frontend @ c=2"]
+    ours, peer = report["results"]
+    assert ratios["output_tokens_per_s"] == pytest.approx(
+        ours["output_token_throughput"]["avg"] / peer["output_token_throughput"]["avg"])
+    assert set(ratios) == {"output_tokens_per_s", "ttft_mean", "ttft_p99", "itl_mean", "itl_p99"}
+    assert report["recipe"]["output_tokens"] == output_tokens and report["git_commit"]
+
+    # The OpenAI profile asked for exactly output_tokens, streamed, and each profile kept its own export.
+    [raw] = (out / "frontend" / "concurrency2").rglob("profile_export.json")
+    for record in json.loads(raw.read_text())["experiments"][0]["requests"]:
+        payload = json.loads(record["request_inputs"]["payload"])
+        assert payload["stream"] is True and payload["max_tokens"] == payload["min_tokens"] == output_tokens
+    assert len(list((out / "triton-grpc" / "concurrency2").rglob("profile_export_genai_perf.json"))) == 1
+
+    # Both profiles went through the one engine: 2 x requests, every one to its length.
+    after = wait_idle(triton_server.metrics_port, model)
+    finished = {reason: after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+                - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+                for reason in ("stop", "length", "abort", "error")}
+    assert finished == {"stop": 0, "length": 2 * requests, "abort": 0, "error": 0}, finished

@@ -4,7 +4,9 @@
     make genai-perf  -> python -m tools.loadtest genai-perf     (exports under bench/genai_perf/)
 
 Both speak the gRPC streaming form of Triton's vLLM backend interface, as their users run
-them against vLLM-backend models.
+them against vLLM-backend models. `genai-perf --openai-url NAME=HOST:PORT` profiles an
+OpenAI-compatible server (vLLM's own) with the same recipe after each of this backend's
+profiles, and `--json` writes both with this backend's ratios to it.
 
 Every request sets the five `return_*` inputs. perf_analyzer 2.51 asks for every output
 the model declares and, for an output a response does not carry, records whatever memory
@@ -21,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from backend.request import RETURN_FLAGS
@@ -28,13 +31,14 @@ from backend.request import RETURN_FLAGS
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
 DEFAULT_TOKENIZER = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
+GENAI_ENDPOINTS = ("kserve", "openai")
 
 
 def genai_perf_command(
     genai_perf: str | os.PathLike,
     *,
     model: str,
-    grpc_url: str,
+    url: str,
     tokenizer: str | os.PathLike,
     concurrency: int,
     num_requests: int,
@@ -42,23 +46,60 @@ def genai_perf_command(
     output_tokens: int,
     artifact_dir: str | os.PathLike,
     seed: int = 0,
+    endpoint: str = "kserve",
 ) -> list[str]:
     """A genai-perf 0.0.16 profile: synthetic prompts of exactly `input_tokens` tokens
-    (by the model's own tokenizer), `max_tokens` = `output_tokens` (sent as a string, as
-    genai-perf does), no warm-up (perf_analyzer 2.51 hangs when the warm-up count is below
-    the concurrency)."""
-    command = [
-        str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
-        "-u", grpc_url, "--tokenizer", str(tokenizer),
+    (by the model's own tokenizer), exactly `output_tokens` generated (`min_tokens` =
+    `max_tokens`, so EOS cannot end a request early and every server does the same work),
+    no warm-up (perf_analyzer 2.51 hangs when the warm-up count is below the concurrency).
+
+    `endpoint` "kserve": tritonserver's gRPC streaming, the vLLM backend's interface
+    (sampling values sent as strings, as genai-perf does). "openai": an OpenAI-compatible
+    server's streaming /v1/completions at `url` (vLLM's own server, for the same recipe
+    against vLLM)."""
+    if endpoint not in GENAI_ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {GENAI_ENDPOINTS} (got {endpoint!r})")
+    command = [str(genai_perf), "profile", "-m", model, "--streaming", "-u", url, "--tokenizer", str(tokenizer)]
+    if endpoint == "kserve":
+        command += ["--endpoint-type", "kserve", "--backend", "vllm", "--output-tokens-mean-deterministic"]
+        for flag in RETURN_FLAGS:
+            command += ["--extra-inputs", f"{flag}:true"]
+    else:
+        # The completions converter sends only max_tokens; min_tokens is vLLM's field.
+        command += ["--endpoint-type", "completions", "--extra-inputs", f"min_tokens:{output_tokens}"]
+    command += [
         "--concurrency", str(concurrency), "--num-prompts", str(num_requests), "--request-count", str(num_requests),
         "--warmup-request-count", "0", "--random-seed", str(seed),
         "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
         "--artifact-dir", str(artifact_dir), "--verbose",
     ]
-    for flag in RETURN_FLAGS:
-        command += ["--extra-inputs", f"{flag}:true"]
     return command
+
+
+# What a comparison report keeps of genai-perf's summary (profile_export_genai_perf.json).
+GENAI_METRICS = ("output_token_throughput", "request_throughput", "time_to_first_token", "inter_token_latency",
+                 "request_latency", "output_sequence_length", "input_sequence_length", "request_count")
+
+
+def genai_perf_summary(artifact_dir: str | os.PathLike) -> dict:
+    """The metrics of the one genai-perf profile exported under `artifact_dir`."""
+    [path] = Path(artifact_dir).rglob("profile_export_genai_perf.json")
+    summary = json.loads(path.read_text())
+    return {name: summary[name] for name in GENAI_METRICS if name in summary}
+
+
+def genai_perf_ratios(ours: dict, peer: dict) -> dict:
+    """this backend / the peer: output tokens/s (higher is better), TTFT and ITL means and
+    p99s (lower is better)."""
+    def ratio(metric: str, stat: str) -> float:
+        return ours[metric][stat] / peer[metric][stat] if peer[metric][stat] else float("inf")
+
+    return {
+        "output_tokens_per_s": ratio("output_token_throughput", "avg"),
+        "ttft_mean": ratio("time_to_first_token", "avg"), "ttft_p99": ratio("time_to_first_token", "p99"),
+        "itl_mean": ratio("inter_token_latency", "avg"), "itl_p99": ratio("inter_token_latency", "p99"),
+    }
 
 
 def perf_analyzer_input_data(prompts: list[str], output_tokens: int) -> dict:
@@ -117,6 +158,42 @@ def perf_analyzer_command(
     ]
 
 
+def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | None) -> None:
+    """Print every profile's headline metrics and this backend's ratios to the peer at each
+    concurrency; with --json, write them in client.bench's report shape (command, commit,
+    machine)."""
+    from client.bench import git_commit, machine
+
+    ratios = {}
+    for concurrency in dict.fromkeys(r["concurrency"] for r in results):
+        ours, *peers = [r for r in results if r["concurrency"] == concurrency]
+        for peer in peers:
+            ratios[f"{ours['system']}/{peer['system']} @ c={concurrency}"] = genai_perf_ratios(ours, peer)
+    report = {
+        "command": "python -m tools.loadtest " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git_commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "tool": "genai-perf 0.0.16",
+        "recipe": {"input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+                   "num_requests": args.num_requests, "seed": args.seed, "tokenizer": str(args.tokenizer)},
+        "results": results,
+        "ratios": ratios,
+    }
+    for r in results:
+        print(f"{r['system']:12s} c={r['concurrency']:<3d} output tok/s {r['output_token_throughput']['avg']:8.1f}  "
+              f"TTFT mean {r['time_to_first_token']['avg']:8.1f} p99 {r['time_to_first_token']['p99']:8.1f}  "
+              f"ITL mean {r['inter_token_latency']['avg']:6.1f} p99 {r['inter_token_latency']['p99']:6.1f}")
+    for key, values in ratios.items():
+        print(f"ratio {key}: " + ", ".join(f"{k} {v:.2f}x" for k, v in values.items()))
+    if not args.json:
+        return
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
 def _run(command: list[str], env: dict[str, str] | None = None) -> None:
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, check=True, env=env)
@@ -135,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--genai-venv", default=str(REPO_ROOT / ".venv-genai"))
     parser.add_argument("--out", help="export folder (default bench/perf_analyzer or bench/genai_perf)")
+    parser.add_argument("--openai-url", metavar="[NAME=]HOST:PORT",
+                        help="genai-perf only: also profile this OpenAI-compatible server (e.g. vLLM's) with the same "
+                             "recipe, right after this backend at each concurrency")
+    parser.add_argument("--json", help="genai-perf only: write every profile's metrics (and this backend's ratios "
+                                       "to --openai-url's) here, e.g. bench/results/genai_perf_vs_vllm_server_fp32.json")
     args = parser.parse_args(argv)
+    if args.tool != "genai-perf" and (args.openai_url or args.json):
+        parser.error("--openai-url and --json apply to genai-perf")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out or REPO_ROOT / "bench" / args.tool.replace("-", "_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -145,13 +229,25 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("VIRTUAL_ENV", None)
+        servers = [("triton-grpc", "kserve", args.url)]
+        if args.openai_url:
+            name, _, url = args.openai_url.rpartition("=")
+            servers.append((name or "openai", "openai", url))
+        results = []
         for concurrency in concurrencies:
-            _run(genai_perf_command(
-                venv_bin / "genai-perf", model=args.model, grpc_url=args.url, tokenizer=args.tokenizer,
-                concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
-                output_tokens=args.output_tokens, artifact_dir=out, seed=args.seed,
-            ), env)
+            for name, endpoint, url in servers:
+                # One folder per profile: given --artifact-dir, genai-perf writes its exports
+                # straight into it, so a second profile there would overwrite the first.
+                artifacts = out / name / f"concurrency{concurrency}"
+                _run(genai_perf_command(
+                    venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
+                    concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
+                    output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed, endpoint=endpoint,
+                ), env)
+                results.append({"system": name, "concurrency": concurrency, "url": url,
+                                **genai_perf_summary(artifacts)})
         print(f"genai-perf exports: {out}")
+        _report(args, results, argv)
         return 0
 
     input_data = out / "input_data.json"

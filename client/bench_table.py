@@ -1,5 +1,7 @@
-"""Markdown table of every benchmark result: `python -m client.bench_table [bench/results/*.json]`.
+"""Markdown tables of every benchmark result: `python -m client.bench_table [bench/results/*.json]`.
 
+client.bench reports go in one table, genai-perf reports (`tools.loadtest genai-perf --json`)
+in a second: genai-perf measures other things (inter-token latency, no occupancy or FLOP bound).
 README's results section is this command's output, pasted as is.
 """
 
@@ -9,6 +11,7 @@ import glob
 import json
 import os
 import sys
+from pathlib import Path
 
 from client.bench import REPO_ROOT, format_ratio, load_label, run_label
 
@@ -22,15 +25,32 @@ def table(paths: list[str]) -> str:
         "| workload | model | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | FLOP bound | file |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    genai_lines = [
+        "| tool | model | system | concurrency | out tok/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     ratios = []
     machines = set()
     for path in paths:
         with open(path) as f:
             report = json.load(f)
         machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores")
+        rel = os.path.relpath(path, REPO_ROOT)
+        if report.get("tool", "").startswith("genai-perf"):
+            model = os.path.basename(os.path.normpath(report["recipe"]["tokenizer"]))
+            for r in report["results"]:
+                ttft, itl = r["time_to_first_token"], r["inter_token_latency"]
+                genai_lines.append(
+                    f"| {report['tool']} | {model} | {r['system']} | {r['concurrency']} | "
+                    f"{r['output_token_throughput']['avg']:.1f} | {ttft['avg']:.0f} | {ttft['p99']:.0f} | "
+                    f"{itl['avg']:.1f} | {itl['p99']:.1f} | [{os.path.basename(path)}]({rel}) |"
+                )
+            for ratio_name, values in report["ratios"].items():
+                ratios.append(f"- genai-perf ({model}, {Path(path).stem}) {ratio_name}: "
+                              + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items()))
+            continue
         name = report["workload"]["name"]
         model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))
-        rel = os.path.relpath(path, REPO_ROOT)
         for r in report["results"]:
             where = ", ".join(filter(None, [load_label(r), run_label(r)]))
             lines.append(
@@ -42,8 +62,11 @@ def table(paths: list[str]) -> str:
                 f"[{os.path.basename(path)}]({rel}) |"
             )
         for ratio_name, values in report.get("ratios", {}).items():
-            ratios.append(f"- {name} ({model}) {ratio_name}: " + format_ratio(values))
-    return "\n".join(lines + [""] + ratios + ["", "Machine: " + "; ".join(sorted(machines))])
+            dtype = next((r["dtype"] for r in report["results"] if r.get("dtype")), "-")
+            ratios.append(f"- {name} ({model}, {dtype}) {ratio_name}: " + format_ratio(values))
+    tables = [rows for rows in (lines, genai_lines) if len(rows) > 2]
+    tables = [line for rows in tables for line in rows + [""]]
+    return "\n".join(tables + ratios + ["", "Machine: " + "; ".join(sorted(machines))])
 
 
 def main(argv: list[str] | None = None) -> int:

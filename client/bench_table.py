@@ -46,8 +46,7 @@ def table(paths: list[str]) -> str:
                     f"{itl['avg']:.1f} | {itl['p99']:.1f} | [{os.path.basename(path)}]({rel}) |"
                 )
             for ratio_name, values in report["ratios"].items():
-                ratios.append(f"- genai-perf ({model}, {Path(path).stem}) {ratio_name}: "
-                              + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items()))
+                ratios.append(f"- genai-perf ({model}, {Path(path).stem}) {ratio_name}: " + format_ratio(values))
             continue
         name = report["workload"]["name"]
         model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))

@@ -162,7 +162,7 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
     """Print every profile's headline metrics and this backend's ratios to the peer at each
     concurrency; with --json, write them in client.bench's report shape (command, commit,
     machine)."""
-    from client.bench import git_commit, machine
+    from client.bench import format_ratio, git_commit, machine
 
     ratios = {}
     for concurrency in dict.fromkeys(r["concurrency"] for r in results):
@@ -185,7 +185,7 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
               f"TTFT mean {r['time_to_first_token']['avg']:8.1f} p99 {r['time_to_first_token']['p99']:8.1f}  "
               f"ITL mean {r['inter_token_latency']['avg']:6.1f} p99 {r['inter_token_latency']['p99']:6.1f}")
     for key, values in ratios.items():
-        print(f"ratio {key}: " + ", ".join(f"{k} {v:.2f}x" for k, v in values.items()))
+        print(f"ratio {key}: " + format_ratio(values))
     if not args.json:
         return
     path = Path(args.json)

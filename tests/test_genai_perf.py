@@ -41,6 +41,14 @@ def genai_perf() -> Path:
     return binary
 
 
+def finished_since(before, metrics_port: int, model: str) -> dict[str, float]:
+    """Requests the model finished since the `before` scrape, by finish reason, once idle."""
+    after = wait_idle(metrics_port, model)
+    return {reason: after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+            - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
+            for reason in ("stop", "length", "abort", "error")}
+
+
 def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, tmp_path):
     model = triton_server.model
     before = wait_idle(triton_server.metrics_port, model)
@@ -101,10 +109,7 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
         assert all(b <= a <= 0 for a, b in zip(logprobs, logprobs[1:])), logprobs  # a running sum of log p
 
     # The server's side: every request ended normally and nothing is left behind.
-    after = wait_idle(triton_server.metrics_port, model)
-    ended = {reason: after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-             - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-             for reason in ("stop", "length", "abort", "error")}
+    ended = finished_since(before, triton_server.metrics_port, model)
     assert ended == {"stop": 0, "length": REQUESTS, "abort": 0, "error": 0}, ended
     assert scrape(triton_server.metrics_port).get(
         "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="used") == 0
@@ -134,11 +139,7 @@ def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
         assert all(r["num_input_tokens"] == 24 for r in responses), responses
         assert responses[-1]["finish_reason"] == "length"
 
-    after = wait_idle(triton_server.metrics_port, model)
-    finished = sum(after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-                   - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-                   for reason in ("length",))
-    assert finished == len(records)
+    assert finished_since(before, triton_server.metrics_port, model)["length"] == len(records)
 
 
 def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, genai_perf, tmp_path):
@@ -187,8 +188,5 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
     assert f", compare) triton-grpc/frontend @ c=2: output tokens per s {ratios['output_tokens_per_s']:.2f}x" in rendered
 
     # Both profiles went through the one engine: 2 x requests, every one to its length.
-    after = wait_idle(triton_server.metrics_port, model)
-    finished = {reason: after.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-                - before.get("inflight_requests_finished_total", model=model, finish_reason=reason)
-                for reason in ("stop", "length", "abort", "error")}
+    finished = finished_since(before, triton_server.metrics_port, model)
     assert finished == {"stop": 0, "length": 2 * requests, "abort": 0, "error": 0}, finished

@@ -153,8 +153,12 @@ def test_sixteen_streams_of_a_killed_client_process_leave_no_block_used(server):
     try:
         line = proc.stdout.readline().strip()
         assert line == "streaming 16", line + proc.stdout.read() if proc.poll() is not None else line
-        busy = state(server, TINY)
-        assert busy["running"] + busy["waiting"] == 16 and busy["used"] >= 16, busy
+        # The gauges trail the responses by up to a step: the engine loop queues a step's
+        # outputs first and its metric updates after them, so the 16th stream's first token
+        # can reach the client before the gauges count its request.
+        busy = wait_until(lambda: (s := state(server, TINY))["running"] + s["waiting"] == 16 and s,
+                          timeout=10, what="16 requests running or waiting in the gauges")
+        assert busy["used"] >= 16, busy
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:

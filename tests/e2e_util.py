@@ -294,7 +294,7 @@ class Server:
 
 @contextmanager
 def run_server(root: Path, models: dict[str, dict[str, str]], env: dict[str, str] | None = None,
-               ready_timeout: float = 300.0, extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
+               ready_timeout: float = 300.0, extra_args: tuple[str, ...] = (), log_verbose: int = 0) -> Iterator[Server]:
     """tritonserver on free ports serving one inflight model per entry of `models`
     (name -> config.pbtxt parameters, on top of model_repository/llm's), with `extra_args`
     after the launcher's own options; stopped by PID on exit."""
@@ -307,7 +307,8 @@ def run_server(root: Path, models: dict[str, dict[str, str]], env: dict[str, str
     http_port, grpc_port, metrics_port = free_ports(3)
     log_path = root / "tritonserver.log"
     with open(log_path, "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, extra_args=extra_args,
+        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, log_verbose=log_verbose,
+                            extra_args=extra_args,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(http_port, grpc_port, metrics_port, proc, log_path)
     try:

@@ -120,7 +120,7 @@ def triton_server(tmp_path_factory) -> TritonServer:
         )
     server = TritonServer(http_port, grpc_port, metrics_port, proc.pid, log_path)
     try:
-        serve.wait_ready(http_port, SERVER_READY_TIMEOUT_S, proc=proc)
+        serve.wait_ready(http_port, SERVER_READY_TIMEOUT_S, proc=proc, metrics_port=metrics_port)
     except (RuntimeError, TimeoutError) as exc:
         serve.stop(proc)
         pytest.fail(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}", pytrace=False)

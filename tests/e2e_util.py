@@ -313,7 +313,7 @@ def run_server(root: Path, models: dict[str, dict[str, str]], env: dict[str, str
     server = Server(http_port, grpc_port, metrics_port, proc, log_path)
     try:
         try:
-            serve.wait_ready(http_port, ready_timeout, proc=proc)
+            serve.wait_ready(http_port, ready_timeout, proc=proc, metrics_port=metrics_port)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}") from None
         yield server

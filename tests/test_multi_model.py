@@ -94,7 +94,7 @@ def server(tmp_path_factory):
                             extra_args=RESTRICTED, stdout=log, stderr=subprocess.STDOUT)
     running = Server(http_port, grpc_port, metrics_port, log_path)
     try:
-        serve.wait_ready(http_port, 300, proc=proc)
+        serve.wait_ready(http_port, 300, proc=proc, metrics_port=metrics_port)
     except (RuntimeError, TimeoutError) as exc:
         serve.stop(proc)
         pytest.fail(f"{exc}\n{running.log()[-4000:]}", pytrace=False)

@@ -179,10 +179,14 @@ def _probe_host(host: str) -> str:
 
 
 def is_ready(http_port: int, host: str = "127.0.0.1") -> bool:
+    return _answers_200(host, http_port, "/v2/health/ready")
+
+
+def _answers_200(host: str, port: int, path: str) -> bool:
     h = _probe_host(host)
     h = f"[{h}]" if ":" in h else h
     try:
-        with urllib.request.urlopen(f"http://{h}:{http_port}/v2/health/ready", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://{h}:{port}{path}", timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
@@ -193,13 +197,18 @@ def wait_ready(
     timeout: float = 300.0,
     host: str = "127.0.0.1",
     proc: subprocess.Popen | None = None,
+    metrics_port: int | None = None,
 ) -> None:
-    """Block until ``/v2/health/ready`` answers 200; raise if ``proc`` exits or time runs out."""
+    """Block until ``/v2/health/ready`` answers 200, and ``/metrics`` too when ``metrics_port``
+    is given; raise if ``proc`` exits or time runs out.
+
+    tritonserver starts its metrics service after the HTTP service: a scrape right after
+    "ready" was refused once on a loaded machine."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {proc.returncode} before it was ready")
-        if is_ready(http_port, host):
+        if is_ready(http_port, host) and (metrics_port is None or _answers_200(host, metrics_port, "/metrics")):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"tritonserver not ready on port {http_port} after {timeout:.0f}s")
@@ -283,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"serve: starting tritonserver (pid {proc.pid}) on {Path(args.model_repository).resolve()} ...", flush=True)
     try:
-        wait_ready(args.http_port, args.ready_timeout, args.host, proc)
+        metrics_on = not any(a.replace(" ", "=") == "--allow-metrics=false" for a in extra)
+        wait_ready(args.http_port, args.ready_timeout, args.host, proc, args.metrics_port if metrics_on else None)
     except TimeoutError as exc:
         print(f"serve: {exc}; still waiting (Ctrl-C stops it)", file=sys.stderr, flush=True)
     except RuntimeError:

@@ -292,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"serve: starting tritonserver (pid {proc.pid}) on {Path(args.model_repository).resolve()} ...", flush=True)
     try:
-        metrics_on = not any(a.replace(" ", "=") == "--allow-metrics=false" for a in extra)
-        wait_ready(args.http_port, args.ready_timeout, args.host, proc, args.metrics_port if metrics_on else None)
+        metrics_port = None if "--allow-metrics=false" in extra else args.metrics_port
+        wait_ready(args.http_port, args.ready_timeout, args.host, proc, metrics_port)
     except TimeoutError as exc:
         print(f"serve: {exc}; still waiting (Ctrl-C stops it)", file=sys.stderr, flush=True)
     except RuntimeError:

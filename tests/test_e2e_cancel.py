@@ -59,10 +59,15 @@ def checkpoint(tmp_path_factory) -> str:
                                 max_position_embeddings=4096)
 
 
+def tiny_parameters(checkpoint: str) -> dict[str, str]:
+    """`tiny`'s config.pbtxt parameters, the same on every server of this module."""
+    return {"model_path": checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, checkpoint):
     models = {
-        TINY: {"model_path": checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16"},
+        TINY: tiny_parameters(checkpoint),
         SEQ1: {"model_path": checkpoint, "max_num_seqs": "1", "max_queue_len": "1", "kv_cache_memory_mb": "16",
                "long_prefill_token_threshold": "1"},
     }
@@ -102,7 +107,7 @@ FINAL_RESPONSE = re.compile(r"ModelStreamInferHandler::StreamInferComplete, .*, 
 @pytest.fixture(scope="module")
 def racing_server(tmp_path_factory, checkpoint):
     """`tiny` alone, logging verbosely, for streams cancelled as their requests end."""
-    models = {TINY: {"model_path": checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16"}}
+    models = {TINY: tiny_parameters(checkpoint)}
     with run_server(tmp_path_factory.mktemp("racing"), models, log_verbose=1) as srv:
         yield srv
         code, seconds, log = stop_when_idle(srv, models)
@@ -307,7 +312,7 @@ FAULT_AFTER_STEPS = 100
 
 @pytest.fixture(scope="module")
 def faulty_server(tmp_path_factory, checkpoint):
-    models = {TINY: {"model_path": checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16"}}
+    models = {TINY: tiny_parameters(checkpoint)}
     with run_server(tmp_path_factory.mktemp("fault"), models,
                     env={"INFLIGHT_FAULT_INJECT_AFTER_STEPS": str(FAULT_AFTER_STEPS)}) as srv:
         yield srv

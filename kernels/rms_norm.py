@@ -28,8 +28,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The CPU production path: one C++ pass per row (kernels/cpu/layer_ops.cpp), the
-    reference's roundings (only a row's sum of squares is added up in another order).
+    """The CPU production path: one C++ pass per row (kernels/cpu/layer_ops.cpp), equal to the
+    reference to the bit (its roundings, and a row's squares added up in torch's order).
     The reference where the C++ kernels could not be built or the dtypes differ."""
     module = cpu_ext.load()
     if module is None or weight.dtype != x.dtype:

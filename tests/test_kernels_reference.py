@@ -175,24 +175,26 @@ def test_rms_norm_reference(dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_cpu_matches_the_reference(dtype, threads):
-    """The C++ pass rounds where the reference rounds; only a row's sum of squares is added
-    in another order, so float32 differs by a rounding at most and 16-bit types almost never."""
+    """The C++ pass rounds where the reference rounds and adds up a row's squares in torch's
+    own order: equal to the bit, at hidden sizes shorter than one vector, with leftover
+    vectors and elements, and long enough for torch's second and third summation levels."""
     g = torch.Generator().manual_seed(2)
-    x = (3 * torch.randn(37, 576, generator=g)).to(dtype)
-    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
-    residual = torch.randn(37, 576, generator=g).to(dtype)
     torch.set_num_threads(threads)  # the fixture restores it
-    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
-    out = rms_norm_cpu(x, weight, 1e-5)
-    assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), **tolerance)
-    out2, summed = rms_norm_cpu(x, weight, 1e-5, residual)
-    ref2, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
-    assert torch.equal(summed, ref_summed)
-    torch.testing.assert_close(out2, ref2, **tolerance)
+    for width in (576, 5, 100, 2049, 16384, 70000):
+        x = (3 * torch.randn(37, width, generator=g)).to(dtype)
+        weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
+        residual = torch.randn(37, width, generator=g).to(dtype)
+        out = rms_norm_cpu(x, weight, 1e-5)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert torch.equal(out, rms_norm_reference(x, weight, 1e-5)), width
+        out2, summed = rms_norm_cpu(x, weight, 1e-5, residual)
+        ref2, ref_summed = rms_norm_reference(x, weight, 1e-5, residual)
+        assert torch.equal(summed, ref_summed) and torch.equal(out2, ref2), width
     # a 3-D input and a mismatched weight dtype (the reference then) still work
-    torch.testing.assert_close(rms_norm_cpu(x.view(1, 37, 576), weight, 1e-5), out.view(1, 37, 576))
-    torch.testing.assert_close(rms_norm_cpu(x, weight.float(), 1e-5), rms_norm_reference(x, weight.float(), 1e-5))
+    x, weight = x[:, :576], weight[:576].float()
+    assert torch.equal(rms_norm_cpu(x.reshape(1, 37, 576), weight.to(dtype), 1e-5),
+                       rms_norm_reference(x, weight.to(dtype), 1e-5).view(1, 37, 576))
+    assert torch.equal(rms_norm_cpu(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -165,11 +165,12 @@ namespace {
 // Rotates one head (`head_dim` values at `src`, written to `dst`): neox pairs (i, i + half),
 // GPT-J pairs (2i, 2i + 1); dimensions past the rotary ones are copied. Each product and
 // each sum rounded to T, as HF's `q * cos + rotate_half(q) * sin` in the activations' dtype.
-template <typename T>
-inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin, int64_t half, int64_t head_dim,
-                        bool is_neox) {
+// The layout is a template parameter so that the neox loop, two contiguous halves, vectorises.
+template <bool kNeox, typename T>
+inline void rotate_head(const T* __restrict__ src, T* __restrict__ dst, const float* __restrict__ cos,
+                        const float* __restrict__ sin, int64_t half, int64_t head_dim) {
   for (int64_t i = 0; i < half; ++i) {
-    const int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+    const int64_t a = kNeox ? i : 2 * i, b = kNeox ? i + half : 2 * i + 1;
     const float x1 = static_cast<float>(src[a]), x2 = static_cast<float>(src[b]);
     const float c = cos[i], s = sin[i];
     dst[a] = static_cast<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
@@ -178,11 +179,11 @@ inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin
   for (int64_t d = 2 * half; d < head_dim; ++d) dst[d] = src[d];
 }
 
-template <typename T>
+template <bool kNeox, typename T>
 void rotary_store(const int64_t* positions, const T* query, const T* key, const T* value, const float* cos_sin,
                   T* k_cache, T* v_cache, const int64_t* slots, T* query_out, int64_t num_tokens,
                   int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-                  int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size, bool is_neox) {
+                  int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size) {
   const int64_t half = rotary_dim / 2;
   const int64_t kv_width = num_kv_heads * head_dim;
   at::parallel_for(0, num_tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -195,14 +196,14 @@ void rotary_store(const int64_t* positions, const T* query, const T* key, const 
         sin[i] = round_to<T>(row[half + i]);
       }
       for (int64_t h = 0; h < num_q_heads; ++h)
-        rotate_head(query + t * query_stride + h * head_dim, query_out + (t * num_q_heads + h) * head_dim, cos.data(),
-                    sin.data(), half, head_dim, is_neox);
+        rotate_head<kNeox>(query + t * query_stride + h * head_dim, query_out + (t * num_q_heads + h) * head_dim,
+                           cos.data(), sin.data(), half, head_dim);
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token: nothing to store
       const int64_t offset = (slot / block_size) * block_size * kv_width + (slot % block_size) * kv_width;
       for (int64_t h = 0; h < num_kv_heads; ++h)
-        rotate_head(key + t * key_stride + h * head_dim, k_cache + offset + h * head_dim, cos.data(), sin.data(), half,
-                    head_dim, is_neox);
+        rotate_head<kNeox>(key + t * key_stride + h * head_dim, k_cache + offset + h * head_dim, cos.data(), sin.data(),
+                           half, head_dim);
       const T* v = value + t * value_stride;
       std::copy(v, v + kv_width, v_cache + offset);
     }
@@ -245,12 +246,12 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
   cos_sin_cache = cos_sin_cache.contiguous();
   auto query_out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_store_kv", [&] {
-    rotary_store<scalar_t>(positions.data_ptr<int64_t>(), query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(),
-                           value.data_ptr<scalar_t>(), cos_sin_cache.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
-                           v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                           query_out.data_ptr<scalar_t>(), query.size(0), query.size(1), key.size(1), query.size(2),
-                           cos_sin_cache.size(1), query.stride(0), key.stride(0), value.stride(0), k_cache.size(1),
-                           is_neox);
+    const auto store = is_neox ? rotary_store<true, scalar_t> : rotary_store<false, scalar_t>;
+    store(positions.data_ptr<int64_t>(), query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(),
+          value.data_ptr<scalar_t>(), cos_sin_cache.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
+          v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), query_out.data_ptr<scalar_t>(),
+          query.size(0), query.size(1), key.size(1), query.size(2), cos_sin_cache.size(1), query.stride(0),
+          key.stride(0), value.stride(0), k_cache.size(1));
   });
   return query_out;
 }

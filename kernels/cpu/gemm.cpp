@@ -40,13 +40,21 @@ constexpr int64_t kMinParallelMacs = 1 << 18;
 // its share to the others, few enough that taking a chunk costs nothing measurable.
 constexpr int64_t kChunksPerThread = 8;
 
-template <int Rows>
+// `next`: the panel this core computes next, or nullptr. The first tile of a panel finds the
+// panel in memory, not cache (a step reads each weight once); it asks for the next panel's
+// lines one per k, as it consumes its own, so that the next panel's first tile finds them in
+// cache instead of waiting on memory. Measured on a 2-core AVX2 EPYC, SmolLM2's 30 layers'
+// projections and its output head, GFLOP/s with / without, two A/B runs of 12 interleaved
+// rounds: 8 rows 118 / 120 and 110 / 102, 32 rows 161 / 160 and 149 / 137, 145 rows 174 / 169
+// and 162 / 157.
+template <int Rows, bool kPrefetchNext>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* out,
-                 int64_t ldo, int64_t cols) {
+                 int64_t ldo, int64_t cols, const float* next) {
   __m256 acc[Rows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (kPrefetchNext) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
     // Unrolled so that the sums live in registers (a rolled loop kept them on the stack,
@@ -81,8 +89,12 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, con
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        const float*);
+constexpr TileFn kTiles[kTileRows + 1] = {nullptr,         tile<1, false>, tile<2, false>, tile<3, false>,
+                                          tile<4, false>, tile<5, false>, tile<6, false>};
+constexpr TileFn kPrefetchingTiles[kTileRows + 1] = {nullptr,        tile<1, true>, tile<2, true>, tile<3, true>,
+                                                     tile<4, true>, tile<5, true>, tile<6, true>};
 
 }  // namespace
 
@@ -134,9 +146,12 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
       const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
       const float* panel = wp + p * k * kPanel;
       const float* panel_bias = bias_data != nullptr ? bias_data + col : nullptr;
+      const float* next = item + 1 < end ? wp + (item + 1) % num_panels * k * kPanel : nullptr;
       for (int64_t row = block * block_rows; row < row_end; row += kTileRows) {
         const int64_t rows = std::min(kTileRows, row_end - row);
-        kTiles[rows](xp + row * ldx, ldx, panel, k, panel_bias, op + row * n + col, n, cols);
+        const bool first_tile = row == block * block_rows && next != nullptr;
+        (first_tile ? kPrefetchingTiles : kTiles)[rows](xp + row * ldx, ldx, panel, k, panel_bias,
+                                                        op + row * n + col, n, cols, next);
       }
     }
   };

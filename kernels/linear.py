@@ -2,41 +2,76 @@
 
 On CPU most of a decode step is the projections' matmuls at a few dozen rows, where how
 the weight is laid out in memory decides the speed: `F.linear` hands MKL the row-major
-weight and it re-blocks it on every call. The weight is packed once at load time:
+weight and it re-blocks it on every call. The weight is packed once at load time, into the
+panel layout of our own GEMM (`panel_gemm`, kernels/cpu/gemm.cpp), one code path per
+instruction set, chosen here once per weight (`gemm_isa`, the best the machine has):
 
-- float32 on an AVX2 CPU: into our own panel layout for `panel_gemm` (kernels/cpu/gemm.cpp;
-  16 output columns per panel, one micro-kernel, no per-call setup). Measured on a 2-core
-  AVX2 EPYC in GFLOP/s, this kernel / oneDNN packed / F.linear: SmolLM2's 960 x 576 at 32
-  rows 145 / 101 / 94, 576 x 1536 184 / 117 / 110, its 49k-row output head 120 / 121 / 63;
-  at 256 to 2048 rows all three within ~15% (the head 107 / 121 / 102 at 256). The small
-  random Llama's 16 projections (128 x 128 to 1024 x 128, 128 x 512) at 32 rows take 0.67
-  ms against 1.19 with F.linear (oneDNN is slower still on weights that small: its call
-  costs ~40-100 us of setup), at 2 rows 0.25 ms against 0.89.
-- otherwise (no AVX2, AVX-512 CPUs where the panel kernel was not measured, or the C++
-  kernels could not be built): oneDNN's blocked layout (`torch.ops.mkldnn`: JIT kernels
-  for the CPU at hand, AMX for bf16 where the CPU has it), or MKL's packed-sgemm format
-  where oneDNN is unavailable, for weights large enough to pay for oneDNN's per-call cost.
+- bfloat16 where the CPU has AVX512-BF16 (AVX-512 EPYCs, Xeons with AMX): `vdpbf16ps` on
+  the bf16 weight itself;
+- float32 on AVX-512, else AVX2: FMAs on float32 panels. A bfloat16 weight on a CPU
+  without bf16 dot products (AVX2 EPYC) is packed as its exact float32 upcast (`upcast`):
+  the input is widened, the GEMM accumulates in float32 and the output is rounded to
+  bfloat16 once, which is what a bf16 GEMM with float32 accumulation computes, up to
+  summation order (torch's own bf16 GEMM runs at ~16 GFLOP/s there against ~120 in
+  float32). The cost is twice the weight memory.
 
-bfloat16 on a CPU without bf16 dot products (no AVX512-BF16 or AMX, e.g. AVX2 EPYC):
-oneDNN refuses to pack bf16 there, and torch's own bf16 GEMM runs at ~16 GFLOP/s against
-~120 in float32 (576 x 3072, 256 rows). Such a weight is packed as its exact float32
-upcast (`upcast`): the input is widened, the GEMM accumulates in float32 and the output
-is rounded to bfloat16 once, which is what a bf16 GEMM with float32 accumulation
-computes, up to summation order. The cost is twice the weight memory.
+GFLOP/s on a 2-core Zen 4 EPYC (AVX512-BF16), SmolLM2-135M's projections, this kernel /
+oneDNN packed / F.linear: bf16 at 8 rows 387-437 / 177-324 / 128-192, at 32 rows 417-435 /
+309-419 / 262-339, at 145-256 rows all three within 6%; float32 (AVX-512 path) at 8 rows
+205-223 / 116-192 / 79-83, at 32 rows 224-227 / 175-212 / 139-149, 145-256 rows within 3%
+(the output head 168 / 90 / 63 at 256 rows). The AVX2 path on a 2-core AVX2 EPYC:
+SmolLM2's 960 x 576 at 32 rows 145 / 101 / 94.
+
+Every output element of the panel GEMM is one chain of multiply-adds over k in order, so a
+row's result never depends on the batch it is in (the engine's `batch_invariant` mode
+relies on it), and the AVX2 and AVX-512 float32 paths give the same bits.
+
+Where the C++ kernels could not be built or the CPU lacks AVX2 and FMA: oneDNN's blocked
+layout (`torch.ops.mkldnn`), or MKL's packed-sgemm format where oneDNN is unavailable, for
+weights large enough to pay for oneDNN's per-call cost; bf16 through oneDNN where the CPU
+has bf16 dot products, else as the float32 upcast.
 
     packed = pack_linear_weight(weight)    # None where packing does not apply
     y = linear(x, weight, bias, packed)    # F.linear when packed is None
 
-On CUDA (and for other dtypes) nothing is packed: cuBLAS takes the weight as it is.
-Results equal F.linear's up to float rounding order.
+`INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16` or `none`) caps the instruction set,
+e.g. to run the AVX2 path on an AVX-512 machine. On CUDA (and for other dtypes) nothing is
+packed: cuBLAS takes the weight as it is.
 """
 
 from __future__ import annotations
+
+import enum
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+
+
+class Isa(enum.IntEnum):
+    """The panel GEMM's code paths (kernels/cpu/gemm.cpp numbers them the same way)."""
+
+    NONE = 0
+    AVX2 = 1  # float32
+    AVX512 = 2  # float32
+    AVX512_BF16 = 3  # bfloat16 with vdpbf16ps; float32 weights take the AVX512 path
+
+
+@functools.cache
+def gemm_isa() -> Isa:
+    """The best panel GEMM path of this machine's build, capped by `INFLIGHT_CPU_ISA`."""
+    module = cpu_ext.load()
+    best = Isa(module.gemm_isa()) if module is not None else Isa.NONE
+    cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
+    if not cap:
+        return best
+    if cap not in Isa.__members__:
+        raise ValueError(f"INFLIGHT_CPU_ISA={cap.lower()!r}: expected one of {', '.join(i.name.lower() for i in Isa)}")
+    return min(best, Isa[cap])
+
 
 # The GEMM libraries choose their blocking from an expected row count; any row count is
 # correct, and measured speed varied little between hints of 1 and 256.
@@ -53,14 +88,16 @@ _MIN_PACKED_ELEMENTS = 1 << 18
 
 
 class PackedWeight:
-    """A weight in a CPU GEMM library's own layout, with what `linear` needs to call it."""
+    """A weight in a CPU GEMM's own layout, with what `linear` needs to call it."""
 
-    __slots__ = ("kind", "data", "upcast", "shape_only", "gemm_shape_only")
+    __slots__ = ("kind", "data", "upcast", "isa", "shape_only", "gemm_shape_only")
 
-    def __init__(self, kind: str, data: torch.Tensor, weight: torch.Tensor, upcast: bool = False):
+    def __init__(self, kind: str, data: torch.Tensor, weight: torch.Tensor, upcast: bool = False,
+                 isa: Isa = Isa.NONE):
         self.kind = kind  # "panels" (kernels/cpu/gemm.cpp), "onednn" or "mkl"
         self.data = data
         self.upcast = upcast  # a bf16 weight packed as float32: widen the input, round the output
+        self.isa = isa  # the panel GEMM's path, for kind "panels"
         # A zero-stride view of one element with the weight's shape and dtype: what a module
         # can keep in its place so that the weight is not held twice.
         self.shape_only = weight.new_empty(1).as_strided(weight.shape, (0,) * weight.dim())
@@ -72,14 +109,6 @@ class PackedWeight:
 
 def _mkl_usable() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def _panels_usable() -> bool:
-    # AVX2 exactly: on AVX-512 CPUs oneDNN's 512-bit kernels were not measured against it.
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        return False
-    module = cpu_ext.load()
-    return module is not None and module.panel_gemm_supported()
 
 
 def _onednn_usable() -> bool:
@@ -101,18 +130,24 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
     return None
 
 
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWeight | None:
     """Pack `weight` [out, in] for fast CPU matmuls, or None where that does not apply or
-    would not be faster."""
-    if weight.device.type != "cpu" or weight.dim() != 2:
+    would not be faster. `isa`: the panel GEMM path to pack for (default `gemm_isa()`;
+    Isa.NONE: the libraries' layouts)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach().contiguous()
+    isa = gemm_isa() if isa is None else isa
+    if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
+        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, Isa.AVX512_BF16), weight, isa=Isa.AVX512_BF16)
+    if isa >= Isa.AVX2:
+        float_isa = min(isa, Isa.AVX512)
+        upcast = weight.dtype == torch.bfloat16
+        return PackedWeight("panels", cpu_ext.load().pack_panels(weight.float(), float_isa), weight, upcast, float_isa)
     upcast = weight.dtype == torch.bfloat16 and not _native_bf16()
-    if (weight.dtype == torch.float32 or upcast) and _panels_usable():
-        return PackedWeight("panels", cpu_ext.load().pack_panels(weight.float()), weight, upcast)
     if upcast:
         return _pack_for_library(weight, upcast=True)
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() < _MIN_PACKED_ELEMENTS:
+    if weight.numel() < _MIN_PACKED_ELEMENTS:
         return None
     return _pack_for_library(weight, upcast=False)
 
@@ -123,15 +158,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if packed.kind == "panels":  # takes row strides; adds the bias in float32 before its one rounding
+        if packed.upcast:
+            rows = rows.float()
+            bias = None if bias is None else bias.float()
+        out = cpu_ext.load().panel_gemm(rows, packed.data, bias, packed.shape_only.shape[0], packed.isa)
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
     gemm_bias = bias
     if packed.upcast:
         rows = rows.to(torch.float32, memory_format=torch.contiguous_format)
         gemm_bias = None  # added in float32 below, before the one rounding
-    elif not rows.is_contiguous() and packed.kind != "panels":  # panel_gemm takes row strides
+    elif not rows.is_contiguous():
         rows = rows.contiguous()
-    if packed.kind == "panels":
-        out = cpu_ext.load().panel_gemm(rows, packed.data, gemm_bias, packed.shape_only.shape[0])
-    elif packed.kind == "onednn":
+    if packed.kind == "onednn":
         out = torch.ops.mkldnn._linear_pointwise(rows, packed.data, gemm_bias, "none", [], "")
     else:
         out = torch.ops.mkl._mkl_linear(rows, packed.data, packed.gemm_shape_only, gemm_bias, rows.shape[0])

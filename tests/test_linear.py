@@ -1,9 +1,12 @@
 """kernels.linear: prepacked CPU weights give F.linear's results, for every shape the
-model feeds them, in every layout this machine can pack (our panels, oneDNN, MKL), and
-packing is skipped where it does not apply."""
+model feeds them, in every layout this machine can pack (each path of our panel GEMM that
+the CPU has, oneDNN, MKL), packing is skipped where it does not apply, and the panel GEMM
+gives every row the same bits whatever else is in the batch."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import hypothesis.strategies as st
@@ -15,28 +18,49 @@ from hypothesis import given, settings
 import kernels
 from backend.models.llama import Linear
 from kernels import cpu_ext
+from kernels.linear import Isa, gemm_isa
 
 # sys.modules: the package exports a function under the module's name `linear`.
 LINEAR = sys.modules["kernels.linear"]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-# The panel kernel where this machine has it (an AVX2 CPU with the C++ kernels built), and
-# oneDNN's layout, which every CPU build of torch has.
-LAYOUTS = (["panels"] if LINEAR._panels_usable() else []) + ["onednn"]
+PANEL_PATHS = [Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16]
 
 
-@pytest.fixture(params=LAYOUTS)
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+
+
+def needs(isa: Isa):
+    """The path runs only where the CPU has its instructions (and the C++ kernels built)."""
+    return pytest.mark.skipif(gemm_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
+
+
+PANELS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in PANEL_PATHS]
+
+
+@pytest.fixture(params=PANELS + ["onednn"])
 def layout(request, monkeypatch):
-    """Pack into this layout, at any size (the oneDNN size rule would leave these small
-    test weights as they are)."""
+    """Pack with this panel path, or into oneDNN's layout at any size (its size rule would
+    leave these small test weights as they are)."""
     monkeypatch.setattr(LINEAR, "_MIN_PACKED_ELEMENTS", 0)
-    if request.param != "panels":
-        monkeypatch.setattr(LINEAR, "_panels_usable", lambda: False)
+    isa = Isa.NONE if request.param == "onednn" else request.param
+    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: isa)
     return request.param
 
 
 @pytest.fixture
 def pack_any_size(monkeypatch):
     monkeypatch.setattr(LINEAR, "_MIN_PACKED_ELEMENTS", 0)
+
+
+def expected_kind(layout, dtype) -> tuple[str, Isa, bool]:
+    """(kind, isa, upcast) a weight of `dtype` gets under `layout`."""
+    if layout == "onednn":
+        return "onednn", Isa.NONE, dtype == torch.bfloat16 and not LINEAR._native_bf16()
+    if dtype == torch.bfloat16 and layout == Isa.AVX512_BF16:
+        return "panels", Isa.AVX512_BF16, False
+    return "panels", min(layout, Isa.AVX512), dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,8 +73,7 @@ def test_packed_linear_matches_f_linear(layout, dtype, rows, bias):
     x = torch.randn(rows, 80, generator=gen).to(dtype)
     packed = kernels.pack_linear_weight(weight)
     assert packed is not None, "this CPU build of torch packs float32 and bfloat16 (oneDNN)"
-    if dtype == torch.float32 or packed.upcast:
-        assert packed.kind == layout
+    assert (packed.kind, packed.isa, packed.upcast) == expected_kind(layout, dtype)
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
     got = kernels.linear(x, weight, b, packed)
     assert got.dtype == dtype and got.shape == (rows, 96)
@@ -79,16 +102,21 @@ def test_packing_is_skipped_where_it_does_not_apply():
 def test_which_weights_are_packed_and_how(monkeypatch):
     small, large = torch.randn(128, 512), torch.randn(512, 512)
     assert small.numel() < LINEAR._MIN_PACKED_ELEMENTS <= large.numel()
-    # The panel kernel has no per-call setup to pay back: every float32 weight, any size.
-    monkeypatch.setattr(LINEAR, "_panels_usable", lambda: True)
-    monkeypatch.setattr(cpu_ext, "load", lambda: _AlwaysPanels())
-    assert kernels.pack_linear_weight(small).kind == "panels"
-    native = LINEAR._native_bf16()
-    packed_bf16 = kernels.pack_linear_weight(small.bfloat16())
-    assert (packed_bf16.kind, packed_bf16.upcast) == ("onednn" if native else "panels", not native)
+    # The panel GEMM has no per-call setup to pay back: every weight, any size, on every path.
+    monkeypatch.setattr(cpu_ext, "load", lambda: _RecordingPanels())
+    for isa in PANEL_PATHS:
+        monkeypatch.setattr(LINEAR, "gemm_isa", lambda isa=isa: isa)
+        packed = kernels.pack_linear_weight(small)
+        assert (packed.kind, packed.isa, packed.upcast, packed.data.dtype) == \
+            ("panels", min(isa, Isa.AVX512), False, torch.float32)
+        packed_bf16 = kernels.pack_linear_weight(small.bfloat16())
+        native = isa >= Isa.AVX512_BF16
+        assert (packed_bf16.kind, packed_bf16.isa, packed_bf16.upcast, packed_bf16.data.dtype) == \
+            ("panels", isa if native else min(isa, Isa.AVX512), not native,
+             torch.bfloat16 if native else torch.float32)
     monkeypatch.undo()
-    # Without it, oneDNN packs only weights large enough to pay for its per-call setup.
-    monkeypatch.setattr(LINEAR, "_panels_usable", lambda: False)
+    # Without the panel GEMM, oneDNN packs only weights large enough to pay for its per-call setup.
+    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: Isa.NONE)
     assert kernels.pack_linear_weight(small) is None
     assert kernels.pack_linear_weight(large).kind == "onednn"
     # Without native bf16 the float32 upcast is the fast path at any size.
@@ -99,11 +127,11 @@ def test_which_weights_are_packed_and_how(monkeypatch):
     assert kernels.pack_linear_weight(small.bfloat16()) is None
 
 
-class _AlwaysPanels:
+class _RecordingPanels:
     """Stands in for the C++ module where only the packing decision is under test."""
 
     @staticmethod
-    def pack_panels(weight):
+    def pack_panels(weight, isa):
         return weight
 
 
@@ -117,22 +145,23 @@ def test_packed_module_drops_its_row_major_copy(layout):
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("library", LAYOUTS + ["mkl"])
+@pytest.mark.parametrize("library", [p for p in PANELS if p.values[0] < Isa.AVX512_BF16] + ["onednn", "mkl"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, library, bias):
     # CPUs without AVX512-BF16 or AMX (AVX2-only EPYC, say): oneDNN refuses to pack bf16 there
     # and torch's bf16 GEMM is ~7x slower than float32, so the weight is packed as its exact
     # float32 upcast and the output rounded to bf16 once.
+    isa = library if isinstance(library, Isa) else Isa.NONE
+    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: isa)
     monkeypatch.setattr(LINEAR, "_native_bf16", lambda: False)
     monkeypatch.setattr(LINEAR, "_onednn_usable", lambda: library == "onednn")
-    if library != "panels":
-        monkeypatch.setattr(LINEAR, "_panels_usable", lambda: False)
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(96, 80, generator=gen) * 0.1).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
     x = torch.randn(2, 17, 80, generator=gen).bfloat16()
     packed = kernels.pack_linear_weight(weight)
-    assert (packed.kind, packed.upcast, packed.shape_only.dtype) == (library, True, torch.bfloat16)
+    assert (packed.kind, packed.upcast, packed.shape_only.dtype) == \
+        ("panels" if isa else library, True, torch.bfloat16)
     bias64 = None if b is None else b.double()
 
     def assert_rounded_once(got: torch.Tensor, rows: torch.Tensor) -> None:
@@ -152,7 +181,7 @@ def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, library,
 @pytest.mark.parametrize("rows", [1, 17, 300])
 def test_float32_falls_back_to_mkl_without_onednn(pack_any_size, monkeypatch, rows):
     monkeypatch.setattr(LINEAR, "_onednn_usable", lambda: False)
-    monkeypatch.setattr(LINEAR, "_panels_usable", lambda: False)
+    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: Isa.NONE)
     gen = torch.Generator().manual_seed(rows)
     weight, b, x = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 80, generator=gen)
     packed = kernels.pack_linear_weight(weight)
@@ -160,67 +189,135 @@ def test_float32_falls_back_to_mkl_without_onednn(pack_any_size, monkeypatch, ro
     torch.testing.assert_close(kernels.linear(x, weight, b, packed), F.linear(x, weight, b), **TOLERANCE[torch.float32])
 
 
-def test_packing_matches_the_cpu(pack_any_size):
-    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+def test_the_gemm_path_matches_the_cpu():
+    """The build takes the best path the CPU's flags allow: no capability left unused."""
+    assert cpu_ext.load() is not None, "kernels/cpu_ext.py could not build the C++ kernels (see its warning)"
+    flags = _cpu_flags()
+    if {"avx512_bf16", "avx512bw"} <= flags:
+        expected = Isa.AVX512_BF16
+    elif "avx512f" in flags:
+        expected = Isa.AVX512
+    elif {"avx2", "fma"} <= flags:
+        expected = Isa.AVX2
+    else:
+        expected = Isa.NONE
+    assert Isa(cpu_ext.load().gemm_isa()) == expected
+    assert gemm_isa() == expected or os.environ.get("INFLIGHT_CPU_ISA")
+
+
+@pytest.mark.parametrize("cap", ["avx2", "AVX512", "none"])
+def test_inflight_cpu_isa_caps_the_path(cap):
+    # In a process of its own: gemm_isa() is decided once per process.
+    run = subprocess.run([sys.executable, "-c", "from kernels.linear import gemm_isa; print(gemm_isa().name)"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "INFLIGHT_CPU_ISA": cap})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == min(Isa[cap.upper()], Isa(cpu_ext.load().gemm_isa())).name
+
+
+def test_an_unknown_inflight_cpu_isa_is_refused():
+    run = subprocess.run([sys.executable, "-c", "from kernels.linear import gemm_isa; gemm_isa()"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "INFLIGHT_CPU_ISA": "sse9"})
+    assert run.returncode != 0 and "INFLIGHT_CPU_ISA='sse9'" in run.stderr and "avx512_bf16" in run.stderr
+
+
+# ---- the panel GEMM itself (kernels/cpu/gemm.cpp), against a float64 product ------------
+
+def _gemm(x, weight, bias, isa):
     module = cpu_ext.load()
-    panels = avx2 and module is not None and module.panel_gemm_supported()
-    if avx2 and module is not None:
-        assert panels, "an AVX2 machine builds the panel kernel"
-    assert kernels.pack_linear_weight(torch.randn(8, 4)).kind == ("panels" if panels else "onednn")
-    packed = kernels.pack_linear_weight(torch.randn(8, 4).bfloat16())
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert (packed.kind, packed.upcast) == ("panels" if panels and not native else "onednn", not native)
+    return module.panel_gemm(x, module.pack_panels(weight, isa), bias, weight.shape[0], isa)
 
 
-# ---- the panel kernel itself (kernels/cpu/gemm.cpp), against a float64 product ----------
-
-needs_panels = pytest.mark.skipif(not LINEAR._panels_usable(), reason="the panel kernel needs AVX2 and FMA")
-
-
-def _assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    module = cpu_ext.load()
-    got = module.panel_gemm(x, module.pack_panels(weight), bias, weight.shape[0])
+def _assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: Isa) -> None:
+    got = _gemm(x, weight, bias, isa)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert got.dtype == x.dtype and got.shape == exact.shape
     # Rounding error of a float32 sum of K products: about sqrt(K) roundings of the size of
-    # the terms' magnitudes (4x margin). A misplaced row, column or k is off by a term's size.
+    # the terms' magnitudes (4x margin), plus, in bfloat16, the output's one rounding (half
+    # an ulp: 2^-8 of the value). A misplaced row, column or k is off by a term's size.
     magnitudes = F.linear(x.double().abs(), weight.double().abs(), None if bias is None else bias.double().abs())
     bound = 4 * max(1, x.shape[1]) ** 0.5 * 2.0**-24 * magnitudes + 1e-30
+    if x.dtype == torch.bfloat16:
+        bound += 2.0**-8 * exact.abs()
     error = (got.double() - exact).abs()
     assert (error <= bound).all(), f"worst error {(error / bound).max().item():.2f}x the bound"
 
 
-@needs_panels
+def _dtype(isa: Isa) -> torch.dtype:
+    return torch.bfloat16 if isa == Isa.AVX512_BF16 else torch.float32
+
+
+@pytest.mark.parametrize("isa", PANELS)
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), out_features=st.integers(1, 70), in_features=st.integers(1, 90),
        bias=st.booleans(), row_padding=st.integers(0, 5), seed=st.integers(0, 2**16))
-def test_panel_gemm_matches_float64_for_any_shape(rows, out_features, in_features, bias, row_padding, seed):
-    # Row and column tails of the 6 x 16 micro-tile, and rows strided past their length
-    # (a column slice of a wider tensor), which the kernel reads in place.
+def test_panel_gemm_matches_float64_for_any_shape(isa, rows, out_features, in_features, bias, row_padding, seed):
+    # Row and column tails of every tile shape, odd K (bf16 pairs k's), and rows strided past
+    # their length (a column slice of a wider tensor), which the kernel reads in place.
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features + row_padding, generator=gen)[:, :in_features]
-    weight = torch.randn(out_features, in_features, generator=gen)
-    _assert_matches_float64(x, weight, torch.randn(out_features, generator=gen) if bias else None)
+    dtype = _dtype(isa)
+    x = torch.randn(rows, in_features + row_padding, generator=gen).to(dtype)[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    _assert_matches_float64(x, weight, torch.randn(out_features, generator=gen).to(dtype) if bias else None, isa)
 
 
-@needs_panels
+@pytest.mark.parametrize("isa", PANELS)
 @pytest.mark.parametrize("rows,in_features", [(300, 128), (97, 4096), (1, 49152 // 16)])
-def test_panel_gemm_splits_rows_into_blocks_and_work_over_threads(rows, in_features):
-    # Large enough for the parallel path; 4096 columns make a row block 16 rows, so 97 rows
-    # are seven blocks with a short last one.
+def test_panel_gemm_splits_rows_into_blocks_and_work_over_threads(isa, rows, in_features):
+    # Large enough for the parallel path; 4096 columns make a row block one tile high, so 97
+    # rows are several blocks with a short last one.
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight = torch.randn(200, in_features, generator=gen)
-    _assert_matches_float64(x, weight, torch.randn(200, generator=gen))
+    dtype = _dtype(isa)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(200, in_features, generator=gen).to(dtype)
+    _assert_matches_float64(x, weight, torch.randn(200, generator=gen).to(dtype), isa)
 
 
-@needs_panels
-def test_panel_gemm_refuses_mismatched_shapes():
+@pytest.mark.parametrize("isa", PANELS)
+def test_panel_gemm_gives_a_row_the_same_bits_in_any_batch(isa):
+    """Batch invariance: a row's output is the same alone, in any batch around it, at any
+    position, with one thread or two."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = _dtype(isa)
+    weight = torch.randn(1000, 576, generator=gen).to(dtype)  # large enough for the parallel path
+    bias = torch.randn(1000, generator=gen).to(dtype)
     module = cpu_ext.load()
-    panels = module.pack_panels(torch.randn(40, 8))
+    packed = module.pack_panels(weight, isa)
+    x = torch.randn(300, 576, generator=gen).to(dtype)
+    full = module.panel_gemm(x, packed, bias, 1000, isa)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for first, count in [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)]:
+                part = module.panel_gemm(x[first:first + count].clone(), packed, bias, 1000, isa)
+                assert torch.equal(part, full[first:first + count]), (num_threads, first, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs(Isa.AVX512)
+def test_avx2_and_avx512_float32_paths_give_the_same_bits():
+    gen = torch.Generator().manual_seed(4)
+    x, weight, bias = torch.randn(37, 333, generator=gen), torch.randn(70, 333, generator=gen), torch.randn(70, generator=gen)
+    assert torch.equal(_gemm(x, weight, bias, Isa.AVX2), _gemm(x, weight, bias, Isa.AVX512))
+
+
+@pytest.mark.parametrize("isa", PANELS)
+def test_panel_gemm_refuses_mismatched_shapes(isa):
+    module = cpu_ext.load()
+    dtype = _dtype(isa)
+    panels = module.pack_panels(torch.randn(40, 8).to(dtype), isa)
     with pytest.raises(RuntimeError, match="x has 9 columns, the weight 8"):
-        module.panel_gemm(torch.randn(2, 9), panels, None, 40)
+        module.panel_gemm(torch.randn(2, 9).to(dtype), panels, None, 40, isa)
     with pytest.raises(RuntimeError, match="n does not match"):
-        module.panel_gemm(torch.randn(2, 8), panels, None, 60)
-    with pytest.raises(RuntimeError, match="float32 bias"):
-        module.panel_gemm(torch.randn(2, 8), panels, torch.randn(39), 40)
+        module.panel_gemm(torch.randn(2, 8).to(dtype), panels, None, 60, isa)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.panel_gemm(torch.randn(2, 8).to(dtype), panels, torch.randn(39).to(dtype), 40, isa)
+    with pytest.raises(RuntimeError, match="x"):
+        module.panel_gemm(torch.randn(2, 8).to(torch.float16), panels, None, 40, isa)
+
+
+def test_panel_gemm_refuses_a_path_this_machine_lacks():
+    module = cpu_ext.load()
+    with pytest.raises(RuntimeError, match="instruction set 4 is not built"):
+        module.pack_panels(torch.randn(4, 4), 4)

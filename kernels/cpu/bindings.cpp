@@ -7,8 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normed, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a gated MLP");
-  m.def("panel_gemm_supported", &panel_gemm_supported, "Whether this build has the panel GEMM (AVX2 and FMA)");
-  m.def("pack_panels", &pack_panels, "A float32 weight [N, K] as 16-column panels for panel_gemm");
+  m.def("gemm_isa", &gemm_isa, "The best instruction set panel_gemm has on this machine (0: none)");
+  m.def("pack_panels", &pack_panels, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, "x [M, K] times the packed weight's transpose, plus an optional bias");
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE on query and key, key and value into the paged cache");
 }

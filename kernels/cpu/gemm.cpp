@@ -1,38 +1,56 @@
-// float32 GEMM against a weight packed once into column panels: out[M, N] = x[M, K] W^T (+ bias).
+// GEMMs against a weight packed once into column panels: out[M, N] = x[M, K] W^T (+ bias).
 //
 // Why our own: a decode step's projections are GEMMs of a few to a few hundred rows, where
-// the libraries behind torch lose most of their time outside the arithmetic. MKL's sgemm
-// (F.linear) re-blocks the row-major weight on every call; oneDNN's packed path adds
-// ~40-100 us of per-call setup. On a 2-core AVX2 EPYC this kernel ran the small random
-// Llama's 16 projections of a 32-row decode step in 0.67 ms against 1.19 (F.linear), and
-// SmolLM2's at 8-32 rows at 1.0-2.5x oneDNN's rate (numbers in kernels/linear.py).
+// the libraries behind torch lose most of their time outside the arithmetic (MKL's sgemm
+// re-blocks the row-major weight on every call; oneDNN's packed path adds ~40-100 us of
+// per-call setup), and neither promises a summation order that is the same whatever the
+// number of rows. Here every output element is one chain of multiply-adds over k in order,
+// from zero, then + bias, then one rounding to the output dtype: the same instructions
+// whatever M, the tile a row lands in, the thread count or the work split. So a row's result
+// never depends on the other rows of the batch (the engine's batch invariance rests on it).
 //
-// Layout: W [N, K] becomes [ceil(N / 16), K, 16]: panel p holds output columns 16p..16p+15,
-// one 64-byte line per k, so the inner loop streams a panel front to back. The micro-tile
-// keeps 6 rows x 16 columns of sums in 12 AVX registers; per k it loads the panel's line
-// once and broadcasts one x value per row (2 loads + 6 broadcasts per 12 FMAs).
-// Work is split over the cores by (row block, panel), in chunks taken as cores come free;
-// a row block is sized so that its rows of x stay in L2 while every panel streams past them.
+// One code path per instruction set, chosen once per weight at packing time
+// (kernels/linear.py; `isa` below); the build is -march=native, so the paths compiled are the
+// machine's own and every lower one:
+// - kIsaAvx2: float32, a 6-row x 16-column tile in 12 AVX registers (2 loads + 6 broadcasts
+//   per 12 FMAs);
+// - kIsaAvx512: float32, 12 rows x 32 columns in 24 zmm registers. Its chains are the AVX2
+//   path's (the same FMAs in the same order), so the two give the same bits;
+// - kIsaAvx512Bf16: bfloat16 weights and activations, `vdpbf16ps` (AVX512-BF16): each step
+//   adds two k's products to a float32 sum; 12 rows x 32 columns. On a 2-core Zen 4 EPYC
+//   vdpbf16ps runs at ~232 GFLOP/s a core against ~117 for float32 FMAs. The output is
+//   rounded to bfloat16 once (after the bias), as torch's bf16 GEMM does.
 //
-// Each output is one float32 FMA chain over k in order, then + bias: a different summation
-// order from MKL's or oneDNN's, so results equal F.linear's up to float32 rounding.
+// Layouts. float32: W [N, K] becomes [ceil(N / 16), K, 16]: panel p holds output columns
+// 16p..16p+15, one 64-byte line per k. bfloat16: [ceil(N / 16), ceil(K / 2), 16, 2]: one
+// 64-byte line per pair of k's, each column's two weights side by side, as vdpbf16ps pairs
+// them. Columns past N (and the k past an odd K) are zeros.
+// Work is split over the cores by (row block, group of panels), in chunks taken as cores come
+// free; a row block is sized so that its rows of x stay in L2 while the panels stream past.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 
 #include "ops.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers
-constexpr int64_t kTileRows = 6;
-// x rows of one row block: at most this many bytes (half of a Zen 2/3 core's L2).
+// The instruction sets, as kernels/linear.py names them by number.
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
+
+constexpr int64_t kPanel = 16;  // output columns per panel
+// x rows of one row block: at most this many bytes (a quarter of a Zen 4 core's L2).
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 // Below this many multiply-adds one core finishes before a second would have started.
 constexpr int64_t kMinParallelMacs = 1 << 18;
@@ -40,122 +58,214 @@ constexpr int64_t kMinParallelMacs = 1 << 18;
 // its share to the others, few enough that taking a chunk costs nothing measurable.
 constexpr int64_t kChunksPerThread = 8;
 
-// `next`: the panel this core computes next, or nullptr. The first tile of a panel finds the
-// panel in memory, not cache (a step reads each weight once); it asks for the next panel's
-// lines one per k, as it consumes its own, so that the next panel's first tile finds them in
-// cache instead of waiting on memory. Measured on a 2-core AVX2 EPYC, SmolLM2's 30 layers'
-// projections and its output head, GFLOP/s with / without, two A/B runs of 12 interleaved
-// rounds: 8 rows 118 / 120 and 110 / 102, 32 rows 161 / 160 and 149 / 137, 145 rows 174 / 169
-// and 162 / 157.
-template <int Rows, bool kPrefetchNext>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* out,
-                 int64_t ldo, int64_t cols, const float* next) {
-  __m256 acc[Rows][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if constexpr (kPrefetchNext) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#if defined(__AVX2__) && defined(__FMA__)
+#define INFLIGHT_HAVE_AVX2 1
+// What a path supplies to the one tile below: its vector, how a panel's line loads, how one
+// row's x for one step is broadcast, the multiply-add, and how a finished line is stored.
+struct Avx2F32 {
+  using In = float;
+  using Out = float;
+  using Vec = __m256;
+  static constexpr int kVectorsPerLine = 2;  // a panel's 16 columns: two registers
+  static constexpr int kStepK = 1;
+  static constexpr int kMaxRows = 6, kMaxPanels = 1;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const In* w) { return _mm256_loadu_ps(w); }
+  static Vec broadcast(const In* x) { return _mm256_broadcast_ss(x); }
+  static Vec broadcast_last(const In* x) { return _mm256_broadcast_ss(x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectorsPerLine], float* dst) {
+    _mm256_storeu_ps(dst, line[0]);
+    _mm256_storeu_ps(dst + 8, line[1]);
+  }
+  static void store(const Vec (&line)[kVectorsPerLine], const float* bias, Out* dst) {
+    _mm256_storeu_ps(dst, bias != nullptr ? _mm256_add_ps(line[0], _mm256_loadu_ps(bias)) : line[0]);
+    _mm256_storeu_ps(dst + 8, bias != nullptr ? _mm256_add_ps(line[1], _mm256_loadu_ps(bias + 8)) : line[1]);
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+#define INFLIGHT_HAVE_AVX512 1
+struct Avx512F32 {
+  using In = float;
+  using Out = float;
+  using Vec = __m512;
+  static constexpr int kVectorsPerLine = 1;
+  static constexpr int kStepK = 1;
+  static constexpr int kMaxRows = 12, kMaxPanels = 2;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const In* w) { return _mm512_loadu_ps(w); }
+  static Vec broadcast(const In* x) { return _mm512_set1_ps(*x); }
+  static Vec broadcast_last(const In* x) { return _mm512_set1_ps(*x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectorsPerLine], float* dst) { _mm512_storeu_ps(dst, line[0]); }
+  static void store(const Vec (&line)[kVectorsPerLine], const float* bias, Out* dst) {
+    _mm512_storeu_ps(dst, bias != nullptr ? _mm512_add_ps(line[0], _mm512_loadu_ps(bias)) : line[0]);
+  }
+};
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFLIGHT_HAVE_AVX512_BF16 1
+struct Avx512Bf16 {
+  using In = c10::BFloat16;
+  using Out = c10::BFloat16;
+  using Vec = __m512;
+  static constexpr int kVectorsPerLine = 1;
+  static constexpr int kStepK = 2;  // a line holds each column's weights for two k's
+  static constexpr int kMaxRows = 12, kMaxPanels = 2;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const In* w) { return _mm512_loadu_ps(w); }
+  // A row's two x's of the step, as one 32-bit pair in every lane.
+  static Vec broadcast(const In* x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  // The last step of an odd K: one x, paired with zero (never reads past the row's end).
+  static Vec broadcast_last(const In* x) {
+    uint16_t bits;
+    std::memcpy(&bits, x, sizeof bits);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(bits));
+  }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+  static void to_floats(const Vec (&line)[kVectorsPerLine], float* dst) { _mm512_storeu_ps(dst, line[0]); }
+  // Rounded to nearest even, as c10::BFloat16's conversion (which the partial lines use) rounds.
+  static void store(const Vec (&line)[kVectorsPerLine], const float* bias, Out* dst) {
+    const __m512 sum = bias != nullptr ? _mm512_add_ps(line[0], _mm512_loadu_ps(bias)) : line[0];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+};
+#endif
+
+// One tile: Rows rows of x against Panels adjacent panels (Panels * 16 columns, of which
+// `cols` are stored). `next`: the group this core computes next, or nullptr. The first tile
+// of a group finds its panels in memory, not cache (a step reads each weight once); it asks
+// for the next group's lines one step at a time as it consumes its own, so that the next
+// group's first tile finds them in cache. Measured with the AVX2 path on a 2-core AVX2 EPYC,
+// SmolLM2's projections and output head, GFLOP/s with / without: 8 rows 118 / 120 and 110 / 102,
+// 32 rows 161 / 160 and 149 / 137, 145 rows 174 / 169 and 162 / 157 (two A/B runs).
+template <class V, int Rows, int Panels, bool kPrefetchNext>
+inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* panels, int64_t panel_elems,
+                 int64_t steps, bool odd_k, const float* bias, typename V::Out* out, int64_t ldo, int64_t cols,
+                 const typename V::In* next) {
+  using Vec = typename V::Vec;
+  constexpr int kVectors = V::kVectorsPerLine;
+  constexpr int64_t kLine = kPanel * V::kStepK;              // elements of one step's line
+  constexpr int64_t kVectorElems = kLine / kVectors;
+  Vec acc[Rows][Panels][kVectors];
+#pragma GCC unroll 32
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kVectors; ++v) acc[r][p][v] = V::zero();
+  const auto step = [&](int64_t s, auto broadcast) {
+    Vec w[Panels][kVectors];
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kVectors; ++v) w[p][v] = V::load(panels + p * panel_elems + s * kLine + v * kVectorElems);
     // Unrolled so that the sums live in registers (a rolled loop kept them on the stack,
-    // storing all 12 every k: 3x slower).
-#pragma GCC unroll 8
+    // storing them all every step: 3x slower).
+#pragma GCC unroll 32
     for (int r = 0; r < Rows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+      const Vec a = broadcast(x + r * ldx + s * V::kStepK);
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p)
+        for (int v = 0; v < kVectors; ++v) acc[r][p][v] = V::madd(acc[r][p][v], a, w[p][v]);
     }
+  };
+  for (int64_t s = 0; s < steps; ++s) {
+    if constexpr (kPrefetchNext) {
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p)
+        __builtin_prefetch(next + p * panel_elems + s * kLine);
+    }
+    step(s, [](const typename V::In* p) { return V::broadcast(p); });
   }
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  if (bias != nullptr) {
-    alignas(32) float padded[kPanel] = {};
-    std::copy(bias, bias + cols, padded);
-    b0 = _mm256_load_ps(padded);
-    b1 = _mm256_load_ps(padded + 8);
+  if (odd_k) step(steps, [](const typename V::In* p) { return V::broadcast_last(p); });
+
+  if (cols == Panels * kPanel) {
+#pragma GCC unroll 32
+    for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p)
+        V::store(acc[r][p], bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel);
+    return;
   }
-#pragma GCC unroll 8
+  alignas(64) float line[Panels * kPanel];
+#pragma GCC unroll 32
   for (int r = 0; r < Rows; ++r) {
-    const __m256 o0 = bias != nullptr ? _mm256_add_ps(acc[r][0], b0) : acc[r][0];
-    const __m256 o1 = bias != nullptr ? _mm256_add_ps(acc[r][1], b1) : acc[r][1];
-    if (cols == kPanel) {
-      _mm256_storeu_ps(out + r * ldo, o0);
-      _mm256_storeu_ps(out + r * ldo + 8, o1);
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) V::to_floats(acc[r][p], line + p * kPanel);
+    typename V::Out* o = out + r * ldo;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<typename V::Out>(line[c] + bias[c]);
     } else {
-      alignas(32) float row[kPanel];
-      _mm256_store_ps(row, o0);
-      _mm256_store_ps(row + 8, o1);
-      std::copy(row, row + cols, out + r * ldo);
+      for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<typename V::Out>(line[c]);
     }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
-                        const float*);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr,         tile<1, false>, tile<2, false>, tile<3, false>,
-                                          tile<4, false>, tile<5, false>, tile<6, false>};
-constexpr TileFn kPrefetchingTiles[kTileRows + 1] = {nullptr,        tile<1, true>, tile<2, true>, tile<3, true>,
-                                                     tile<4, true>, tile<5, true>, tile<6, true>};
-
-}  // namespace
-
-bool panel_gemm_supported() { return true; }
-
-at::Tensor pack_panels(at::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: float32 weight [N, K]");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  // Zero columns past N: the last panel's tail computes zeros that are never stored.
-  at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
-}
-
-at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm: float32 x [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat,
-              "panel_gemm: panels from pack_panels");
-  const int64_t m = x.size(0), k = x.size(1), num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == k, "panel_gemm: x has ", k, " columns, the weight ", panels.size(1));
-  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "panel_gemm: n does not match the panels");
-  if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
-  const float* bias_data = nullptr;
-  at::Tensor bias_contig;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "panel_gemm: float32 bias [N]");
-    bias_contig = bias->contiguous();
-    bias_data = bias_contig.data_ptr<float>();
+template <class V, int Panels, bool kPrefetchNext>
+struct TileTable {
+  using Fn = void (*)(const typename V::In*, int64_t, const typename V::In*, int64_t, int64_t, bool, const float*,
+                      typename V::Out*, int64_t, int64_t, const typename V::In*);
+  template <int... Rows>
+  static constexpr auto make(std::integer_sequence<int, Rows...>) {
+    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, tile<V, Rows + 1, Panels, kPrefetchNext>...};
   }
+  static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
+};
+
+template <class V>
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  using In = typename V::In;
+  using Out = typename V::Out;
+  constexpr int64_t kRows = V::kMaxRows, kGroup = V::kMaxPanels;
+  const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
+  const int64_t panel_elems = packed.stride(0), steps = k / V::kStepK;
+  const bool odd_k = k % V::kStepK != 0;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  const In* wp = reinterpret_cast<const In*>(packed.data_ptr());
+  Out* op = reinterpret_cast<Out*>(out.data_ptr());
   const int64_t ldx = x.stride(0);
   const int64_t block_rows =
-      std::max<int64_t>(kTileRows, kRowBlockBytes / (k * int64_t(sizeof(float))) / kTileRows * kTileRows);
+      std::max<int64_t>(kRows, kRowBlockBytes / (k * int64_t(sizeof(In))) / kRows * kRows);
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  const int64_t groups = (num_panels + kGroup - 1) / kGroup;
 
   // Work items ordered row block first: consecutive items share a row block, so a core
   // keeps its x rows in cache and streams panels past them.
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / num_panels, p = item % num_panels;
+      const int64_t block = item / groups, g = item % groups;
       const int64_t row_end = std::min(m, (block + 1) * block_rows);
-      const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-      const float* panel = wp + p * k * kPanel;
-      const float* panel_bias = bias_data != nullptr ? bias_data + col : nullptr;
-      const float* next = item + 1 < end ? wp + (item + 1) % num_panels * k * kPanel : nullptr;
-      for (int64_t row = block * block_rows; row < row_end; row += kTileRows) {
-        const int64_t rows = std::min(kTileRows, row_end - row);
-        const bool first_tile = row == block * block_rows && next != nullptr;
-        (first_tile ? kPrefetchingTiles : kTiles)[rows](xp + row * ldx, ldx, panel, k, panel_bias,
-                                                        op + row * n + col, n, cols, next);
+      const int64_t first_panel = g * kGroup, panels = std::min(kGroup, num_panels - first_panel);
+      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
+      const In* group = wp + first_panel * panel_elems;
+      const float* group_bias = bias != nullptr ? bias + col : nullptr;
+      // (Past the last panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
+      const In* next = item + 1 < end ? wp + (item + 1) % groups * kGroup * panel_elems : nullptr;
+      for (int64_t row = block * block_rows; row < row_end; row += kRows) {
+        const int64_t rows = std::min(kRows, row_end - row);
+        const bool prefetch = row == block * block_rows && next != nullptr;
+        const In* xr = xp + row * ldx;
+        Out* o = op + row * n + col;
+        if constexpr (kGroup == 2) {
+          if (panels == 2) {
+            (prefetch ? TileTable<V, 2, true>::kTiles : TileTable<V, 2, false>::kTiles)[rows](
+                xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, next);
+            continue;
+          }
+        }
+        (prefetch ? TileTable<V, 1, true>::kTiles : TileTable<V, 1, false>::kTiles)[rows](
+            xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, next);
       }
     }
   };
-  const int64_t items = row_blocks * num_panels;
+  const int64_t items = row_blocks * groups;
   const int64_t threads = at::get_num_threads();
   if (m * n * k < kMinParallelMacs || threads == 1) {
     run(0, items);
@@ -173,14 +283,73 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
   return out;
 }
 
-#else  // no AVX2/FMA: kernels/linear.py packs for oneDNN or MKL instead
+}  // namespace
 
-bool panel_gemm_supported() { return false; }
-
-at::Tensor pack_panels(at::Tensor) { TORCH_CHECK(false, "pack_panels: built without AVX2 and FMA"); }
-
-at::Tensor panel_gemm(at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t) {
-  TORCH_CHECK(false, "panel_gemm: built without AVX2 and FMA");
+int64_t gemm_isa() {
+#if defined(INFLIGHT_HAVE_AVX512_BF16)
+  return kIsaAvx512Bf16;
+#elif defined(INFLIGHT_HAVE_AVX512)
+  return kIsaAvx512;
+#elif defined(INFLIGHT_HAVE_AVX2)
+  return kIsaAvx2;
+#else
+  return kIsaNone;
+#endif
 }
 
+at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
+  TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), "pack_panels: instruction set ", isa,
+              " is not built for this machine (best: ", gemm_isa(), ")");
+  TORCH_CHECK(weight.dim() == 2, "pack_panels: weight [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  if (isa == kIsaAvx512Bf16) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_panels: a bfloat16 weight for vdpbf16ps");
+    const int64_t pairs = (k + 1) / 2;
+    at::Tensor padded = at::zeros({panels * kPanel, pairs * 2}, weight.options());
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+    // [P, 16, pairs, 2] -> [P, pairs, 16, 2]
+    return padded.view({panels, kPanel, pairs, 2}).transpose(1, 2).contiguous();
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "pack_panels: a float32 weight for the float32 paths");
+  at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa) {
+  TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), "panel_gemm: instruction set ", isa,
+              " is not built for this machine (best: ", gemm_isa(), ")");
+  const auto dtype = isa == kIsaAvx512Bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "panel_gemm: x [M, K] in ", dtype);
+  TORCH_CHECK(panels.dim() >= 3 && panels.size(2) == kPanel && panels.is_contiguous() && panels.scalar_type() == dtype,
+              "panel_gemm: panels from pack_panels for this instruction set");
+  const int64_t k = x.size(1), num_panels = panels.size(0);
+  const int64_t packed_k = isa == kIsaAvx512Bf16 ? panels.size(1) * 2 : panels.size(1);
+  TORCH_CHECK(packed_k == k || (isa == kIsaAvx512Bf16 && packed_k == k + 1), "panel_gemm: x has ", k,
+              " columns, the weight ", packed_k);
+  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "panel_gemm: n does not match the panels");
+  if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
+  at::Tensor bias_float;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype,
+                "panel_gemm: bias [N] in the weight's dtype");
+    bias_float = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
+  switch (isa) {
+#if defined(INFLIGHT_HAVE_AVX512_BF16)
+    case kIsaAvx512Bf16:
+      return gemm<Avx512Bf16>(x, panels, bias_data, n);
 #endif
+#if defined(INFLIGHT_HAVE_AVX512)
+    case kIsaAvx512:
+      return gemm<Avx512F32>(x, panels, bias_data, n);
+#endif
+#if defined(INFLIGHT_HAVE_AVX2)
+    case kIsaAvx2:
+      return gemm<Avx2F32>(x, panels, bias_data, n);
+#endif
+    default:
+      TORCH_CHECK(false, "panel_gemm: no kernel for instruction set ", isa);
+  }
+}

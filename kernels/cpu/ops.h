@@ -19,9 +19,10 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
 
 at::Tensor silu_and_mul(at::Tensor x);
 
-// gemm.cpp: float32 GEMM against a weight packed into 16-column panels (AVX2 and FMA builds).
-bool panel_gemm_supported();
+// gemm.cpp: GEMM against a weight packed into 16-column panels, one path per instruction set
+// (`isa`: 1 AVX2 float32, 2 AVX-512 float32, 3 AVX512-BF16 bfloat16; 0: none built).
+int64_t gemm_isa();
 
-at::Tensor pack_panels(at::Tensor weight);
+at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 
-at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n);
+at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa);

@@ -7,7 +7,10 @@ to be wrong, and against transformers' own Llama modules where those define the 
 (bit-exact).
 """
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +249,23 @@ def test_silu_and_mul_cpu_is_bit_identical_to_the_reference(dtype, shape):
     out = silu_and_mul_cpu(x)
     assert out.shape == shape[:-1] + (shape[-1] // 2,) and out.dtype == dtype
     assert torch.equal(out, silu_and_mul_reference(x))
+
+# The C++ kernels match torch to the bit by doing what torch runs on this machine, which is
+# not what its CPU capability says (kernels/cpu/layer_ops.cpp and activation.cpp ask torch).
+# Each capability a CPU can have, forced with ATEN_CPU_CAPABILITY in a process of its own;
+# one above the CPU's own runs as the CPU's own.
+BIT_IDENTICAL = "rms_norm_cpu_matches or silu_and_mul_cpu_is_bit or rotary_store_kv_cpu_is"
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_the_bit_identical_kernels_follow_torch_under_every_capability(capability):
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", BIT_IDENTICAL],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "deselected" in run.stdout
+
 
 ROPE = {
     "default": {"rope_type": "default", "rope_theta": 100000.0},

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -39,8 +40,9 @@ __attribute__((optimize("no-tree-vectorize"))) void silu_scalar(const float* gat
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i]));
 }
 
-// out[i] = silu(gate[i]) in float32, as torch computes it (8 lanes at a time, then the tail).
-void silu(const float* gate, float* out, int64_t n) {
+// out[i] = silu(gate[i]) in float32, as torch's AVX2 kernel computes it (8 lanes at a time
+// with SLEEF, then the tail).
+void silu_sleef(const float* gate, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
@@ -52,8 +54,35 @@ void silu(const float* gate, float* out, int64_t n) {
   silu_scalar(gate + i, out + i, n - i);
 }
 
+using SiluFn = void (*)(const float*, float*, int64_t);
+
+// Which of the two torch runs here, found by asking torch (its CPU capability does not say:
+// torch 2.13 reports AVX512 on AVX-512 machines and runs its AVX2 kernel, SLEEF's, there;
+// ATEN_CPU_CAPABILITY=default runs glibc's expf on every element). The probe's values span
+// the range where the two differ in the last bit now and then.
+SiluFn torch_silu() {
+  static const SiluFn fn = [] {
+    std::vector<float> probe(4096), sleef(probe.size()), scalar(probe.size());
+    for (size_t i = 0; i < probe.size(); ++i) probe[i] = -20.f + 40.f * static_cast<float>(i) / probe.size();
+    const int64_t n = static_cast<int64_t>(probe.size());
+    const at::Tensor expected = at::silu(at::from_blob(probe.data(), {n}, at::kFloat)).contiguous();
+    silu_sleef(probe.data(), sleef.data(), n);
+    silu_scalar(probe.data(), scalar.data(), n);
+    const auto same = [&](const std::vector<float>& got) {
+      return std::memcmp(got.data(), expected.data_ptr<float>(), n * sizeof(float)) == 0;
+    };
+    if (same(sleef)) return silu_sleef;
+    if (same(scalar)) return silu_scalar;
+    TORCH_WARN("silu_and_mul: torch's SiLU matches neither SLEEF's nor glibc's expf here; results differ from "
+               "torch's in the last bit");
+    return silu_sleef;
+  }();
+  return fn;
+}
+
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
+  const SiluFn silu = torch_silu();  // here, not first inside the parallel region
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(width), activated(width);
     for (int64_t row = begin; row < end; ++row) {

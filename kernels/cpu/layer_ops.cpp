@@ -33,12 +33,6 @@ namespace {
 using inflight_cpu::kRowsPerTask;
 using inflight_cpu::round_to;
 
-// torch's float vector: 16 lanes where it runs its AVX-512 kernels, 8 on AVX2 (and NEON).
-int64_t torch_float_lanes() {
-  static const int64_t lanes = at::get_cpu_capability() == "AVX512" ? 16 : 8;
-  return lanes;
-}
-
 // sum(h[i]^2) added up exactly as torch's CPU sum adds up a contiguous row of floats (its
 // cascade sum, aten/src/ATen/native/cpu/SumKernel.cpp), so that RMSNorm's mean of squares is
 // HF's to the bit. It is also fast: the sequential sum it replaces, one chain of dependent
@@ -50,8 +44,8 @@ int64_t torch_float_lanes() {
 // 3 more levels, level j taking level j - 1's every 2^(j p) rows; the last partial chunk,
 // then the levels, into the first level; the leftover vectors into the first column, the
 // other columns into it in turn; last a scalar total: the elements past the last whole
-// vector first, then the lanes in order.
-template <int64_t kLanes>
+// vector first, then the lanes in order. (kSquares false: the plain sum, for the probe below.)
+template <int64_t kLanes, bool kSquares = true>
 float torch_order_sum_of_squares(const float* h, int64_t n) {
   using Lanes = std::array<float, kLanes>;
   constexpr int64_t kColumns = 4, kLevels = 4;
@@ -59,9 +53,10 @@ float torch_order_sum_of_squares(const float* h, int64_t n) {
   int64_t ceil_log2_rows = 1;
   while (rows > 2 && (int64_t{1} << ceil_log2_rows) < rows) ++ceil_log2_rows;
   const int64_t power = std::max<int64_t>(4, ceil_log2_rows / kLevels), chunk = int64_t{1} << power;
-  const auto add_squares = [&](Lanes& sum, int64_t vector) {
+  const auto term = [](float v) { return kSquares ? v * v : v; };
+  const auto add_terms = [&](Lanes& sum, int64_t vector) {
     const float* v = h + vector * kLanes;
-    for (int64_t l = 0; l < kLanes; ++l) sum[l] += v[l] * v[l];
+    for (int64_t l = 0; l < kLanes; ++l) sum[l] += term(v[l]);
   };
   const auto add = [](Lanes& sum, const Lanes& other) {
     for (int64_t l = 0; l < kLanes; ++l) sum[l] += other[l];
@@ -70,7 +65,7 @@ float torch_order_sum_of_squares(const float* h, int64_t n) {
   int64_t row = 0;
   while (row + chunk <= rows) {
     for (const int64_t end = row + chunk; row < end; ++row)
-      for (int64_t c = 0; c < kColumns; ++c) add_squares(level[0][c], row * kColumns + c);
+      for (int64_t c = 0; c < kColumns; ++c) add_terms(level[0][c], row * kColumns + c);
     for (int64_t j = 1; j < kLevels; ++j) {
       for (int64_t c = 0; c < kColumns; ++c) {
         add(level[j][c], level[j - 1][c]);
@@ -80,20 +75,47 @@ float torch_order_sum_of_squares(const float* h, int64_t n) {
     }
   }
   for (; row < rows; ++row)
-    for (int64_t c = 0; c < kColumns; ++c) add_squares(level[0][c], row * kColumns + c);
+    for (int64_t c = 0; c < kColumns; ++c) add_terms(level[0][c], row * kColumns + c);
   for (int64_t j = 1; j < kLevels; ++j)
     for (int64_t c = 0; c < kColumns; ++c) add(level[0][c], level[j][c]);
   Lanes& first = level[0][0];
-  for (int64_t vector = rows * kColumns; vector < vectors; ++vector) add_squares(first, vector);
+  for (int64_t vector = rows * kColumns; vector < vectors; ++vector) add_terms(first, vector);
   for (int64_t c = 1; c < kColumns; ++c) add(first, level[0][c]);
   float sum = 0.f;
-  for (int64_t i = vectors * kLanes; i < n; ++i) sum += h[i] * h[i];
+  for (int64_t i = vectors * kLanes; i < n; ++i) sum += term(h[i]);
   for (int64_t l = 0; l < kLanes; ++l) sum += first[l];
   return sum;
 }
 
-float torch_order_sum_of_squares(const float* h, int64_t n) {
-  const int64_t lanes = torch_float_lanes();
+// The vector width of torch's float sum on this machine, found by asking torch: 8 or 16 lanes.
+// Not its CPU capability: torch 2.13 reports AVX512 on AVX-512 machines yet sums in 8 lanes
+// there, its AVX2 kernel (ATen compiles a kernel for AVX-512 only where it opts in).
+// Probes of signed values of many magnitudes, until one rounds differently in the two orders.
+int64_t torch_sum_lanes() {
+  static const int64_t lanes = [] {
+    std::vector<float> probe(1000);
+    const int64_t n = static_cast<int64_t>(probe.size());
+    uint32_t state = 12345;
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      for (float& v : probe) {
+        state = state * 1664525u + 1013904223u;
+        const float magnitude = std::ldexp(static_cast<float>(state >> 8) / 16777216.f, static_cast<int>(state % 16) - 8);
+        v = state & 1 ? magnitude : -magnitude;
+      }
+      const float torch_sum = at::sum(at::from_blob(probe.data(), {n}, at::kFloat)).item<float>();
+      const bool eight = torch_order_sum_of_squares<8, false>(probe.data(), n) == torch_sum;
+      const bool sixteen = torch_order_sum_of_squares<16, false>(probe.data(), n) == torch_sum;
+      if (eight != sixteen) return eight ? int64_t{8} : int64_t{16};
+      if (!eight) break;
+    }
+    TORCH_WARN("rms_norm: torch's float sum follows neither the 8- nor the 16-lane order here; results differ "
+               "from torch's in the last bit now and then");
+    return int64_t{8};
+  }();
+  return lanes;
+}
+
+float torch_order_sum_of_squares(const float* h, int64_t n, int64_t lanes) {
   if (n < lanes) return torch_order_sum_of_squares<1>(h, n);
   return lanes == 16 ? torch_order_sum_of_squares<16>(h, n) : torch_order_sum_of_squares<8>(h, n);
 }
@@ -101,6 +123,7 @@ float torch_order_sum_of_squares(const float* h, int64_t n) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t width,
                    float eps) {
+  const int64_t lanes = torch_sum_lanes();  // here, not first inside the parallel region
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> row_values(width);
     float* __restrict__ h = row_values.data();
@@ -114,7 +137,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* su
       } else {
         for (int64_t i = 0; i < width; ++i) h[i] = static_cast<float>(xr[i]);
       }
-      const float inverse_rms = 1.f / std::sqrt(torch_order_sum_of_squares(h, width) / static_cast<float>(width) + eps);
+      const float inverse_rms = 1.f / std::sqrt(torch_order_sum_of_squares(h, width, lanes) / static_cast<float>(width) + eps);
       T* __restrict__ o = out + row * width;
       for (int64_t i = 0; i < width; ++i)
         o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(h[i] * inverse_rms));

@@ -46,6 +46,10 @@ class EngineConfig:
     max_queue_len: int = 1024
     # Seed of the generator for requests that bring no seed of their own.
     seed: int = 0
+    # Every reduction in an order fixed per row and per token, never chosen from the batch's
+    # shape: a request's logprobs are bitwise the same whatever shares its batch. None
+    # ("auto"): on where the kernels allow it (CPU with the C++ kernels), off elsewhere.
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -102,6 +106,10 @@ class EngineConfig:
 def _parse(name: str, annotation: Any, raw: str) -> Any:
     text = str(raw).strip()
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if kind == "bool | None":
+        if text.lower() == "auto":
+            return None
+        kind = "bool"
     try:
         if kind == "bool":
             lowered = text.lower()

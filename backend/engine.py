@@ -28,6 +28,7 @@ from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput
+from kernels.linear import gemm_isa
 
 log = logging.getLogger("inflight")
 
@@ -135,9 +136,11 @@ class LLMEngine:
         # successful ones (then the engine serves again, as after a transient fault).
         self._fail_after_steps = int(os.environ.get("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "0") or 0)
         log.info(
-            "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+            "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
+            "batch_invariant %s, CPU GEMM path %s",
             self.arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            num_blocks * block_bytes / 2**20, self.max_model_len,
+            num_blocks * block_bytes / 2**20, self.max_model_len, self.runner.batch_invariant,
+            gemm_isa().name.lower() if self.device.type == "cpu" else "-",
         )
 
     # ---- setup helpers -----------------------------------------------------------------

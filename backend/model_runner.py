@@ -19,6 +19,7 @@ from backend.models.llama import AttentionMetadata, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
+from kernels.linear import Isa, gemm_isa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +41,24 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | Non
             return torch.float32
         return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
     return DTYPES[name]
+
+
+def resolve_batch_invariance(requested: bool | None, device: torch.device) -> bool:
+    """Whether the engine runs batch-invariant (`batch_invariant`; None: wherever it can).
+    It can on the CPU with the C++ kernels: the panel GEMM and the attention kernel reduce in
+    an order fixed per row and per token. On CUDA the GEMMs are cuBLAS's, whose order depends
+    on the batch's shape."""
+    if requested is False:
+        return False
+    if device.type != "cpu":
+        reason = f"the {device.type} path's GEMMs sum in an order that depends on the batch's shape"
+    elif gemm_isa() < Isa.AVX2:
+        reason = "the C++ CPU kernels (AVX2 and FMA) are not available on this machine"
+    else:
+        return True
+    if requested:
+        raise ValueError(f"invalid engine parameter: batch_invariant=true is not possible here: {reason}")
+    return False
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -66,6 +85,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.batch_invariant = resolve_batch_invariance(config.batch_invariant, device)
         if device.type == "cpu":
             cpu_ext.load()  # at startup, not in the first request's forward pass
         shape = (num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim)
@@ -142,6 +162,7 @@ class ModelRunner:
             cu_seqlens_q=to_device(cu, np.int32),
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=int(seq_lens.max()),
+            batch_invariant=self.batch_invariant,
         )
         return StepInputs(
             input_ids=to_device(input_ids, np.int64),

@@ -56,10 +56,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float,
                     max_seqlen_q: int | None = None,
-                    max_seqlen_k: int | None = None) -> torch.Tensor:
-    fn = paged_attention_triton if query.is_cuda else paged_attention_cpu
-    return fn(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-              max_seqlen_q, max_seqlen_k)
+                    max_seqlen_k: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """`batch_invariant` (CPU): every token through the C++ kernel, whose order of reduction
+    depends only on the token's context length, never SDPA for long chunks."""
+    if query.is_cuda:
+        return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                                      max_seqlen_q, max_seqlen_k)
+    return paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                               max_seqlen_q, max_seqlen_k, batch_invariant)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -59,12 +59,14 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, scale: float,
                         max_seqlen_q: int | None = None,
-                        max_seqlen_k: int | None = None) -> torch.Tensor:
+                        max_seqlen_k: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """The CPU production path: the C++ kernel (kernels/cpu/paged_attention.cpp) over the
-    ragged batch, decodes and prefill chunks alike, cache rows read in place; prefill chunks
-    that are long and see long contexts go to SDPA (`_prefill`), whose GEMM-based flash
-    attention is faster there (`_uses_sdpa`). Where the C++ kernels could not be built,
-    exactly the reference."""
+    ragged batch, decodes and prefill chunks alike, cache rows read in place; unless
+    `batch_invariant`, prefill chunks that are long and see long contexts go to SDPA
+    (`_prefill`), whose GEMM-based flash attention is faster there (`_uses_sdpa`) but sums in
+    an order that depends on the chunk. The C++ kernel computes each token alone, in an order
+    set by its context length only. Where the C++ kernels could not be built, exactly the
+    reference."""
     module = cpu_ext.load()
     if module is None:
         return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
@@ -73,7 +75,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
                                       lens.to(torch.int32), cu.to(torch.int32), scale).to(query.dtype)
 
-    if ((max_seqlen_q is not None and max_seqlen_q < _SDPA_MIN_QUERY)
+    if (batch_invariant or (max_seqlen_q is not None and max_seqlen_q < _SDPA_MIN_QUERY)
             or (max_seqlen_k is not None and max_seqlen_k < _SDPA_MIN_MEAN_CONTEXT)):
         return kernel(query, block_tables, seq_lens, cu_seqlens_q)  # the usual step: no host-side look at the batch
     cu = cu_seqlens_q.to(torch.int64)

@@ -40,7 +40,7 @@ def make_runner(num_blocks: int = NUM_BLOCKS) -> ModelRunner:
                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
                      rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=True,
                      attention_bias=False, qk_norm=False)
-    config = EngineConfig(model_path="unused", block_size=BS)
+    config = EngineConfig(model_path="unused", block_size=BS, batch_invariant=False)
     with mock.patch.object(cpu_ext, "load"):  # prepare needs no kernels: skip building them
         return ModelRunner(config, None, arch, num_blocks, 0, torch.device("cpu"), torch.float32)
 

@@ -322,3 +322,39 @@ def test_rotary_gptj_style_matches_loop():
 def test_rope_scaling_rejects_unknown_type():
     with pytest.raises(NotImplementedError):
         build_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+# ---- batch invariance: a token's or a row's result alone equals its result in any batch -----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 2), 16), ((6, 2), 20)])  # 20: the plain loops
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_cpu_gives_a_token_the_same_bits_in_any_batch_and_chunk(dtype, heads, head_dim, threads):
+    """With `batch_invariant`, a token's attention is the same bits whether it is decoded
+    alone, or is one of a prefill chunk of any length among other sequences: the C++ kernel
+    reduces over a token's context in an order that depends on that length only, long
+    chunks at long contexts included (no SDPA)."""
+    torch.set_num_threads(threads)  # the fixture restores it
+    batch = make_paged_batch([1, 150, 7, 1, 100], [40, 600, 33, 700, 420], *heads, head_dim, 16, dtype=dtype, seed=5)
+    full = paged_attention_cpu(*batch.args(), max_seqlen_q=150, max_seqlen_k=700, batch_invariant=True)
+    cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
+    for s in range(len(lens)):
+        q_len = cu[s + 1] - cu[s]
+        for i in range(q_len):
+            token = cu[s] + i
+            alone = paged_attention_cpu(batch.query[token:token + 1], batch.k_cache, batch.v_cache,
+                                        batch.block_tables[s:s + 1], torch.tensor([lens[s] - q_len + i + 1], dtype=torch.int32),
+                                        torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True)
+            assert torch.equal(alone[0], full[token]), (s, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_gives_a_row_the_same_bits_in_any_batch(dtype):
+    g = torch.Generator().manual_seed(8)
+    x, residual = (torch.randn(45, 576, generator=g).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    out, summed = rms_norm_cpu(x, weight, 1e-5, residual)
+    for row in (0, 7, 44):
+        alone, alone_summed = rms_norm_cpu(x[row:row + 1], weight, 1e-5, residual[row:row + 1])
+        assert torch.equal(alone[0], out[row]) and torch.equal(alone_summed[0], summed[row])
+

@@ -428,3 +428,16 @@ def test_argmax_rows_matches_torch_on_ties_nan_and_strided_rows():
     values[6, :] = float("-inf")
     for rows in (values, values[::3], values[:, 100:]):
         assert argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist()
+
+
+def test_a_rows_logprobs_and_token_are_the_same_bits_in_any_batch():
+    """Batch invariance: log-softmax and top-k run per row, so a row's results alone equal
+    its results among 32 others; a seeded row samples the same token."""
+    logits = 4 * random_logits(33, vocab=49152, seed=9)
+    requests = [req(f"r{i}", logprobs=3, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(33)]
+    batch = Sampler()(logits, requests)
+    for row in (0, 16, 31, 32):
+        single = [req(f"r{row}", logprobs=3, temperature=0.0 if row % 2 else 0.8, seed=row)]
+        alone = Sampler()(logits[row:row + 1].clone(), single)
+        assert alone.token_ids[0] == batch.token_ids[row]
+        assert alone.logprobs[0] == batch.logprobs[row] and alone.top_logprobs[0] == batch.top_logprobs[row]

@@ -51,6 +51,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
     max_seqlen_q: int
     max_seqlen_k: int
+    # Attention reduces in the same order for a token whatever chunk or batch it is in.
+    batch_invariant: bool = False
 
 
 class Linear(nn.Linear):
@@ -108,7 +110,7 @@ class LlamaAttention(nn.Module):
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            self.scale, meta.max_seqlen_q, meta.max_seqlen_k,
+            self.scale, meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -28,7 +28,7 @@ from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput
-from kernels.linear import gemm_isa
+from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
 
@@ -140,7 +140,7 @@ class LLMEngine:
             "batch_invariant %s, CPU GEMM path %s",
             self.arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
             num_blocks * block_bytes / 2**20, self.max_model_len, self.runner.batch_invariant,
-            gemm_isa().name.lower() if self.device.type == "cpu" else "-",
+            cpu_ext.isa().name.lower() if self.device.type == "cpu" else "-",
         )
 
     # ---- setup helpers -----------------------------------------------------------------

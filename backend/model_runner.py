@@ -19,7 +19,6 @@ from backend.models.llama import AttentionMetadata, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
-from kernels.linear import Isa, gemm_isa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,7 +51,7 @@ def resolve_batch_invariance(requested: bool | None, device: torch.device) -> bo
         return False
     if device.type != "cpu":
         reason = f"the {device.type} path's GEMMs sum in an order that depends on the batch's shape"
-    elif gemm_isa() < Isa.AVX2:
+    elif cpu_ext.isa() < cpu_ext.Isa.AVX2:
         reason = "the C++ CPU kernels (AVX2 and FMA) are not available on this machine"
     else:
         return True

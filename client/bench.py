@@ -389,18 +389,38 @@ def add_flop_bound(results: list[dict], model_path: str, dtype_name: str) -> dic
             "head_gflops_per_output_token": per_output_token / 1e9}
 
 
+# The CPU flags that decide which kernels run (and how fast), as /proc/cpuinfo names them.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_kind(flags: list[str] | set[str]) -> str:
+    """The machine kind results are grouped by: ratios never mix kinds."""
+    for flag, kind in (("amx_tile", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return kind
+    return "other"
+
+
 def machine() -> dict:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    present = [flag for flag in CPU_FLAGS if flag in flags]
+    info = {"cpu": cpu, "cpu_kind": cpu_kind(present), "cpu_flags": present, "cores": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version()}
     try:
         import torch
 
+        from kernels import cpu_ext
+
         info["torch"] = torch.__version__
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["kernels_isa"] = cpu_ext.isa().name.lower()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name()
     except ImportError:

@@ -18,12 +18,16 @@ from client.bench import REPO_ROOT, load_label, run_label
 
 
 def plot_path(json_path: str | None, workload: str) -> str:
-    """bench/<json stem>.png for a report under bench/results/, else beside the JSON."""
+    """bench/<kind>/<json stem>.png for a report under bench/results/<kind>/ (bench/<stem>.png
+    for one under bench/results/), else beside the JSON."""
     if not json_path:
         return os.path.join(REPO_ROOT, "bench", f"{workload.lower()}.png")
     folder, name = os.path.split(os.path.abspath(json_path))
-    if os.path.basename(folder) == "results":
-        folder = os.path.dirname(folder)
+    parent, kind = os.path.split(folder)
+    if kind == "results":
+        folder = parent
+    elif os.path.basename(parent) == "results":
+        folder = os.path.join(os.path.dirname(parent), kind)
     return os.path.join(folder, os.path.splitext(name)[0] + ".png")
 
 

@@ -1,8 +1,10 @@
-"""Markdown tables of every benchmark result: `python -m client.bench_table [bench/results/*.json]`.
+"""Markdown tables of every benchmark result: `python -m client.bench_table [bench/results/KIND/*.json]`.
 
-client.bench reports go in one table, genai-perf reports (`tools.loadtest genai-perf --json`)
-in a second: genai-perf measures other things (inter-token latency, no occupancy or FLOP bound).
-README's results section is this command's output, pasted as is.
+One section per machine kind (the report's `cpu_kind`: avx2, avx512_bf16, amx), so that no
+table or ratio mixes kinds. In each, client.bench reports go in one table, genai-perf reports
+(`tools.loadtest genai-perf --json`) in a second: genai-perf measures other things
+(inter-token latency, no occupancy or FLOP bound). README's results section is this command's
+output, pasted as is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def tables(paths: list[str]) -> str:
+    """A section per machine kind, the kinds in their order of first appearance."""
+    by_kind: dict[str, list[str]] = {}
+    for path in paths:
+        with open(path) as f:
+            by_kind.setdefault(json.load(f)["machine"].get("cpu_kind", "unknown"), []).append(path)
+    return "\n\n".join(f"#### Machine kind: {kind}\n\n{table(kind_paths)}" for kind, kind_paths in by_kind.items())
+
+
 def table(paths: list[str]) -> str:
     lines = [
         "| workload | model | system | dtype | done | out tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | occupancy | preemptions | prefix hit | FLOP bound | file |",
@@ -34,7 +45,9 @@ def table(paths: list[str]) -> str:
     for path in paths:
         with open(path) as f:
             report = json.load(f)
-        machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores")
+        flags = report["machine"].get("cpu_flags")
+        machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores"
+                     + (f" ({' '.join(flags)})" if flags else ""))
         rel = os.path.relpath(path, REPO_ROOT)
         if report.get("tool", "").startswith("genai-perf"):
             model = os.path.basename(os.path.normpath(report["recipe"]["tokenizer"]))
@@ -69,8 +82,9 @@ def table(paths: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = (argv if argv is not None else sys.argv[1:]) or sorted(glob.glob(os.path.join(REPO_ROOT, "bench", "results", "*.json")))
-    print(table(paths))
+    paths = (argv if argv is not None else sys.argv[1:]) or sorted(
+        glob.glob(os.path.join(REPO_ROOT, "bench", "results", "*", "*.json")))
+    print(tables(paths))
     return 0
 
 

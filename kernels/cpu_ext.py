@@ -9,10 +9,15 @@ reductions: softmax's scalar expf was decode attention's largest cost (layer_ops
 out: it matches the torch references' roundings). Compile flags only:
 linked without -ffast-math, the module never changes the process's denormal handling.
 A machine that cannot build them gets the torch reference, with one warning.
+
+`isa()` is the instruction set the kernels run with: the best the build has (so the
+machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16` or `none`),
+e.g. to run the AVX2 paths on an AVX-512 machine.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -24,6 +29,28 @@ REPO_ROOT = os.path.dirname(HERE)
 BUILD_DIR = os.path.join(REPO_ROOT, ".build", "cpu_kernels")
 SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
+
+
+class Isa(enum.IntEnum):
+    """The C++ kernels' code paths by instruction set (gemm.cpp numbers them the same way)."""
+
+    NONE = 0
+    AVX2 = 1  # float32 GEMM, 8-lane attention
+    AVX512 = 2  # float32 GEMM, 16-lane attention
+    AVX512_BF16 = 3  # bfloat16 GEMM with vdpbf16ps
+
+
+@functools.cache
+def isa() -> Isa:
+    """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA`; NONE without the build."""
+    module = load()
+    best = Isa(module.gemm_isa()) if module is not None else Isa.NONE
+    cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
+    if not cap:
+        return best
+    if cap not in Isa.__members__:
+        raise ValueError(f"INFLIGHT_CPU_ISA={cap.lower()!r}: expected one of {', '.join(i.name.lower() for i in Isa)}")
+    return min(best, Isa[cap])
 
 
 @functools.cache

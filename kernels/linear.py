@@ -4,7 +4,7 @@ On CPU most of a decode step is the projections' matmuls at a few dozen rows, wh
 the weight is laid out in memory decides the speed: `F.linear` hands MKL the row-major
 weight and it re-blocks it on every call. The weight is packed once at load time, into the
 panel layout of our own GEMM (`panel_gemm`, kernels/cpu/gemm.cpp), one code path per
-instruction set, chosen here once per weight (`gemm_isa`, the best the machine has):
+instruction set, chosen here once per weight (`cpu_ext.isa()`, the best the machine has):
 
 - bfloat16 where the CPU has AVX512-BF16 (AVX-512 EPYCs, Xeons with AMX): `vdpbf16ps` on
   the bf16 weight itself;
@@ -34,43 +34,18 @@ has bf16 dot products, else as the float32 upcast.
     packed = pack_linear_weight(weight)    # None where packing does not apply
     y = linear(x, weight, bias, packed)    # F.linear when packed is None
 
-`INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16` or `none`) caps the instruction set,
-e.g. to run the AVX2 path on an AVX-512 machine. On CUDA (and for other dtypes) nothing is
+`INFLIGHT_CPU_ISA` caps the instruction set (kernels/cpu_ext.py), e.g. to run the AVX2 path
+on an AVX-512 machine. On CUDA (and for other dtypes) nothing is
 packed: cuBLAS takes the weight as it is.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-
-
-class Isa(enum.IntEnum):
-    """The panel GEMM's code paths (kernels/cpu/gemm.cpp numbers them the same way)."""
-
-    NONE = 0
-    AVX2 = 1  # float32
-    AVX512 = 2  # float32
-    AVX512_BF16 = 3  # bfloat16 with vdpbf16ps; float32 weights take the AVX512 path
-
-
-@functools.cache
-def gemm_isa() -> Isa:
-    """The best panel GEMM path of this machine's build, capped by `INFLIGHT_CPU_ISA`."""
-    module = cpu_ext.load()
-    best = Isa(module.gemm_isa()) if module is not None else Isa.NONE
-    cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
-    if not cap:
-        return best
-    if cap not in Isa.__members__:
-        raise ValueError(f"INFLIGHT_CPU_ISA={cap.lower()!r}: expected one of {', '.join(i.name.lower() for i in Isa)}")
-    return min(best, Isa[cap])
+from .cpu_ext import Isa
 
 
 # The GEMM libraries choose their blocking from an expected row count; any row count is
@@ -132,12 +107,12 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
 
 def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWeight | None:
     """Pack `weight` [out, in] for fast CPU matmuls, or None where that does not apply or
-    would not be faster. `isa`: the panel GEMM path to pack for (default `gemm_isa()`;
+    would not be faster. `isa`: the panel GEMM path to pack for (default `cpu_ext.isa()`;
     Isa.NONE: the libraries' layouts)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach().contiguous()
-    isa = gemm_isa() if isa is None else isa
+    isa = cpu_ext.isa() if isa is None else isa
     if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
         return PackedWeight("panels", cpu_ext.load().pack_panels(weight, Isa.AVX512_BF16), weight, isa=Isa.AVX512_BF16)
     if isa >= Isa.AVX2:

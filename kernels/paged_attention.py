@@ -71,9 +71,11 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if module is None:
         return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
 
+    lanes = 16 if cpu_ext.isa() >= cpu_ext.Isa.AVX512 else 8
+
     def kernel(q, tables, lens, cu):
         return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
-                                      lens.to(torch.int32), cu.to(torch.int32), scale).to(query.dtype)
+                                      lens.to(torch.int32), cu.to(torch.int32), scale, lanes).to(query.dtype)
 
     if (batch_invariant or (max_seqlen_q is not None and max_seqlen_q < _SDPA_MIN_QUERY)
             or (max_seqlen_k is not None and max_seqlen_k < _SDPA_MIN_MEAN_CONTEXT)):

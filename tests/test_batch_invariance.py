@@ -173,7 +173,7 @@ def test_a_bad_batch_invariant_value_is_refused_by_name():
 
 def test_batch_invariance_is_on_by_default_where_the_kernels_allow_it_and_refused_where_they_do_not(monkeypatch):
     import backend.model_runner as runner
-    from kernels.linear import Isa
+    from kernels import cpu_ext
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert runner.resolve_batch_invariance(None, cpu) and runner.resolve_batch_invariance(True, cpu)
@@ -181,7 +181,7 @@ def test_batch_invariance_is_on_by_default_where_the_kernels_allow_it_and_refuse
     assert not runner.resolve_batch_invariance(None, cuda) and not runner.resolve_batch_invariance(False, cuda)
     with pytest.raises(ValueError, match="batch_invariant=true is not possible here: the cuda path's GEMMs"):
         runner.resolve_batch_invariance(True, cuda)
-    monkeypatch.setattr(runner, "gemm_isa", lambda: Isa.NONE)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: cpu_ext.Isa.NONE)
     assert not runner.resolve_batch_invariance(None, cpu)
     with pytest.raises(ValueError, match="C\\+\\+ CPU kernels"):
         runner.resolve_batch_invariance(True, cpu)

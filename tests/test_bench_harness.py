@@ -9,6 +9,7 @@ HTTP and our OpenAI frontend, and checks every request's token count and timing.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,6 +170,7 @@ def test_bar_plot_of_a_single_load_report(tmp_path):
     assert open(path, "rb").read(4) == b"\x89PNG"
     assert bench_plot.plot_path(str(tmp_path / "results" / "x.json"), "W1") == str(tmp_path / "x.png")
     assert bench_plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert bench_plot.plot_path(str(tmp_path / "results" / "avx2" / "x.json"), "W1") == str(tmp_path / "avx2" / "x.png")
 
 
 def _result(system: str, tokens_per_s: float, ttft_p99: float, run: int) -> dict:
@@ -323,3 +325,15 @@ def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_p
             phases["schedule"]["mean"] + phases["prepare"]["mean"])
     assert report["meets_target"] == all(
         r["phases_ms"]["schedule+prepare"]["p50"] <= report["target_ms"]["schedule+prepare"] for r in report["results"])
+
+
+def test_results_are_tabled_by_machine_kind_and_never_mixed():
+    from client import bench_table
+
+    avx2 = Path(bench.REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    amx = avx2.parent.parent / "amx" / "w1_vs_vllm_fp32.json"
+    text = bench_table.tables([str(avx2), str(amx), str(avx2.parent / "w2_vs_peers_fp32.json")])
+    sections = text.split("#### Machine kind: ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
+    assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
+    assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]

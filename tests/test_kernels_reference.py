@@ -54,7 +54,21 @@ CASES = {
 }
 # Up to 4 KV heads the decode path uses one block-diagonal matmul, beyond that one per KV head.
 HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa8": (8, 1), "gqa2_kv8": (16, 8)}
-ATTENTION = {"reference": paged_attention_reference, "cpu": paged_attention_cpu}
+
+
+def _cpu_kernel_with_lanes(lanes: int):
+    """The C++ kernel with vectors of `lanes` floats (8: AVX2, 16: AVX-512), whatever the
+    machine's best: each path is checked where the CPU has it."""
+    def attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+        return cpu_ext.load().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
+                                              seq_lens.to(torch.int32), cu_seqlens_q.to(torch.int32), scale, lanes)
+    return attention
+
+
+_BUILT = cpu_ext.load()
+ATTENTION = {"reference": paged_attention_reference, "cpu": paged_attention_cpu,
+             **{f"cpu_{lanes}_lanes": _cpu_kernel_with_lanes(lanes)
+                for lanes in (8, 16) if _BUILT is not None and lanes <= _BUILT.attention_lanes()}}
 
 
 def test_cpp_cpu_kernels_build_on_this_machine():

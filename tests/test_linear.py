@@ -18,7 +18,7 @@ from hypothesis import given, settings
 import kernels
 from backend.models.llama import Linear
 from kernels import cpu_ext
-from kernels.linear import Isa, gemm_isa
+from kernels.cpu_ext import Isa
 
 # sys.modules: the package exports a function under the module's name `linear`.
 LINEAR = sys.modules["kernels.linear"]
@@ -33,7 +33,7 @@ def _cpu_flags() -> set[str]:
 
 def needs(isa: Isa):
     """The path runs only where the CPU has its instructions (and the C++ kernels built)."""
-    return pytest.mark.skipif(gemm_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
+    return pytest.mark.skipif(cpu_ext.isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
 
 
 PANELS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in PANEL_PATHS]
@@ -45,7 +45,7 @@ def layout(request, monkeypatch):
     leave these small test weights as they are)."""
     monkeypatch.setattr(LINEAR, "_MIN_PACKED_ELEMENTS", 0)
     isa = Isa.NONE if request.param == "onednn" else request.param
-    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: isa)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: isa)
     return request.param
 
 
@@ -105,7 +105,7 @@ def test_which_weights_are_packed_and_how(monkeypatch):
     # The panel GEMM has no per-call setup to pay back: every weight, any size, on every path.
     monkeypatch.setattr(cpu_ext, "load", lambda: _RecordingPanels())
     for isa in PANEL_PATHS:
-        monkeypatch.setattr(LINEAR, "gemm_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(cpu_ext, "isa", lambda isa=isa: isa)
         packed = kernels.pack_linear_weight(small)
         assert (packed.kind, packed.isa, packed.upcast, packed.data.dtype) == \
             ("panels", min(isa, Isa.AVX512), False, torch.float32)
@@ -116,7 +116,7 @@ def test_which_weights_are_packed_and_how(monkeypatch):
              torch.bfloat16 if native else torch.float32)
     monkeypatch.undo()
     # Without the panel GEMM, oneDNN packs only weights large enough to pay for its per-call setup.
-    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: Isa.NONE)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
     assert kernels.pack_linear_weight(small) is None
     assert kernels.pack_linear_weight(large).kind == "onednn"
     # Without native bf16 the float32 upcast is the fast path at any size.
@@ -152,7 +152,7 @@ def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, library,
     # and torch's bf16 GEMM is ~7x slower than float32, so the weight is packed as its exact
     # float32 upcast and the output rounded to bf16 once.
     isa = library if isinstance(library, Isa) else Isa.NONE
-    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: isa)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: isa)
     monkeypatch.setattr(LINEAR, "_native_bf16", lambda: False)
     monkeypatch.setattr(LINEAR, "_onednn_usable", lambda: library == "onednn")
     gen = torch.Generator().manual_seed(5)
@@ -181,7 +181,7 @@ def test_bf16_without_native_bf16_packs_the_float32_upcast(monkeypatch, library,
 @pytest.mark.parametrize("rows", [1, 17, 300])
 def test_float32_falls_back_to_mkl_without_onednn(pack_any_size, monkeypatch, rows):
     monkeypatch.setattr(LINEAR, "_onednn_usable", lambda: False)
-    monkeypatch.setattr(LINEAR, "gemm_isa", lambda: Isa.NONE)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
     gen = torch.Generator().manual_seed(rows)
     weight, b, x = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 80, generator=gen)
     packed = kernels.pack_linear_weight(weight)
@@ -202,20 +202,20 @@ def test_the_gemm_path_matches_the_cpu():
     else:
         expected = Isa.NONE
     assert Isa(cpu_ext.load().gemm_isa()) == expected
-    assert gemm_isa() == expected or os.environ.get("INFLIGHT_CPU_ISA")
+    assert cpu_ext.isa() == expected or os.environ.get("INFLIGHT_CPU_ISA")
 
 
 @pytest.mark.parametrize("cap", ["avx2", "AVX512", "none"])
 def test_inflight_cpu_isa_caps_the_path(cap):
-    # In a process of its own: gemm_isa() is decided once per process.
-    run = subprocess.run([sys.executable, "-c", "from kernels.linear import gemm_isa; print(gemm_isa().name)"],
+    # In a process of its own: cpu_ext.isa() is decided once per process.
+    run = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; print(cpu_ext.isa().name)"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "INFLIGHT_CPU_ISA": cap})
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == min(Isa[cap.upper()], Isa(cpu_ext.load().gemm_isa())).name
 
 
 def test_an_unknown_inflight_cpu_isa_is_refused():
-    run = subprocess.run([sys.executable, "-c", "from kernels.linear import gemm_isa; gemm_isa()"],
+    run = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; cpu_ext.isa()"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "INFLIGHT_CPU_ISA": "sse9"})
     assert run.returncode != 0 and "INFLIGHT_CPU_ISA='sse9'" in run.stderr and "avx512_bf16" in run.stderr
 

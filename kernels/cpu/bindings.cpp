@@ -4,6 +4,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a ragged batch of decodes and prefill chunks");
+  m.def("attention_lanes", &attention_lanes, "The widest vectors paged_attention is built for here (8 or 16)");
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x + residual; returns (normed, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a gated MLP");

@@ -6,8 +6,12 @@
 #include <optional>
 #include <tuple>
 
+// lanes: the vector width, 8 (AVX2) or 16 (AVX-512, where attention_lanes() says it is built);
+// head sizes that are no multiple of it run the 8-lane (or the plain) loops.
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale);
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes);
+
+int64_t attention_lanes();
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 

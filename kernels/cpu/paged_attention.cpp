@@ -16,7 +16,11 @@
 // - QK scores 8 rows at a time: 8 independent dot-product accumulators (no FMA latency
 //   chain), folded into 8 scores by one transposing reduction (hadd: 9 instructions for 8
 //   rows, where a horizontal sum per row costs ~6 each);
-// - the V pass keeps each query head's output in registers across a block's rows.
+// - the V pass keeps each query head's output in registers across a block's rows;
+// - vectors of 8 floats (AVX2) or 16 (AVX-512; kernels/paged_attention.py picks the machine's
+//   widest, `lanes`), the 16-lane sums folded to 8 before the reduction.
+// In every path a token's reduction order depends on its context length only, never on the
+// batch or the chunk it is in (the engine's batch invariance).
 // On a 2-core AVX2 EPYC, SmolLM2-135M's shapes, batch 32, contexts ~150, 30 layers' own
 // caches: 21 ms a step (~11 GB/s of KV), against 47-53 ms for one task per sequence with a
 // horizontal sum per row; at batch 1, 0.5 ms against 2.7. Software prefetch of the next
@@ -42,41 +46,89 @@
 
 namespace {
 
-constexpr int64_t kLanes = 8;  // one AVX2 register; two halves of a NEON pair, one half of AVX-512
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+// Keys are scored 8 at a time (one transposing reduction folds 8 rows' sums into 8 scores),
+// over vectors of 8 floats (AVX2) or 16 (AVX-512): `kLanes` below is the vector width the
+// scores and reductions work in, `L` a kernel's own.
+constexpr int64_t kTileRows = 8;
+constexpr int64_t kLanes = 8;
+template <int L>
+struct VectorOf;
+template <>
+struct VectorOf<8> {
+  typedef float type __attribute__((vector_size(8 * sizeof(float))));
+};
+template <>
+struct VectorOf<16> {
+  typedef float type __attribute__((vector_size(16 * sizeof(float))));
+};
+template <int L>
+using vec = typename VectorOf<L>::type;
+using vfloat = vec<8>;
 typedef uint16_t vhalfbits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vwordbits __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // Unaligned vector loads and stores (memcpy of a fixed size is one instruction at -O3).
-template <typename T>
-inline vfloat load_vector(const T* src) {
-  float wide[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) wide[i] = static_cast<float>(src[i]);
-  vfloat v;
+template <int L, typename T>
+inline vec<L> load_vector(const T* src) {
+  float wide[L];
+  for (int64_t i = 0; i < L; ++i) wide[i] = static_cast<float>(src[i]);
+  vec<L> v;
   std::memcpy(&v, wide, sizeof v);
   return v;
 }
 
-template <>
-inline vfloat load_vector<float>(const float* src) {
-  vfloat v;
+template <int L>
+inline vec<L> load_vector(const float* src) {
+  vec<L> v;
   std::memcpy(&v, src, sizeof v);
   return v;
 }
 
-// bfloat16 is the top half of a float32: widening is a shift (c10's scalar conversion,
-// with its NaN handling, does not vectorise).
-template <>
-inline vfloat load_vector<c10::BFloat16>(const c10::BFloat16* src) {
-  vhalfbits bits;
-  std::memcpy(&bits, src, sizeof bits);
-  const vwordbits wide = __builtin_convertvector(bits, vwordbits) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
+// bfloat16 is the top half of a float32: widening is a zero-extending load and a shift (the
+// generic vector code compiled to a lane-by-lane sequence: bf16 attention ran at 0.4x float32's
+// speed on half the bytes; c10's scalar conversion, with its NaN handling, does not vectorise).
+template <int L>
+inline vec<L> load_vector(const c10::BFloat16* src) {
+#if defined(__AVX512F__)
+  if constexpr (L == 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (L == 8) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+#endif
+  if constexpr (L == 8) {
+    vhalfbits bits;
+    std::memcpy(&bits, src, sizeof bits);
+    const vwordbits wide = __builtin_convertvector(bits, vwordbits) << 16;
+    vfloat v;
+    std::memcpy(&v, &wide, sizeof v);
+    return v;
+  } else {
+    return load_vector<L, c10::BFloat16>(src);
+  }
 }
 
-inline void store_vector(float* dst, vfloat v) { std::memcpy(dst, &v, sizeof v); }
+template <int L>
+inline void store_vector(float* dst, vec<L> v) {
+  std::memcpy(dst, &v, sizeof v);
+}
+
+// The 16 lanes' sums as 8: lane i + lane i + 8.
+inline vfloat fold_to_8(vec<16> v) {
+#if defined(__AVX512F__)
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  vfloat low, high;  // no AVX-512: the two halves of the generic 16-lane vector
+  std::memcpy(&low, &v, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+  return low + high;
+#endif
+}
 
 // out[r] = the sum of the lanes of rows[r], for 8 rows at once.
 inline vfloat sum_lanes_of_8(const vfloat (&rows)[kLanes]) {
@@ -132,23 +184,23 @@ struct Shape {
   int64_t block_stride() const { return block_size * row_width(); }
 };
 
-// One (token, KV head) over `len` keys, head_dim = kVectors * 8. `q` is the group's first query head
-// ([group, head_dim] contiguous), `out` receives the group's heads as float32. `query`
-// holds group * head_dim floats, `scores` group * round_up(len, 8).
-template <typename T, int kVectors>
+// One (token, KV head) over `len` keys, head_dim = kVectors * L (vectors of L floats). `q` is
+// the group's first query head ([group, head_dim] contiguous), `out` receives the group's heads
+// as float32. `query` holds group * head_dim floats, `scores` group * round_up(len, 8).
+template <typename T, int L, int kVectors>
 void attend_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
                                int64_t kv_head, float* out, const Shape& shape, float scale, float* query,
                                float* scores) {
-  constexpr int64_t kHeadDim = kVectors * kLanes;
+  constexpr int64_t kHeadDim = kVectors * L;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  const int64_t scores_stride = (len + kLanes - 1) / kLanes * kLanes;
+  const int64_t scores_stride = (len + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t head_offset = kv_head * kHeadDim;
   const auto block = [&](const T* cache, int64_t b) { return cache + table[b] * shape.block_stride() + head_offset; };
 
   for (int64_t g = 0; g < group; ++g)
     for (int j = 0; j < kVectors; ++j)
-      store_vector(query + g * kHeadDim + j * kLanes, load_vector(q + g * kHeadDim + j * kLanes) * scale);
+      store_vector<L>(query + g * kHeadDim + j * L, load_vector<L>(q + g * kHeadDim + j * L) * scale);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
     const T* keys = block(k_cache, b);
@@ -156,17 +208,24 @@ void attend_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, c
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = query + g * kHeadDim;
       float* s = scores + g * scores_stride + first;
-      for (int64_t r0 = 0; r0 < count; r0 += kLanes) {
-        const T* rows[kLanes];  // a partial tile repeats the last row; its extra scores are dropped
-        for (int64_t i = 0; i < kLanes; ++i) rows[i] = keys + std::min(r0 + i, count - 1) * row_width;
-        vfloat dots[kLanes] = {};
+      for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+        const T* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+        for (int64_t i = 0; i < kTileRows; ++i) rows[i] = keys + std::min(r0 + i, count - 1) * row_width;
+        vec<L> dots[kTileRows] = {};
         for (int j = 0; j < kVectors; ++j) {
-          const vfloat qj = load_vector(qg + j * kLanes);
-          for (int64_t i = 0; i < kLanes; ++i) dots[i] += qj * load_vector(rows[i] + j * kLanes);
+          const vec<L> qj = load_vector<L>(qg + j * L);
+          for (int64_t i = 0; i < kTileRows; ++i) dots[i] += qj * load_vector<L>(rows[i] + j * L);
         }
-        const vfloat tile = sum_lanes_of_8(dots);
-        if (r0 + kLanes <= count)
-          store_vector(s + r0, tile);
+        vfloat tile;
+        if constexpr (L == 16) {
+          vfloat folded[kTileRows];
+          for (int64_t i = 0; i < kTileRows; ++i) folded[i] = fold_to_8(dots[i]);
+          tile = sum_lanes_of_8(folded);
+        } else {
+          tile = sum_lanes_of_8(dots);
+        }
+        if (r0 + kTileRows <= count)
+          store_vector<8>(s + r0, tile);
         else
           for (int64_t i = 0; i < count - r0; ++i) s[r0 + i] = tile[i];
       }
@@ -181,12 +240,12 @@ void attend_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, c
     const int64_t first = b * block_size, count = std::min(block_size, len - first);
     for (int64_t g = 0; g < group; ++g) {
       float* o = out + g * kHeadDim;
-      vfloat acc[kVectors];
-      for (int j = 0; j < kVectors; ++j) acc[j] = load_vector(o + j * kLanes);
+      vec<L> acc[kVectors];
+      for (int j = 0; j < kVectors; ++j) acc[j] = load_vector<L>(o + j * L);
       const float* s = scores + g * scores_stride + first;
       for (int64_t r = 0; r < count; ++r)
-        for (int j = 0; j < kVectors; ++j) acc[j] += s[r] * load_vector(values + r * row_width + j * kLanes);
-      for (int j = 0; j < kVectors; ++j) store_vector(o + j * kLanes, acc[j]);
+        for (int j = 0; j < kVectors; ++j) acc[j] += s[r] * load_vector<L>(values + r * row_width + j * L);
+      for (int j = 0; j < kVectors; ++j) store_vector<L>(o + j * L, acc[j]);
     }
   }
 }
@@ -238,7 +297,7 @@ void store_row(const float* src, T* dst, int64_t n) {
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
             const int32_t* cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, T* out, const Shape& shape,
-            float scale) {
+            float scale, int64_t lanes) {
   std::vector<int64_t> token_seq(num_tokens), token_len(num_tokens);  // len: keys the token attends to
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
@@ -249,32 +308,49 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   }
   const int64_t token_width = shape.num_q_heads * shape.head_dim, group = shape.group();
   const int64_t group_width = group * shape.head_dim, max_len = shape.max_blocks * shape.block_size;
-  const int64_t vectors = shape.head_dim % kLanes == 0 ? shape.head_dim / kLanes : 0;
   const auto table = [&](int64_t token) { return block_tables + token_seq[token] * shape.max_blocks; };
-  switch (vectors) {
-#define INFLIGHT_VECTORISED(VECTORS)                                                                              \
-  case VECTORS: {                                                                                                 \
-    const int64_t num_tasks = num_tokens * shape.num_kv_heads;                                                    \
-    _Pragma("omp parallel num_threads(at::get_num_threads())") {                                                  \
-      std::vector<float> query(group_width), result(group_width), scores(group * (max_len + kLanes));             \
-      _Pragma("omp for schedule(dynamic, 1)") for (int64_t task = 0; task < num_tasks; ++task) {                  \
-        const int64_t token = task / shape.num_kv_heads, kv_head = task % shape.num_kv_heads;                     \
-        const int64_t offset = token * token_width + kv_head * group_width;                                       \
-        attend_kv_head_vectorised<T, VECTORS>(q + offset, k_cache, v_cache, table(token), token_len[token],       \
-                                              kv_head, result.data(), shape, scale, query.data(), scores.data()); \
-        store_row(result.data(), out + offset, group_width);                                                      \
-      }                                                                                                           \
-    }                                                                                                             \
-    return;                                                                                                       \
+  // The kernel for head_dim = VECTORS * LANES, over every (token, KV head) task.
+  const auto run_vectorised = [&](auto kernel) {
+    const int64_t num_tasks = num_tokens * shape.num_kv_heads;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      std::vector<float> query(group_width), result(group_width), scores(group * (max_len + kTileRows));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < num_tasks; ++task) {
+        const int64_t token = task / shape.num_kv_heads, kv_head = task % shape.num_kv_heads;
+        const int64_t offset = token * token_width + kv_head * group_width;
+        kernel(q + offset, k_cache, v_cache, table(token), token_len[token], kv_head, result.data(), shape, scale,
+               query.data(), scores.data());
+        store_row(result.data(), out + offset, group_width);
+      }
+    }
+  };
+#define INFLIGHT_VECTORISED(LANES, VECTORS)                           \
+  case VECTORS:                                                       \
+    run_vectorised(attend_kv_head_vectorised<T, LANES, VECTORS>);    \
+    return;
+#if defined(__AVX512F__)
+  if (lanes == 16 && shape.head_dim % 16 == 0) {
+    switch (shape.head_dim / 16) {
+      INFLIGHT_VECTORISED(16, 1)
+      INFLIGHT_VECTORISED(16, 2)
+      INFLIGHT_VECTORISED(16, 4)
+      INFLIGHT_VECTORISED(16, 5)
+      INFLIGHT_VECTORISED(16, 6)
+      INFLIGHT_VECTORISED(16, 8)
+      INFLIGHT_VECTORISED(16, 16)
+    }
   }
-    INFLIGHT_VECTORISED(2)
-    INFLIGHT_VECTORISED(3)
-    INFLIGHT_VECTORISED(4)
-    INFLIGHT_VECTORISED(8)
-    INFLIGHT_VECTORISED(10)
-    INFLIGHT_VECTORISED(12)
-    INFLIGHT_VECTORISED(16)
-    INFLIGHT_VECTORISED(32)
+#endif
+  switch (shape.head_dim % kLanes == 0 ? shape.head_dim / kLanes : 0) {
+    INFLIGHT_VECTORISED(8, 2)
+    INFLIGHT_VECTORISED(8, 3)
+    INFLIGHT_VECTORISED(8, 4)
+    INFLIGHT_VECTORISED(8, 8)
+    INFLIGHT_VECTORISED(8, 10)
+    INFLIGHT_VECTORISED(8, 12)
+    INFLIGHT_VECTORISED(8, 16)
+    INFLIGHT_VECTORISED(8, 32)
 #undef INFLIGHT_VECTORISED
     default:
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -292,13 +368,21 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
 
 }  // namespace
 
+int64_t attention_lanes() {
+#if defined(__AVX512F__)
+  return 16;
+#else
+  return 8;
+#endif
+}
+
 // query [T, Hq, D] in the cache's dtype, the new tokens of every sequence concatenated
 // (sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1]); caches [num_blocks,
 // block_size, Hkv, D] contiguous, already holding the new tokens' K and V; block_tables
 // int32 [S, max_blocks]; seq_lens int32 [S], context length including the new tokens;
 // cu_seqlens_q int32 [S + 1]. Returns [T, Hq, D] in the query's dtype.
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale) {
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "query and caches must share a dtype");
@@ -309,6 +393,8 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
               "one seq_lens entry and one block table row per sequence, one more cu_seqlens_q entry");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(lanes == 8 || (lanes == 16 && attention_lanes() == 16), "paged_attention: lanes ", lanes,
+              " is not built for this machine (best: ", attention_lanes(), ")");
   query = query.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
@@ -319,7 +405,8 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(),
-                     seq_lens.numel(), query.size(0), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale));
+                     seq_lens.numel(), query.size(0), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale),
+                     lanes);
   });
   return out;
 }

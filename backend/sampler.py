@@ -11,9 +11,11 @@ probability zero (masked, or underflowed) adds nothing to the running sum, so it
 the first to exceed the target. A request with a `seed` draws its uniform from its
 own generator, so its output does not depend on what else is in the batch; unseeded rows
 draw theirs from the engine's generator in one call. Seeded output repeats exactly for
-bit-identical logits; unlike the race, a token can change with logits that differ in the
-last bits (a run that starts from prefix-cached KV blocks against one that computes them:
-about 1 in 240 16-token runs at temperature 0.9). Logprobs are of the raw model output.
+bit-identical logits, which `batch_invariant` guarantees whatever the batch; unlike the race,
+a token can change with logits that differ in the last bits (without batch invariance, a
+run whose long prompt chunks went to SDPA against one whose did not). Every operation here
+works row by row, so a row's logprobs do not depend on the other rows. Logprobs are of the
+raw model output.
 """
 
 from __future__ import annotations

@@ -425,11 +425,11 @@ def test_stop_strings_inside_across_and_mid_token_streamed_and_not(server, refer
 def test_multibyte_utf8_streams_without_replacement_characters(server, prompt, sampling):
     # Streamed and whole must run the same computation: the second of two requests for a
     # prompt of a full KV block or more (the sampled one is 18 tokens) reads that block from
-    # the prefix cache, and a prefill that starts from cached blocks is not bitwise the one
-    # that computes them (logits ~1e-5 apart). At temperature 0.9 that flipped a sampled
-    # token for 2 of 480 seeds (178 and 264, with inverse-CDF sampling), and streamed and
-    # whole differed although neither path is wrong. One request first puts the prompt's
-    # full blocks in the cache, so that both runs below start from the same blocks.
+    # the prefix cache. With batch_invariant on (the server's default here) a prefill that
+    # starts from cached blocks is bitwise the one that computes them; without it the logits
+    # were ~1e-5 apart, which at temperature 0.9 flipped a sampled token for 2 of 480 seeds.
+    # One request first puts the prompt's full blocks in the cache, so that both runs below
+    # start from the same blocks either way.
     warm = generate(server.grpc_url, server.model, inputs_for(prompt, {"temperature": 0, "max_tokens": 1}, stream=False))
     assert warm.error is None, warm.message
     sampling = {**sampling, "logprobs": 0}

@@ -3,7 +3,9 @@
 One probe request (a prompt of `--probe-tokens` tokens, greedy, `logprobs` 0) runs alone,
 then again among `--others` requests of 5-200 tokens, arriving `--arrival-step` steps late,
 under each scheduling variant below; its per-token logprobs are compared bit for bit with
-the run alone. Prints one line per variant and exits 1 if any logprob differed.
+the run alone. Prints one line per variant and exits 1 if any logprob differed. The default
+probe is long enough (700 tokens) that, with the mode off, some of its prefill chunks are long
+chunks at long contexts, which go to SDPA, and the others are not.
 
     .venv/bin/python -m client.batch_invariance --dtype bfloat16 --batch-invariant false
     .venv/bin/python -m client.batch_invariance --dtype bfloat16 --batch-invariant true
@@ -64,7 +66,7 @@ def probe_logprobs(engine: LLMEngine, probe: list[int], others: list[list[int]],
     return tokens, logprobs
 
 
-def compare(model: str, dtype: str, batch_invariant: bool, probe_tokens: int = 70, num_others: int = 31,
+def compare(model: str, dtype: str, batch_invariant: bool, probe_tokens: int = 700, num_others: int = 31,
             max_tokens: int = 24, seed: int = 0) -> list[Comparison]:
     rng = random.Random(seed)
     engine_config = dict(model_path=model, dtype=dtype, device="cpu", batch_invariant=batch_invariant)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-invariant", default="true", choices=["true", "false"])
-    parser.add_argument("--probe-tokens", type=int, default=70)
+    parser.add_argument("--probe-tokens", type=int, default=700)
     parser.add_argument("--others", type=int, default=31)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -49,6 +49,8 @@ ENGINE_SYSTEMS = {
     "prefix-cache": {"enable_prefix_caching": True},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "swap": {"preemption_mode": "swap"},
+    "batch-invariant": {"batch_invariant": True},
+    "not-batch-invariant": {"batch_invariant": False},
 }
 DEFAULT_SYSTEMS = {
     "W1": ["continuous", "static"],
@@ -61,9 +63,9 @@ DEFAULT_SYSTEMS = {
 # (numerator, denominator) pairs whose ratio each workload reports.
 RATIOS = {
     "W1": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
-           ("continuous", "vllm-offline")],
+           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
     "W2": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
-           ("continuous", "vllm-offline")],
+           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
 }

@@ -27,7 +27,7 @@ can be overridden by setting it before the run:
   (Same run: 79 tokens/s with it, 68 without; one noisy run each on a shared machine.)
 
 This module runs in .venv-peers, not the project venv: at module level it imports only the
-standard library, so `client.peers` (project venv) can share its request-file helpers, and
+standard library, so `client.bench.peers` (project venv) can share its request-file helpers, and
 it imports nothing else from the project. vLLM starts worker processes, hence the
 `__main__` guard.
 """
@@ -42,7 +42,7 @@ import time
 
 DEFAULT_KVCACHE_SPACE_GIB = 2
 REQUEST_KEYS = ("prompt_token_ids", "max_tokens", "temperature")
-# Same warm-up as client.bench's engine warm-up: 40 prompt tokens, 4 output tokens.
+# Same warm-up as client.bench.runners' engine warm-up: 40 prompt tokens, 4 output tokens.
 WARMUP_PROMPT = list(range(1000, 1040))
 WARMUP_TOKENS = 4
 

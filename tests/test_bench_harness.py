@@ -1,4 +1,4 @@
-"""The benchmark harness (client/bench.py, bench_targets.py, bench_plot.py, workloads.py).
+"""The benchmark harness (client/bench/: workloads, stats, runners, targets, plot, table, overhead, cli).
 
 Fast tests run the in-process engine on a tiny random-weight checkpoint: closed-loop
 concurrency, the W3 rate sweep's report, goodput arithmetic, text prompts, the plot.
@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import bench, bench_plot, workloads
-from client.bench import RequestRecord, SystemRun, summarize
-from client.bench_targets import parse_target, run_target
+from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
+from client.bench.records import REPO_ROOT, RequestRecord, SystemRun
+from client.bench.stats import summarize
+from client.bench.targets import parse_target, run_target
 from tests.checkpoints import DEFAULT_CHECKPOINT, make_tiny_checkpoint
 
 # A small KV pool: the default 1 GiB is needless for a few tiny requests.
@@ -126,8 +127,8 @@ def test_goodput_and_latency_arithmetic():
 
 def test_closed_loop_keeps_n_requests_in_flight(tiny):
     w = workloads.w3_online(num_requests=6, input_len=16, output_len=6, rate_per_s=0.01)  # arrivals ~100 s apart
-    run = bench.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fcfs"}, "continuous", progress=False,
-                           concurrency=2)
+    run = runners.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fcfs"}, "continuous", progress=False,
+                             concurrency=2)
     assert run.duration_s < 60  # the arrival times were ignored
     assert all(r.finish_reason == "length" and r.num_output_tokens == 6 for r in run.records)
     for r in run.records:  # how many were in flight when this one was sent: itself and at most one other
@@ -140,9 +141,9 @@ def test_closed_loop_keeps_n_requests_in_flight(tiny):
 
 def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
     out = tmp_path / "results" / "w3_sweep.json"
-    code = bench.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
-                       "--input-len", "16", "--output-len", "4", "--engine", "kv_cache_memory_mb=64",
-                       "--slo-ttft-ms", "5000", "--json", str(out), "--plot", "--no-progress"])
+    code = cli.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
+                     "--input-len", "16", "--output-len", "4", "--engine", "kv_cache_memory_mb=64",
+                     "--slo-ttft-ms", "5000", "--json", str(out), "--plot", "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
     assert [(r["system"], r["rate_per_s"]) for r in report["results"]] == [("continuous", 20.0), ("continuous", 0.0)]
@@ -153,9 +154,9 @@ def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
         assert r["goodput_requests_per_s"] == pytest.approx(r["slo_met"] / r["duration_s"])
     png = tmp_path / "w3_sweep.png"  # bench/results/X.json -> bench/X.png
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert bench_plot.is_rate_sweep(report)
+    assert plot.is_rate_sweep(report)
     redrawn = tmp_path / "again.png"
-    assert bench_plot.main([str(out), "-o", str(redrawn)]) == 0
+    assert plot.main([str(out), "-o", str(redrawn)]) == 0
     assert redrawn.stat().st_size > 10_000
     assert "continuous  20/s" in capsys.readouterr().out
 
@@ -165,12 +166,12 @@ def test_bar_plot_of_a_single_load_report(tmp_path):
               "ttft_ms": {"p99": 5.0}, "tpot_ms": {"p99": 1.0}}
     report = {"workload": {"name": "W1", "description": "d"}, "machine": {"cpu": "x", "cores": 2},
               "results": [result, {**result, "system": "b", "output_tokens_per_s": 7.0}]}
-    assert not bench_plot.is_rate_sweep(report)
-    path = bench_plot.plot_report(report, str(tmp_path / "bars.png"))
+    assert not plot.is_rate_sweep(report)
+    path = plot.plot_report(report, str(tmp_path / "bars.png"))
     assert open(path, "rb").read(4) == b"\x89PNG"
-    assert bench_plot.plot_path(str(tmp_path / "results" / "x.json"), "W1") == str(tmp_path / "x.png")
-    assert bench_plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
-    assert bench_plot.plot_path(str(tmp_path / "results" / "avx2" / "x.json"), "W1") == str(tmp_path / "avx2" / "x.png")
+    assert plot.plot_path(str(tmp_path / "results" / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert plot.plot_path(str(tmp_path / "results" / "avx2" / "x.json"), "W1") == str(tmp_path / "avx2" / "x.png")
 
 
 def _result(system: str, tokens_per_s: float, ttft_p99: float, run: int) -> dict:
@@ -186,21 +187,21 @@ def test_repeated_runs_give_the_median_of_each_runs_ratio():
         _result("continuous", 300.0, 10.0, 2), _result("vllm-offline", 100.0, 20.0, 2),
         _result("continuous", 110.0, 10.0, 3), _result("vllm-offline", 100.0, 10.0, 3),
     ]
-    entry = bench.ratios("W1", results)["continuous/vllm-offline"]
+    entry = stats.ratios("W1", results)["continuous/vllm-offline"]
     assert entry["output_tokens_per_s"] == pytest.approx(2.0)
     assert entry["runs"] == pytest.approx([2.0, 3.0, 1.1])
     assert entry["ttft_p99"] == pytest.approx(0.5)  # median of 0.25, 0.5 and 1.0
-    text = bench.format_ratio(entry)
+    text = stats.format_ratio(entry)
     assert "output tokens per s 2.00x" in text and text.endswith("per run 2.00x, 3.00x, 1.10x")
     # One run: no per-run list, the ratio of that run.
-    single = bench.ratios("W1", [{**r, "run": None} for r in results[:2]])["continuous/vllm-offline"]
+    single = stats.ratios("W1", [{**r, "run": None} for r in results[:2]])["continuous/vllm-offline"]
     assert single["output_tokens_per_s"] == pytest.approx(2.0) and "runs" not in single
 
 
 def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):
     out = tmp_path / "results" / "w2_repeat.json"
-    code = bench.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",
-                       "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
+    code = cli.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",
+                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
     assert [(r["system"], r["run"]) for r in report["results"]] == [
@@ -214,9 +215,7 @@ def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, cap
     printed = capsys.readouterr().out
     assert "run" in printed.splitlines()[2].split() and "per run" in printed
     assert (tmp_path / "w2_repeat.png").read_bytes()[:4] == b"\x89PNG"
-    from client import bench_table
-
-    rows = bench_table.table([str(out)])
+    rows = table.table([str(out)])
     assert "| continuous @ run 2 |" in rows and "per run" in rows
 
 
@@ -225,7 +224,7 @@ def test_cli_refuses_what_does_not_apply():
                  ["W3", "--target", "ftp://h:1"], ["W3", "--systems", "nope"],
                  ["W3", "--target", "grpc://h:1", "--target", "grpc://h:2"], ["W1", "--repeat", "0"]):
         with pytest.raises(SystemExit) as exc:
-            bench.main(argv)
+            cli.main(argv)
         assert exc.value.code == 2, argv
 
 
@@ -292,14 +291,14 @@ def test_model_flops_count_every_projection_per_token_and_the_head_per_output_to
     projections = sum(m.weight.numel() for name, m in model.named_modules()
                       if isinstance(m, torch.nn.Linear) and name != "lm_head")
     output_head = model.config.vocab_size * model.config.hidden_size  # tied or not, one matmul per output token
-    assert bench.model_flops(path) == (2 * projections, 2 * output_head)
+    assert flops.model_flops(path) == (2 * projections, 2 * output_head)
 
 
 def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
     results = [{"total_tokens_per_s": 1000.0, "output_tokens_per_s": 400.0, "duration_s": 2.0}]
-    bound = bench.add_flop_bound(results, tiny, "float32")
+    bound = flops.add_flop_bound(results, tiny, "float32")
     assert bound["matmul_peak_gflops_at_256_rows"] > 0
-    per_token, per_output_token = bench.model_flops(tiny)
+    per_token, per_output_token = flops.model_flops(tiny)
     expected = (1000.0 * per_token + 400.0 * per_output_token) / 1e9
     assert results[0]["model_gflops_per_s"] == pytest.approx(expected)
     assert results[0]["fraction_of_flop_bound"] == pytest.approx(expected / bound["matmul_peak_gflops_at_256_rows"])
@@ -309,17 +308,15 @@ def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
 
 
 def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_path):
-    from client import bench_overhead
-
     out = tmp_path / "overhead.json"
-    assert bench_overhead.main(["--model", tiny, "--running", "4,16", "--prompt-len", "40", "--iterations", "6",
-                                "--warmup-iterations", "2", "--json", str(out), "--no-progress"]) == 0
+    assert overhead.main(["--model", tiny, "--running", "4,16", "--prompt-len", "40", "--iterations", "6",
+                          "--warmup-iterations", "2", "--json", str(out), "--no-progress"]) == 0
     report = json.loads(out.read_text())
     assert [r["running"] for r in report["results"]] == [4, 16]
     for result in report["results"]:
         phases = result["phases_ms"]
-        assert set(phases) == {*bench_overhead.PHASES, "schedule+prepare"}
-        for phase in bench_overhead.PHASES:
+        assert set(phases) == {*overhead.PHASES, "schedule+prepare"}
+        for phase in overhead.PHASES:
             assert 0 < phases[phase]["p50"] <= phases[phase]["p99"], (phase, phases[phase])
         assert phases["schedule+prepare"]["mean"] == pytest.approx(
             phases["schedule"]["mean"] + phases["prepare"]["mean"])
@@ -328,11 +325,9 @@ def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_p
 
 
 def test_results_are_tabled_by_machine_kind_and_never_mixed():
-    from client import bench_table
-
-    avx2 = Path(bench.REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    avx2 = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
     amx = avx2.parent.parent / "amx" / "w1_vs_vllm_fp32.json"
-    text = bench_table.tables([str(avx2), str(amx), str(avx2.parent / "w2_vs_peers_fp32.json")])
+    text = table.tables([str(avx2), str(amx), str(avx2.parent / "w2_vs_peers_fp32.json")])
     sections = text.split("#### Machine kind: ")[1:]
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]

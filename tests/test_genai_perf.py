@@ -181,9 +181,9 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
     assert len(list((out / "triton-grpc" / "concurrency2").rglob("profile_export_genai_perf.json"))) == 1
 
     # README's table generator lists the report in its genai-perf table, ratios named by file.
-    from client import bench_table
+    from client.bench import table
 
-    rendered = bench_table.table([str(report_path)])
+    rendered = table.table([str(report_path)])
     assert f"| frontend | 2 | {peer['output_token_throughput']['avg']:.1f} |" in rendered
     assert f", compare) triton-grpc/frontend @ c=2: output tokens per s {ratios['output_tokens_per_s']:.2f}x" in rendered
 

@@ -1,9 +1,9 @@
-"""The benchmark's peer systems (client/peers.py) without vLLM installed.
+"""The benchmark's peer systems (client/bench/peers.py) without vLLM installed.
 
 hf-continuous runs for real on a tiny random checkpoint: exact token counts, one time per
 token, and greedy output equal to transformers' own `generate()`. vllm-offline is checked
 up to the process boundary: the request/result JSON both sides agree on, the command
-client.peers runs (with a stand-in for the .venv-peers child), and the error when
+client.bench.peers runs (with a stand-in for the .venv-peers child), and the error when
 .venv-peers is missing. The real vLLM run is `make peers` plus client/vllm_offline.py's
 usage line, which need minutes and .venv-peers.
 """
@@ -15,9 +15,11 @@ import subprocess
 
 import pytest
 
-from client import peers, vllm_offline
-from client.bench import SystemRun, summarize
-from client.workloads import BenchRequest, Workload
+from client import vllm_offline
+from client.bench import peers
+from client.bench.records import SystemRun
+from client.bench.stats import summarize
+from client.bench.workloads import BenchRequest, Workload
 from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 
 
@@ -105,7 +107,7 @@ def test_run_vllm_offline_needs_peers_venv(monkeypatch, tmp_path):
 
 
 def test_run_vllm_offline_plumbing(monkeypatch, tmp_path):
-    """client.peers' side of the subprocess, with a stand-in child that answers as vLLM would."""
+    """client.bench.peers' side of the subprocess, with a stand-in child that answers as vLLM would."""
     fake_python = tmp_path / "python"
     fake_python.write_text("")
     monkeypatch.setattr(peers, "PEERS_PYTHON", str(fake_python))

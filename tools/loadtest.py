@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 from backend.request import RETURN_FLAGS
+from client.bench.records import git_commit, machine
+from client.bench.stats import format_ratio
+from client.bench.workloads import TOKEN_HIGH, TOKEN_LOW
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
@@ -121,8 +124,6 @@ def synthetic_prompts(tokenizer_dir: str | os.PathLike, count: int, input_tokens
     import numpy as np
     from transformers import AutoTokenizer
 
-    from client.workloads import TOKEN_HIGH, TOKEN_LOW
-
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     rng = np.random.default_rng(seed)
     prompts = []
@@ -162,8 +163,6 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
     """Print every profile's headline metrics and this backend's ratios to the peer at each
     concurrency; with --json, write them in client.bench's report shape (command, commit,
     machine)."""
-    from client.bench import format_ratio, git_commit, machine
-
     ratios = {}
     for concurrency in dict.fromkeys(r["concurrency"] for r in results):
         ours, *peers = [r for r in results if r["concurrency"] == concurrency]

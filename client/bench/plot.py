@@ -1,4 +1,4 @@
-"""Plots of a benchmark report: `python -m client.bench_plot bench/results/w3.json [-o out.png]`.
+"""Plots of a benchmark report: `python -m client.bench.plot bench/results/w3.json [-o out.png]`.
 
 A rate sweep (several arrival rates) gives latency-throughput curves: TTFT p99 and TPOT
 p99 against the output tokens/s each rate achieved, one line per system; where a curve
@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-from client.bench import REPO_ROOT, load_label, run_label
+from client.bench.records import REPO_ROOT
+from client.bench.stats import load_label, run_label
 
 
 def plot_path(json_path: str | None, workload: str) -> str:
@@ -93,7 +94,7 @@ def plot_report(report: dict, path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client.bench_plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m client.bench.plot", description=__doc__.splitlines()[0])
     parser.add_argument("report", help="a report written by python -m client.bench --json")
     parser.add_argument("-o", "--output", help="PNG to write (default: bench/<json stem>.png)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Host overhead per iteration with a no-op model: `python -m client.bench_overhead`.
+"""Host overhead per iteration with a no-op model: `python -m client.bench.overhead`.
 
 BENCHMARKS.md's target: scheduler plus input preparation at most 1 ms per iteration with
 256 running requests, so that on a GPU the host never keeps the device waiting. The
@@ -7,7 +7,7 @@ detokenizers, outputs); only the model's forward pass is replaced by one that re
 fixed logits, so what each phase costs is host time alone. Requests are all in decode
 while iterations are measured, each scheduled one token per step, as in a full batch.
 
-    python -m client.bench_overhead --running 32,64,128,256 --json bench/overhead/noop_model.json
+    python -m client.bench.overhead --running 32,64,128,256 --json bench/overhead/noop_model.json
 
 Prints a table and writes JSON (per-phase mean, p50 and p99 in ms, the target, the
 machine and the command).
@@ -26,7 +26,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from client.bench import REPO_ROOT, git_commit, machine
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from client.bench.records import REPO_ROOT, git_commit, machine
 from tools.random_checkpoint import SMALL_SHAPE, make_tiny_checkpoint
 
 DEFAULT_CHECKPOINT = os.path.join(REPO_ROOT, ".models", "random-llama-small")
@@ -53,10 +56,6 @@ class NoOpModel(torch.nn.Module):
 
 def measure(model_path: str, running: int, prompt_len: int, iterations: int, warmup_iterations: int,
             progress: bool = True) -> dict:
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
-
     token_budget = max(2048, running)
     # Early requests decode while later ones still prefill (their decodes take part of each
     # step's budget): every request must outlive the measured iterations whatever its
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result['running']:>8} " + " ".join(f"{c:>24}" for c in cells))
     report = {
         "benchmark": "host overhead per iteration, no-op model",
-        "command": " ".join([os.path.basename(sys.executable), "-m", "client.bench_overhead", *(argv or sys.argv[1:])]),
+        "command": " ".join([os.path.basename(sys.executable), "-m", "client.bench.overhead", *(argv or sys.argv[1:])]),
         "commit": git_commit(),
         "machine": machine(),
         "python": platform.python_version(),

@@ -1,4 +1,5 @@
-"""Markdown tables of every benchmark result: `python -m client.bench_table [bench/results/KIND/*.json]`.
+"""Tables of benchmark reports: the console table `python -m client.bench` prints, and the
+markdown tables of every result, `python -m client.bench.table [bench/results/KIND/*.json]`.
 
 One section per machine kind (the report's `cpu_kind`: avx2, avx512_bf16, amx), so that no
 table or ratio mixes kinds. In each, client.bench reports go in one table, genai-perf reports
@@ -15,7 +16,41 @@ import os
 import sys
 from pathlib import Path
 
-from client.bench import REPO_ROOT, format_ratio, load_label, run_label
+from client.bench.records import REPO_ROOT
+from client.bench.stats import DEFAULT_SLO, format_ratio, load_label, run_label
+
+
+def print_table(report: dict) -> None:
+    with_load = any(load_label(r) for r in report["results"])
+    with_run = any(run_label(r) for r in report["results"])
+    columns = ["system", *(["load"] if with_load else []), *(["run"] if with_run else []), "done", "out tok/s", "goodput", "TTFT mean", "TTFT p99",
+               "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit", "FLOP bound"]
+    rows = []
+    for r in report["results"]:
+        def fmt(value, spec=".1f"):
+            return "-" if value is None else format(value, spec)
+
+        rows.append([
+            r["system"], *([load_label(r)] if with_load else []), *([str(r["run"])] if with_run else []),
+            f"{r['num_completed']}/{r['num_requests']}",
+            fmt(r["output_tokens_per_s"]), fmt(r.get("goodput_requests_per_s"), ".2f"),
+            fmt(r["ttft_ms"]["mean"], ".0f"), fmt(r["ttft_ms"]["p99"], ".0f"),
+            fmt(r["tpot_ms"]["mean"], ".1f"), fmt(r["tpot_ms"]["p99"], ".1f"),
+            fmt(r.get("slot_occupancy"), ".2f"), str(r.get("preemptions", "-")), fmt(r.get("prefix_hit_rate"), ".2f"),
+            fmt(r.get("fraction_of_flop_bound"), ".1%"),
+        ])
+    widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
+    print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({report['machine']['cpu']}, {report['machine']['cores']} cores)")
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    for name, ratio in report["ratios"].items():
+        print(f"ratio {name}: " + format_ratio(ratio))
+    slo = report.get("slo", DEFAULT_SLO)
+    print(f"(TTFT/TPOT in ms; goodput: requests/s with TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms)")
+    for r in report["results"]:
+        for error in r.get("errors", []):
+            print(f"{r['system']} {load_label(r)}: error: {error}")
 
 
 def _fmt(value, spec: str) -> str:

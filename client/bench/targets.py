@@ -1,4 +1,4 @@
-"""Benchmark clients for running servers: the systems `--target` adds to client/bench.py.
+"""Benchmark clients for running servers: the systems `--target` adds to `python -m client.bench`.
 
     grpc://HOST:PORT    Triton gRPC streaming (ModelStreamInfer), system "triton-grpc"
     http://HOST:PORT    Triton HTTP /v2/models/<model>/generate_stream (SSE), "triton-http"
@@ -7,7 +7,7 @@
 
 `NAME=SCHEME://...` names the system otherwise (two OpenAI servers in one run).
 
-Every request carries the workload's prompt as text (client/workloads.attach_text makes
+Every request carries the workload's prompt as text (workloads.attach_text makes
 it encode to exactly the workload's tokens), `max_tokens`, `temperature`, `seed` and
 `ignore_eos`, so each request generates exactly its drawn output length. Token counts
 come from the server, never from re-tokenizing text: Triton's `num_output_tokens` output
@@ -35,8 +35,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench import RequestRecord, SystemRun
-from client.workloads import BenchRequest, Workload
+from client.bench.records import RequestRecord, SystemRun
+from client.bench.workloads import BenchRequest, Workload
+from client.generate import is_final, make_inputs, output_value
 
 SCHEMES = {"grpc": "triton-grpc", "http": "triton-http", "openai": "openai"}
 TRITON_RETURNS = ("return_finish_reason", "return_num_output_tokens")
@@ -99,8 +100,6 @@ class _TritonGrpc:
         await self.client.close()
 
     async def send(self, request_id: str, prompt: str, sampling: dict, record: RequestRecord) -> None:
-        from client.generate import is_final, make_inputs, output_value
-
         inputs = make_inputs(prompt, sampling, stream=True, exclude_input=True, returns=TRITON_RETURNS)
 
         async def one_request():
@@ -237,7 +236,7 @@ async def _run(target: Target, workload: Workload, concurrency: int | None, prog
                timeout_s: float) -> SystemRun:
     specs = workload.requests
     if any(spec.prompt_text is None for spec in specs):
-        raise ValueError("the workload has no prompt text: call client.workloads.attach_text first")
+        raise ValueError("the workload has no prompt text: call client.bench.workloads.attach_text first")
     records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in specs]
     order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s)
     async with CLIENTS[target.scheme](target, timeout_s) as client:

@@ -1,4 +1,4 @@
-"""Peer systems for the benchmark (issue #8), each returning a `client.bench.SystemRun`.
+"""Peer systems for the benchmark (issue #8), each returning a `SystemRun`.
 
 - `run_vllm_offline`: vLLM's offline `LLM.generate` on CPU. vLLM needs its own torch and
   numpy 2, so it lives in .venv-peers (`make peers`) and runs as a subprocess
@@ -6,7 +6,7 @@
 - `run_hf_continuous`: Hugging Face transformers' own continuous batching (the manager behind
   `generate_batch`), in this process.
 
-Both report per request what `client.bench.summarize` needs. An offline generate streams
+Both report per request what `client.bench.stats.summarize` needs. An offline generate streams
 nothing, so every vllm-offline token "arrives" when the whole batch ends (as hf-static's do);
 hf-continuous records a time per token.
 """
@@ -21,10 +21,14 @@ import tempfile
 import time
 import warnings
 
-from client.vllm_offline import check_requests, make_request
-from client.workloads import Workload
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from client.bench.records import REPO_ROOT, RequestRecord, SystemRun
+from client.bench.workloads import Workload
+from client.vllm_offline import check_requests, make_request
+
 PEERS_VENV = os.path.join(REPO_ROOT, ".venv-peers")
 PEERS_PYTHON = os.path.join(PEERS_VENV, "bin", "python")
 
@@ -55,10 +59,8 @@ def vllm_requests(workload: Workload) -> list[dict]:
     return requests
 
 
-def vllm_records(workload: Workload, result: dict, start: float, end: float):
+def vllm_records(workload: Workload, result: dict, start: float, end: float) -> list[RequestRecord]:
     """RequestRecords from client.vllm_offline's result.json: the batch ran from `start` to `end`."""
-    from client.bench import RequestRecord
-
     counts = result["num_output_tokens"]
     if len(counts) != len(workload.requests):
         raise ValueError(f"vllm-offline returned {len(counts)} results for {len(workload.requests)} requests")
@@ -71,7 +73,7 @@ def vllm_records(workload: Workload, result: dict, start: float, end: float):
 
 
 def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dtype, progress: bool = True,
-                     seed: int = 0):
+                     seed: int = 0) -> SystemRun:
     """The workload through vLLM's offline `LLM.generate`, in .venv-peers, all requests at once
     (arrival times and priorities are ignored).
 
@@ -79,8 +81,6 @@ def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dty
     not timed; the duration is the one timed generate. vLLM's CPU settings are those of
     client/vllm_offline.py. A sampled request's seed is `seed` plus its index.
     """
-    from client.bench import SystemRun
-
     if not os.path.exists(PEERS_PYTHON):
         raise FileNotFoundError(f"{PEERS_PYTHON} is missing: run `make peers` (vLLM for CPU in .venv-peers)")
     _warn_if_timed_arrivals(workload, "vllm-offline")
@@ -143,9 +143,6 @@ def hf_continuous_generate(model, workload: Workload, max_num_seqs: int, progres
     own max_new_tokens, and requests go in at their arrival times. Priorities are ignored
     (transformers' scheduler is FIFO).
     """
-    from tqdm import tqdm
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
     temperatures = {r.temperature for r in workload.requests}
     if len(temperatures) != 1:
         # Sampling on or off is one setting for the whole manager in transformers 5.23.
@@ -183,7 +180,7 @@ def hf_continuous_generate(model, workload: Workload, max_num_seqs: int, progres
 
     with model.continuous_batching_context_manager(generation_config=generation_config, block=True, timeout=30,
                                                    continuous_batching_config=cb_config) as manager:
-        # Same warm-up as the engine's in client.bench: the first forward passes pay for setup.
+        # Same warm-up as the engine's in client.bench.runners: the first forward passes pay for setup.
         add(manager, "warmup", range(1000, 1040), 4)
         warmup = None
         while warmup is None or not warmup.is_finished():
@@ -215,7 +212,7 @@ def hf_continuous_generate(model, workload: Workload, max_num_seqs: int, progres
 
 def run_hf_continuous(workload: Workload, model_path: str, max_num_seqs: int, dtype, progress: bool = True,
                       seed: int = 0, max_batch_tokens: int = HF_MAX_BATCH_TOKENS, page_size: int = HF_PAGE_SIZE,
-                      num_blocks: int | None = None):
+                      num_blocks: int | None = None) -> SystemRun:
     """The workload through transformers' continuous batching, `max_num_seqs` requests at most
     per step, each request submitted at its arrival time.
 
@@ -223,11 +220,6 @@ def run_hf_continuous(workload: Workload, model_path: str, max_num_seqs: int, dt
     real. The KV cache holds `max_num_seqs` of the longest requests unless `num_blocks` says
     otherwise.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from client.bench import RequestRecord, SystemRun
-
     torch_dtype = getattr(torch, _dtype_name(dtype))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
     results, arrivals, start, end, settings = hf_continuous_generate(

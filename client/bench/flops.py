@@ -1,0 +1,66 @@
+"""The FLOP bound of BENCHMARKS.md: each result's matmul GFLOP/s over this machine's best
+matmul rate, measured in the same run as the systems it bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+import kernels
+
+def model_flops(model_path: str) -> tuple[float, float]:
+    """Matmul FLOPs (per token through the layers' projections, per output token through the
+    output head). Every prompt and output token goes through the layers; the head runs
+    once per generated token, at a prompt's last position for the first and at each decode
+    after, as in every system measured here. Attention's own q.k and p.v terms, small at
+    these context lengths, are left out."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * cfg["intermediate_size"]
+    return 2.0 * layers * per_layer, 2.0 * hidden * cfg["vocab_size"]
+
+
+def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, seconds: float = 1.0) -> float:
+    """The best matmul rate of this machine now, at `rows` rows in `dtype_name`: the faster of
+    torch's matmul and the engine's packed linear (BENCHMARKS.md's FLOP bound; measured in the
+    same run as the systems it bounds). Both count: on a CPU without native bf16 the packed
+    linear computes bf16 in float32 at ~7x torch's bf16 rate, and a bound below what the
+    engine reaches would be no bound."""
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(rows, size).to(dtype), torch.randn(size, size).to(dtype)
+    packed = kernels.pack_linear_weight(b)
+
+    def rate(call) -> float:
+        for _ in range(3):
+            call()
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            call()
+            calls += 1
+        return 2.0 * rows * size * size * calls / (time.perf_counter() - start) / 1e9
+
+    peak = rate(lambda: torch.mm(a, b))
+    if packed is not None:
+        peak = max(peak, rate(lambda: kernels.linear(a, b, None, packed)))
+    return peak
+
+
+def add_flop_bound(results: list[dict], model_path: str, dtype_name: str) -> dict:
+    """Each result's fraction of the FLOP bound: its matmul GFLOP/s (`model_flops`) over the
+    measured matmul peak."""
+    peak = matmul_peak_gflops(dtype_name)
+    per_token, per_output_token = model_flops(model_path)
+    for result in results:
+        achieved = (result["total_tokens_per_s"] * per_token + result["output_tokens_per_s"] * per_output_token) / 1e9
+        result["model_gflops_per_s"] = achieved
+        result["fraction_of_flop_bound"] = achieved / peak if peak else 0.0
+    return {"dtype": dtype_name, "matmul_peak_gflops_at_256_rows": peak, "layer_gflops_per_token": per_token / 1e9,
+            "head_gflops_per_output_token": per_output_token / 1e9}
+

@@ -1,0 +1,146 @@
+"""The systems that run in this process: the engine (any policy or setting) and Hugging
+Face `generate()` in static padded batches. Each returns a `SystemRun` with one
+`RequestRecord` per workload request, in workload order."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from client.bench.records import RequestRecord, SystemRun
+from client.bench.stats import safe_ratio
+from client.bench.workloads import Workload
+
+
+def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
+               concurrency: int | None = None) -> SystemRun:
+    """The workload through this engine in-process, open loop, or closed loop with `concurrency`."""
+    config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
+    engine = LLMEngine(config)
+    _warm_up(engine)
+    requests = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_s)
+    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
+    steps_before = engine.counters.steps
+    counters_before = dict(vars(engine.counters))
+    pool_queries_before = engine.kv.num_prefix_queries
+    pool_hits_before = engine.kv.num_prefix_hits
+    next_index = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(requests), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
+    seeded = 0
+    in_flight = 0
+
+    def due(now: float) -> bool:
+        if concurrency:
+            return in_flight < concurrency
+        return requests[next_index][1].arrival_s <= now
+
+    while next_index < len(requests) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while next_index < len(requests) and due(now):
+            index, spec = requests[next_index]
+            seeded += 1
+            params = SamplingParams(
+                temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
+                priority=spec.priority, seed=seeded if spec.temperature > 0 else None,
+            )
+            engine.add_request(str(index), spec.prompt_token_ids, params)
+            records[index].arrival = time.perf_counter()
+            next_index += 1
+            in_flight += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(0.01, requests[next_index][1].arrival_s - now)))
+            continue
+        outputs = engine.step()
+        now_abs = time.perf_counter()
+        for out in outputs:
+            record = records[int(out.request_id)]
+            if out.token_ids_delta:
+                record.token_times.extend([now_abs] * len(out.token_ids_delta))
+            record.num_output_tokens = out.num_output_tokens
+            if out.finished:
+                in_flight -= 1
+                record.finish_reason = out.finish_reason
+                if out.error is not None:
+                    record.error = str(out.error)
+                    record.finish_reason = None
+                if out.first_scheduled_time is not None:
+                    record.queue_time = out.first_scheduled_time - out.arrival_time
+                bar.update(1)
+    duration = time.perf_counter() - start
+    bar.close()
+    c = engine.counters
+    steps = c.steps - steps_before
+    kpis = {
+        "iterations": steps,
+        "slot_occupancy": (c.sum_running - counters_before["sum_running"]) / max(1, steps) / config.max_num_seqs,
+        "tokens_per_iteration": (c.sum_scheduled_tokens - counters_before["sum_scheduled_tokens"]) / max(1, steps),
+        **{f"{name}_ms_per_iteration": 1e3 * (getattr(c, f"sum_{phase}_time_s") - counters_before[f"sum_{phase}_time_s"])
+           / max(1, steps)
+           for name, phase in (("scheduler", "schedule"), ("prepare", "prepare"), ("forward", "forward"),
+                               ("update", "update"))},
+        "preemptions": c.preemptions - counters_before["preemptions"],
+        "prefix_hit_rate": safe_ratio(engine.kv.num_prefix_hits - pool_hits_before, engine.kv.num_prefix_queries - pool_queries_before),
+        "num_kv_blocks": engine.num_kv_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "torch_threads": torch.get_num_threads(),
+    }
+    del engine
+    return SystemRun(system, records, duration, kpis, concurrency=concurrency)
+
+
+def _warm_up(engine) -> None:
+    """One short request first: the first forward pass pays for allocator and kernel setup."""
+    engine.add_request("warmup", list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.kv.pool.reset_prefix_cache()
+    engine.kv.num_prefix_queries = engine.kv.num_prefix_hits = 0
+
+
+def run_hf_static(workload: Workload, model_path: str, batch_size: int, progress: bool = True) -> SystemRun:
+    """Hugging Face `generate()` in static padded batches of `batch_size`, arrival order.
+
+    A batch runs until its longest member is done; shorter members' extra tokens are
+    waste and are not counted. All of a batch's tokens arrive when the batch ends, so
+    TTFT is the batch's end (generate() streams nothing).
+    """
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
+    order = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s)
+    start = time.perf_counter()
+    for i in order:
+        records[i].arrival = start + workload.requests[i].arrival_s
+    bar = tqdm(total=len(order), desc=f"{workload.name} hf-static", unit="req", disable=not progress, leave=False)
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            batch = order[b : b + batch_size]
+            specs = [workload.requests[i] for i in batch]
+            wait = max(s.arrival_s for s in specs) - (time.perf_counter() - start)
+            if wait > 0:
+                time.sleep(wait)
+            longest = max(len(s.prompt_token_ids) for s in specs)
+            ids = torch.zeros((len(specs), longest), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, s in enumerate(specs):  # left padding, as generate() expects
+                ids[row, longest - len(s.prompt_token_ids):] = torch.tensor(s.prompt_token_ids)
+                mask[row, longest - len(s.prompt_token_ids):] = 1
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(s.max_tokens for s in specs),
+                           min_new_tokens=max(s.max_tokens for s in specs), do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+            done = time.perf_counter()
+            for i, s in zip(batch, specs):
+                records[i].token_times = [done] * s.max_tokens
+                records[i].num_output_tokens = s.max_tokens
+                records[i].finish_reason = "length"
+                records[i].queue_time = 0.0
+            bar.update(len(batch))
+    bar.close()
+    return SystemRun("hf-static", records, time.perf_counter() - start, {"batch_size": batch_size})

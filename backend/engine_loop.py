@@ -1,8 +1,9 @@
 """The engine loop: one thread that owns an `LLMEngine` and steps it, and the only way in
 from other threads (Triton's `execute`, its response thread).
 
-Requests, aborts and shutdown reach the loop as commands on a queue, which the loop applies
-between steps; outputs leave through each request's callback, on the loop thread.
+Requests, aborts and shutdown reach the loop as commands (`AddRequest`, `AbortRequest`,
+`Wake`) on a queue, which the loop applies between steps; outputs leave through each
+request's callback, on the loop thread.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 from backend.engine import LLMEngine, RequestOutput
@@ -20,6 +22,29 @@ log = logging.getLogger("inflight")
 
 OutputCallback = Callable[[RequestOutput], None]
 CancelCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A validated request for the engine, and where its outputs go; the loop keeps it as
+    the request's handler until its final output is delivered."""
+
+    request: Request
+    on_output: OutputCallback
+    is_cancelled: CancelCheck | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Carries nothing: wakes a loop idling on the queue, so that it sees shutdown at once."""
+
+
+Command = AddRequest | AbortRequest | Wake
 
 
 class EngineLoop:
@@ -45,7 +70,7 @@ class EngineLoop:
         """`build_engine` runs on the loop thread; its exception, if any, is raised here."""
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._handlers: dict[str, tuple[OutputCallback, CancelCheck | None]] = {}
+        self._handlers: dict[str, AddRequest] = {}
         self._stop = threading.Event()
         self.engine: LLMEngine  # set by the loop thread before it answers `build_failure`
         build_failure: queue.SimpleQueue = queue.SimpleQueue()
@@ -76,15 +101,15 @@ class EngineLoop:
                 RequestError.UNAVAILABLE,
                 f"waiting queue is full ({self.engine.config.max_queue_len} requests, max_queue_len); retry later",
             )
-        self._commands.put(("add", request, on_output, is_cancelled))
+        self._commands.put(AddRequest(request, on_output, is_cancelled))
         return request
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         self._thread.join(timeout_s)
 
     def _drain_commands(self, block: bool) -> None:
@@ -99,18 +124,19 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request, on_output, is_cancelled = command
-            try:
-                self.engine.enqueue(request)
-            except RequestError as exc:
-                self._deliver(on_output, self._rejected(request, exc))
-                return
-            self._handlers[request.request_id] = (on_output, is_cancelled)
-        elif kind == "abort":
-            self.engine.abort(command[1])
+    def _apply(self, command: Command) -> None:
+        match command:
+            case AddRequest(request=request, on_output=on_output):
+                try:
+                    self.engine.enqueue(request)
+                except RequestError as exc:
+                    self._deliver(on_output, self._rejected(request, exc))
+                    return
+                self._handlers[request.request_id] = command
+            case AbortRequest(request_id=request_id):
+                self.engine.abort(request_id)
+            case Wake():
+                pass
 
     def _rejected(self, request: Request, error: RequestError) -> RequestOutput:
         return RequestOutput(
@@ -120,11 +146,11 @@ class EngineLoop:
         )
 
     def _poll_cancellations(self) -> None:
-        for request_id, (_, is_cancelled) in list(self._handlers.items()):
-            if is_cancelled is None:
+        for request_id, handler in list(self._handlers.items()):
+            if handler.is_cancelled is None:
                 continue
             try:
-                cancelled = is_cancelled()
+                cancelled = handler.is_cancelled()
             except Exception:  # noqa: BLE001 - a broken sender counts as a gone client
                 cancelled = True
             if cancelled:
@@ -146,7 +172,7 @@ class EngineLoop:
             if output.finished:
                 del self._handlers[output.request_id]
                 self._observe(lambda: self.observer.on_finished(output))
-            self._deliver(handler[0], output)
+            self._deliver(handler.on_output, output)
 
     def _observe(self, call: Callable[[], None]) -> None:
         if self.observer is None:
@@ -172,6 +198,6 @@ class EngineLoop:
         for request_id in list(self._handlers):
             self.engine.abort(request_id)
         self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])
-        for request_id, (on_output, _) in list(self._handlers.items()):
+        for request_id, handler in list(self._handlers.items()):
             del self._handlers[request_id]
-            self._deliver(on_output, RequestOutput(request_id, "", [], True, FinishReason.ABORT.value, 0, 0))
+            self._deliver(handler.on_output, RequestOutput(request_id, "", [], True, FinishReason.ABORT.value, 0, 0))

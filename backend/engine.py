@@ -26,7 +26,7 @@ from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, re
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
-from backend.scheduler import Scheduler, SchedulerOutput
+from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
@@ -55,6 +55,33 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @classmethod
+    def of(cls, request: Request, text_delta: str, token_ids_delta: list[int], logprobs_delta: list[dict] | None = None,
+           error: RequestError | None = None) -> RequestOutput:
+        """The one builder: `request` as it stands, with what this step added to it. The
+        output is final (finished=True) when the request has finished."""
+        finished = request.is_finished
+        return cls(
+            request_id=request.request_id,
+            text_delta=text_delta,
+            token_ids_delta=token_ids_delta,
+            finished=finished,
+            finish_reason=request.finish_reason.value if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            prompt_text=request.prompt_text,
+            stop_reason=request.stop_reason,
+            error=error,
+            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
+            logprobs_delta=logprobs_delta,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=time.monotonic() if finished else None,
+        )
 
 
 @dataclass
@@ -208,28 +235,8 @@ class LLMEngine:
         bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_ids:
             raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
-        num_prompt = len(prompt_ids)
-        if num_prompt >= self.max_model_len:
-            raise RequestError.invalid(
-                "text_input", f"prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, leaving no room to generate"
-            )
-        if params.max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, self.max_model_len - num_prompt)
-        else:
-            max_tokens = params.max_tokens
-            if num_prompt + max_tokens > self.max_model_len:
-                raise RequestError.invalid(
-                    "max_tokens",
-                    f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                    f"exceeds max_model_len {self.max_model_len}",
-                )
-        blocks = self.kv.blocks_needed(num_prompt + max_tokens - 1)
-        if blocks > self.kv.num_blocks:
-            raise RequestError.invalid(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks of "
-                f"{self.config.block_size} tokens; the whole pool has {self.kv.num_blocks}",
-            )
+        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
+                                        max_model_len=self.max_model_len, kv=self.kv)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -251,12 +258,17 @@ class LLMEngine:
         self.enqueue(request)
         return request
 
-    def enqueue(self, request: Request) -> None:
-        if len(self.scheduler.waiting) >= self.config.max_queue_len:
+    def check_queue_room(self, num_arriving: int = 0) -> None:
+        """Refuse (UNAVAILABLE) a request for which the waiting queue, with `num_arriving`
+        more already on their way to it, has no room."""
+        if self.num_waiting + num_arriving >= self.config.max_queue_len:
             raise RequestError(
                 RequestError.UNAVAILABLE,
                 f"waiting queue is full ({self.config.max_queue_len} requests, max_queue_len); retry later",
             )
+
+    def enqueue(self, request: Request) -> None:
+        self.check_queue_room()
         if request.request_id in self.scheduler.requests:
             raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
         params = request.params
@@ -267,16 +279,33 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: RequestError | None = None) -> bool:
+    def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed in this call); its final output comes with the next step."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish_request(request, reason)
-        if reason is FinishReason.ABORT:
-            self.counters.aborts += 1
-        self._pending.append(self._final_output(request, error=error))
+        self._pending.append(self.finish(request, FinishReason.ABORT))
         return True
+
+    def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None, *,
+               error: RequestError | None = None, token_ids: list[int] | None = None,
+               logprobs_delta: list[dict] | None = None) -> RequestOutput:
+        """The one way a request ends, whatever ends it: a stop token or string, its length,
+        an abort, an error, shutdown, refusal at the door. The scheduler releases it at once
+        (a request already finished keeps its reason); the engine counts it and returns its
+        final output, the one with finished=True, carrying the last `token_ids`."""
+        text = ""
+        if self.scheduler.finish_request(request, reason, stop_reason):
+            detok = self.detokenizers.pop(request.request_id)
+            if error is None:
+                text = detok.take_delta(finished=True)
+            counters = self.counters
+            counters.finished[reason.value] = counters.finished.get(reason.value, 0) + 1
+            if reason is FinishReason.ABORT:
+                counters.aborts += 1
+            elif reason is FinishReason.ERROR:
+                counters.errors += 1
+        return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -342,35 +371,16 @@ class LLMEngine:
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
-        finished_by_token = request.is_finished and request.finish_reason is FinishReason.STOP
-        if not finished_by_token:
-            stop = detok.add_token(token_id)
-            if stop is not None:
-                if request.is_finished:  # reached max_tokens on the very token that completed the stop string
-                    request.finish_reason, request.stop_reason = FinishReason.STOP, stop
-                else:
-                    self.scheduler.finish_request(request, FinishReason.STOP, stop_reason=stop)
+        stop = check_stop(request, token_id, detok.add_token)
         lp = sampled.logprobs[row]
         if lp is not None:
             request.cumulative_logprob += lp
         logprobs_delta = None
         if request.params.logprobs is not None:
             logprobs_delta = [self._logprob_entry(token_id, lp, sampled.top_logprobs[row])]
-        if request.is_finished:
-            return self._final_output(request, [token_id], logprobs_delta)
-        return RequestOutput(
-            request_id=request.request_id,
-            text_delta=detok.take_delta(finished=False),
-            token_ids_delta=[token_id],
-            finished=False,
-            finish_reason=None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
-            logprobs_delta=logprobs_delta,
-            first_token_time=request.first_token_time,
-            arrival_time=request.arrival_time,
-        )
+        if stop is not None:
+            return self.finish(request, *stop, token_ids=[token_id], logprobs_delta=logprobs_delta)
+        return RequestOutput.of(request, detok.take_delta(finished=False), [token_id], logprobs_delta)
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         def decoded(t: int) -> str:
@@ -386,32 +396,6 @@ class LLMEngine:
             entry[token_id]["rank"] = (len(top) + 1) if top else 1
         return entry
 
-    def _final_output(self, request: Request, token_ids: list[int] | None = None, logprobs_delta=None,
-                      error: RequestError | None = None) -> RequestOutput:
-        detok = self.detokenizers.pop(request.request_id, None)
-        reason = request.finish_reason.value if request.finish_reason else FinishReason.ABORT.value
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        return RequestOutput(
-            request_id=request.request_id,
-            text_delta=detok.take_delta(finished=True) if detok and error is None else "",
-            token_ids_delta=token_ids or [],
-            finished=True,
-            finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            prompt_text=request.prompt_text,
-            stop_reason=request.stop_reason,
-            error=error,
-            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
-            logprobs_delta=logprobs_delta,
-            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            num_preemptions=request.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finish_time=time.monotonic(),
-        )
-
     def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A failed forward pass ends every request it carried; the engine stays usable."""
         outputs = []
@@ -419,9 +403,7 @@ class LLMEngine:
         for request, _ in plan.scheduled:
             if request.is_finished:
                 continue
-            self.scheduler.finish_request(request, FinishReason.ERROR)
-            self.counters.errors += 1
-            outputs.append(self._final_output(request, error=error))
+            outputs.append(self.finish(request, FinishReason.ERROR, error=error))
         return outputs
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:

@@ -96,11 +96,7 @@ class EngineLoop:
         if self._stop.is_set():
             raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
         request = self.engine.make_request(request_id, prompt, params, needs_logprobs)
-        if self.engine.num_waiting + self._commands.qsize() >= self.engine.config.max_queue_len:
-            raise RequestError(
-                RequestError.UNAVAILABLE,
-                f"waiting queue is full ({self.engine.config.max_queue_len} requests, max_queue_len); retry later",
-            )
+        self.engine.check_queue_room(num_arriving=self._commands.qsize())
         self._commands.put(AddRequest(request, on_output, is_cancelled))
         return request
 
@@ -129,21 +125,14 @@ class EngineLoop:
             case AddRequest(request=request, on_output=on_output):
                 try:
                     self.engine.enqueue(request)
-                except RequestError as exc:
-                    self._deliver(on_output, self._rejected(request, exc))
+                except RequestError as exc:  # refused at the door: its one output, an error
+                    self._deliver(on_output, self.engine.finish(request, FinishReason.ERROR, error=exc))
                     return
                 self._handlers[request.request_id] = command
             case AbortRequest(request_id=request_id):
                 self.engine.abort(request_id)
             case Wake():
                 pass
-
-    def _rejected(self, request: Request, error: RequestError) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, text_delta="", token_ids_delta=[], finished=True,
-            finish_reason=FinishReason.ERROR.value, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=0, prompt_text=request.prompt_text, error=error,
-        )
 
     def _poll_cancellations(self) -> None:
         for request_id, handler in list(self._handlers.items()):
@@ -198,6 +187,8 @@ class EngineLoop:
         for request_id in list(self._handlers):
             self.engine.abort(request_id)
         self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])
+        # Left: requests whose final output a failed step never returned. Each still gets
+        # one, with its own finish reason (abort, if it had none).
         for request_id, handler in list(self._handlers.items()):
             del self._handlers[request_id]
-            self._deliver(handler.on_output, RequestOutput(request_id, "", [], True, FinishReason.ABORT.value, 0, 0))
+            self._deliver(handler.on_output, self.engine.finish(handler.request, FinishReason.ABORT))

@@ -8,18 +8,21 @@ requests are served first, then waiting ones. A long prompt is granted at most
 steps with other requests' decodes.
 
 What differs between policies (`fcfs`, `priority`, `static`) is one class each in
-backend/policies.py: the waiting queue's order, admission, the victim order.
+backend/policies.py: the waiting queue's order, admission, the victim order. The rules
+every request lives by are here too: which requests can never fit (`resolve_max_tokens`),
+when one stops (`check_stop`), and `Scheduler.finish_request`, which ends it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from backend.config import EngineConfig
 from backend.kv_cache import BlockTable, KVCacheManager, SwapSpace
 from backend.policies import Policy
-from backend.request import FinishReason, Request, RequestStatus
+from backend.request import FinishReason, Request, RequestError, RequestStatus
 
 
 @dataclass
@@ -78,22 +81,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def finish_request(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        """End a request wherever it is and release everything it holds, at once."""
+    def finish_request(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> bool:
+        """End a request wherever it is and release everything it holds, at once; True when
+        it ended one this scheduler held. A finished request keeps its first reason; one the
+        scheduler never held (refused at admission) only takes the reason."""
         if request.is_finished:
-            return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.policy.remove(request)
-        self.kv.free(request)
-        if request.swapped_block_ids:
-            self.swap.free(request.swapped_block_ids)
-            request.swapped_block_ids = []
+            return False
+        held = self.requests.get(request.request_id) is request
+        if held:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.policy.remove(request)
+            self.kv.free(request)
+            if request.swapped_block_ids:
+                self.swap.free(request.swapped_block_ids)
+                request.swapped_block_ids = []
+            del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        del self.requests[request.request_id]
+        return held
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -238,7 +246,8 @@ class Scheduler:
         return True
 
     def update(self, plan: SchedulerOutput, sampled: dict[Request, int]) -> None:
-        """Account for a finished forward pass: advance computed tokens, append samples."""
+        """Account for a finished forward pass: advance computed tokens, append samples.
+        Whether a sample ends its request is the caller's question (`check_stop`)."""
         now = time.monotonic()
         for request, num_new in plan.scheduled:
             if request.is_finished:
@@ -251,19 +260,6 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._check_stop(request, token_id)
-
-    def _check_stop(self, request: Request, token_id: int) -> None:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in request.eos_token_ids and not params.ignore_eos:
-                self.finish_request(request, FinishReason.STOP, stop_reason=None)
-                return
-            if token_id in params.stop_token_ids:
-                self.finish_request(request, FinishReason.STOP, stop_reason=token_id)
-                return
-        if request.num_output_tokens >= request.max_tokens:
-            self.finish_request(request, FinishReason.LENGTH)
 
     def check_invariants(self) -> None:
         cfg = self.config
@@ -275,3 +271,54 @@ class Scheduler:
         # Only running requests hold blocks, and each of those has a row in the block table.
         assert set(self.kv.block_table.row_of) == {r for r in self.running if r.block_ids}
         self.kv.check_invariants()
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, *, default: int, max_model_len: int,
+                       kv: KVCacheManager) -> int:
+    """The request's max_tokens (`default`, within the room left, when it asks for none),
+    or RequestError (INVALID_ARG, with the numbers) for a request that could never finish:
+    beyond `max_model_len`, or needing more KV blocks than the whole pool has."""
+    if num_prompt_tokens >= max_model_len:
+        raise RequestError.invalid(
+            "text_input", f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, leaving no room to generate"
+        )
+    if max_tokens is None:
+        max_tokens = min(default, max_model_len - num_prompt_tokens)
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError.invalid(
+            "max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
+            f"exceeds max_model_len {max_model_len}",
+        )
+    blocks = kv.blocks_needed(num_prompt_tokens + max_tokens - 1)
+    if blocks > kv.num_blocks:
+        raise RequestError.invalid(
+            "max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks of "
+            f"{kv.block_size} tokens; the whole pool has {kv.num_blocks}",
+        )
+    return max_tokens
+
+
+def check_stop(request: Request, token_id: int,
+               match_stop_string: Callable[[int], str | None] | None = None) -> tuple[FinishReason, int | str | None] | None:
+    """Whether the token just appended ends `request`: (reason, stop_reason), or None.
+
+    In this order: EOS or a stop token (once `min_tokens` are out); then a stop string,
+    which `match_stop_string(token_id)` reports after taking the token's text (it is not
+    asked about a stop token, whose text never reaches the output); then the length limit.
+    A stop string found on the last allowed token is a stop, not a length.
+    """
+    params = request.params
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+    if match_stop_string is not None:
+        stop = match_stop_string(token_id)
+        if stop is not None:
+            return FinishReason.STOP, stop
+    if request.num_output_tokens >= request.max_tokens:
+        return FinishReason.LENGTH, None
+    return None

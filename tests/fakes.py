@@ -14,8 +14,9 @@ K/V depend on every token before it). Each step it
   of input (a hash of the request id and the output position, or EOS when the request
   is scripted to stop there).
 
-`Harness` wraps a Scheduler + FakeRunner with engine-like admission checks and records
-what each step granted, so tests can assert invariants per step.
+`Harness` wraps a Scheduler + FakeRunner with the engine's own admission and stop rules
+(`resolve_max_tokens`, `check_stop`) and records what each step granted, so tests can
+assert invariants per step.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.kv_cache import KVCacheManager, SwapSpace
-from backend.request import Request, SamplingParams
-from backend.scheduler import Scheduler, SchedulerOutput
+from backend.request import Request, RequestError, SamplingParams
+from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 
 EOS = 2
 VOCAB = 1000
@@ -133,8 +134,10 @@ class Harness:
     def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
             eos_at: int | None = None, min_tokens: int = 0) -> Request | None:
         """Admission as the engine does it: impossible requests are rejected at once."""
-        blocks = self.kv.blocks_needed(len(prompt) + max_tokens - 1)
-        if len(prompt) + max_tokens > self.max_model_len or blocks > self.kv.num_blocks:
+        try:
+            resolve_max_tokens(len(prompt), max_tokens, default=self.config.default_max_tokens,
+                               max_model_len=self.max_model_len, kv=self.kv)
+        except RequestError:
             self.rejected.append(request_id)
             return None
         request = Request(
@@ -160,8 +163,10 @@ class Harness:
         sched.check_invariants()
         sampled = self.runner.execute(plan)
         sched.update(plan, sampled)
-        for request in sampled:
-            if request.is_finished:
+        for request, token_id in sampled.items():
+            stop = check_stop(request, token_id)
+            if stop is not None:
+                sched.finish_request(request, *stop)
                 self.finished.append(request)
         sched.check_invariants()
         record = StepRecord(plan, running_before, list(sched.running), admitted)

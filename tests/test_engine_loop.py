@@ -244,3 +244,24 @@ def test_shutdown_drains_live_requests(tiny_model):
     with pytest.raises(RequestError) as info:
         loop.add_request("late", "too late", SamplingParams(), collector.callback("late"))
     assert info.value.code == RequestError.UNAVAILABLE
+
+
+def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_model):
+    """A refusal (here a duplicate id) ends through the one finish path, as an error output,
+    and leaves the in-flight request of the same id as it was."""
+    from backend.request import FinishReason
+
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, num_kv_blocks=64))
+    first = engine.add_request("same", "one", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    twin = engine.make_request("same", "two", SamplingParams(max_tokens=3))
+    with pytest.raises(RequestError) as info:
+        engine.enqueue(twin)
+    output = engine.finish(twin, FinishReason.ERROR, error=info.value)
+    assert output.finished and output.finish_reason == "error" and output.error is info.value
+    assert output.text_delta == "" and output.num_output_tokens == 0
+    assert not first.is_finished and engine.scheduler.requests["same"] is first
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.finish_reason for o in outputs if o.finished] == ["length"]
+    assert sum(len(o.token_ids_delta) for o in outputs) == 3

@@ -453,3 +453,36 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert not h.scheduler.has_work()
     assert running.finish_reason is FinishReason.ABORT
     assert_all_free(h)
+
+
+def test_check_stop_decides_in_one_order():
+    """Stop token (once min_tokens are out) before stop string before length; the stop-string
+    matcher never sees a stop token's text."""
+    from backend.request import Request, SamplingParams
+    from backend.scheduler import check_stop
+
+    def after(outputs: list[int], max_tokens: int = 4, **params) -> Request:
+        r = Request(request_id="r", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=max_tokens, **params),
+                    max_tokens=max_tokens, arrival_time=0.0, arrival_seq=0, eos_token_ids=frozenset({EOS}))
+        for t in outputs:
+            r.append_output_token(t)
+        return r
+
+    seen = []
+
+    def matcher(found: str | None):
+        def match(token_id: int) -> str | None:
+            seen.append(token_id)
+            return found
+        return match
+
+    assert check_stop(after([7, EOS]), EOS, matcher("x")) == (FinishReason.STOP, None) and seen == []
+    assert check_stop(after([7, 9], stop_token_ids=[9]), 9, matcher("x")) == (FinishReason.STOP, 9) and seen == []
+    # EOS before min_tokens is an ordinary token: its text is taken, then the other rules apply.
+    assert check_stop(after([EOS], min_tokens=2), EOS, matcher(None)) is None and seen == [EOS]
+    assert check_stop(after([7, EOS], ignore_eos=True), EOS) is None
+    assert check_stop(after([7, 8]), 8, matcher("stop")) == (FinishReason.STOP, "stop")
+    # A stop string completed by the last allowed token is a stop, not a length.
+    assert check_stop(after([7, 8, 9, 10]), 10, matcher("stop")) == (FinishReason.STOP, "stop")
+    assert check_stop(after([7, 8, 9, 10]), 10, matcher(None)) == (FinishReason.LENGTH, None)
+    assert check_stop(after([7, 8, 9, EOS], min_tokens=4), EOS) == (FinishReason.STOP, None)

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -27,6 +27,7 @@ from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
+from backend.stats import EngineStats, StepStats, Totals
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
@@ -84,42 +85,6 @@ class RequestOutput:
         )
 
 
-@dataclass
-class StepStats:
-    """Per-iteration engine KPIs, for metrics and benchmarks."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_scheduled_tokens: int = 0
-    num_preempted: int = 0
-    # Host time per phase: scheduling, input preparation (metadata and copies to the
-    # device), forward pass plus sampling, and the update after it (scheduler state,
-    # stop checks, detokenization, outputs).
-    schedule_time_s: float = 0.0
-    prepare_time_s: float = 0.0
-    forward_time_s: float = 0.0
-    update_time_s: float = 0.0
-    kv_usage: float = 0.0
-
-
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    aborts: int = 0
-    errors: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    # Sums over steps, for occupancy and tokens-per-iteration averages.
-    sum_running: int = 0
-    sum_scheduled_tokens: int = 0
-    sum_schedule_time_s: float = 0.0
-    sum_prepare_time_s: float = 0.0
-    sum_forward_time_s: float = 0.0
-    sum_update_time_s: float = 0.0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -154,8 +119,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.counters = EngineCounters()
-        self.last_step = StepStats()
+        # Written by the engine alone, once per step (and here): a new object each time, so
+        # a reader on another thread always holds one whole snapshot.
+        self._totals = Totals()
+        self.stats = self._snapshot(StepStats())
         self._pending: list[RequestOutput] = []
         self._arrival_seq = itertools.count()
         # Test-only fault injection: the forward pass raises once, at the step after this many
@@ -277,7 +244,7 @@ class LLMEngine:
             params.include_stop_str_in_output, decode=self.decode,
         )
         self.scheduler.add_request(request)
-        self.counters.prompt_tokens += request.num_prompt_tokens
+        self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed in this call); its final output comes with the next step."""
@@ -299,12 +266,8 @@ class LLMEngine:
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
                 text = detok.take_delta(finished=True)
-            counters = self.counters
-            counters.finished[reason.value] = counters.finished.get(reason.value, 0) + 1
             if reason is FinishReason.ABORT:
-                counters.aborts += 1
-            elif reason is FinishReason.ERROR:
-                counters.errors += 1
+                self._totals = self._totals.plus(aborts=1)
         return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
 
     def has_unfinished(self) -> bool:
@@ -318,56 +281,58 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, so that a benchmark starts cold; call it while idle."""
+        self.kv.pool.reset_prefix_cache()
+
     # ---- the iteration -----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration; its snapshot is `self.stats` when it returns."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        stats = StepStats(
-            num_running=self.num_running, num_waiting=self.num_waiting,
-            num_scheduled_tokens=plan.num_scheduled_tokens, num_preempted=len(plan.preempted),
-            schedule_time_s=plan.schedule_time_s,
+        num_running, num_waiting = self.num_running, self.num_waiting
+        ran, num_generated, prepare_s, forward_s, update_s = False, 0, 0.0, 0.0, 0.0
+        if not plan.is_empty:
+            start = time.perf_counter()
+            try:
+                if self._fail_after_steps and self._totals.steps >= self._fail_after_steps:
+                    self._fail_after_steps = 0
+                    raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
+                inputs = self.runner.prepare(plan)
+                prepared = time.perf_counter()
+                logits, sample_requests = self.runner.execute(plan, inputs)
+                sampled = self.sampler(logits, sample_requests) if logits is not None else None
+            except Exception as exc:  # noqa: BLE001 - every in-flight request must end, whatever broke
+                log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
+                outputs.extend(self._fail_scheduled(plan, exc))
+            else:
+                forwarded = time.perf_counter()
+                tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
+                self.scheduler.update(plan, tokens)
+                for row, request in enumerate(sample_requests):
+                    outputs.append(self._output_for(request, tokens[request], sampled, row))
+                ran, num_generated = True, len(tokens)
+                prepare_s, forward_s, update_s = prepared - start, forwarded - prepared, time.perf_counter() - forwarded
+        step = StepStats(
+            ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_generated_tokens=num_generated, num_preempted=len(plan.preempted),
+            prefix_query_tokens=plan.prefix_query_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
+            schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_s, forward_time_s=forward_s,
+            update_time_s=update_s,
         )
-        self.counters.preemptions += len(plan.preempted)
-        if plan.is_empty:
-            self.last_step = stats
-            return outputs
-        start = time.perf_counter()
-        try:
-            if self._fail_after_steps and self.counters.steps >= self._fail_after_steps:
-                self._fail_after_steps = 0
-                raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
-            inputs = self.runner.prepare(plan)
-            prepared = time.perf_counter()
-            logits, sample_requests = self.runner.execute(plan, inputs)
-            sampled = self.sampler(logits, sample_requests) if logits is not None else None
-        except Exception as exc:  # noqa: BLE001 - every in-flight request must end, whatever broke
-            log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
-            outputs.extend(self._fail_scheduled(plan, exc))
-            return outputs
-        forwarded = time.perf_counter()
-        stats.prepare_time_s, stats.forward_time_s = prepared - start, forwarded - prepared
-
-        tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
-        self.scheduler.update(plan, tokens)
-        self.counters.generation_tokens += len(tokens)
-        for row, request in enumerate(sample_requests):
-            outputs.append(self._output_for(request, tokens[request], sampled, row))
-        stats.kv_usage = self.kv.usage
-        stats.update_time_s = time.perf_counter() - forwarded
-        self._account_step(stats)
+        self._totals = self._totals.with_step(step)
+        self.stats = self._snapshot(step)
         return outputs
 
-    def _account_step(self, stats: StepStats) -> None:
-        c = self.counters
-        c.steps += 1
-        c.sum_running += stats.num_running
-        c.sum_scheduled_tokens += stats.num_scheduled_tokens
-        c.sum_schedule_time_s += stats.schedule_time_s
-        c.sum_prepare_time_s += stats.prepare_time_s
-        c.sum_forward_time_s += stats.forward_time_s
-        c.sum_update_time_s += stats.update_time_s
-        self.last_step = stats
+    def _snapshot(self, step: StepStats) -> EngineStats:
+        running = self.scheduler.running
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(running), num_waiting=self.num_waiting,
+            num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
+            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free, step=step, totals=self._totals,
+        )
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
         detok = self.detokenizers[request.request_id]

@@ -233,8 +233,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_table = BlockTable()
-        self.num_prefix_queries = 0  # prompt tokens looked up
-        self.num_prefix_hits = 0  # of which found in the cache
 
     @property
     def num_blocks(self) -> int:
@@ -313,14 +311,6 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(fresh))
         self.block_table.sync(request)
         return True
-
-    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        self.num_prefix_queries += num_query_tokens
-        self.num_prefix_hits += num_hit_tokens
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's blocks that are full of computed tokens."""

@@ -18,7 +18,8 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
 class EngineMetrics:
-    """Reads the engine on its loop thread (`on_step`, `on_finished`) and hands the metric
+    """Reads the engine's stats snapshot (`engine.stats`, never its scheduler or KV manager)
+    and final outputs on the loop thread (`on_step`, `on_finished`), and hands the metric
     updates that follow to `publish`, which applies them (`apply`) where it chooses: every
     update is an IPC call to the Triton process, and the Triton adapter makes all of its
     IPC calls from one thread (see model.py). Without `publish` they are applied at once."""
@@ -112,33 +113,32 @@ class EngineMetrics:
         families.clear()
 
     def on_step(self) -> None:
-        """Refresh gauges and counters from the engine; called by the loop thread after each step."""
-        engine = self.engine
-        c = engine.counters
+        """Refresh gauges and counters from the engine's latest stats snapshot; called by the
+        loop thread after each step."""
+        stats = self.engine.stats
+        totals = stats.totals
+        config = self.engine.config
         updates: Updates = []
         for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
-            value = getattr(c, name)
+            value = getattr(totals, name)
             if value > self._last[name]:
                 updates.append((metric.increment, value - self._last[name]))
                 self._last[name] = value
-        running, waiting = engine.num_running, engine.num_waiting
-        kv = engine.kv
-        step = engine.last_step
-        pool = kv.pool
-        prefill = sum(1 for r in engine.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens)
+        running, waiting, usage = stats.num_running, stats.num_waiting, stats.kv_usage
         gauges = [
             (self.running, running), (self.vllm_running, running), (self.waiting, waiting),
-            (self.vllm_waiting, waiting), (self.kv_usage, kv.usage), (self.vllm_kv, kv.usage),
-            (self.prefix_hit_rate, kv.prefix_hit_rate), (self.occupancy, running / engine.config.max_num_seqs),
-            (self.tokens_per_iteration, step.num_scheduled_tokens),
+            (self.vllm_waiting, waiting), (self.kv_usage, usage), (self.vllm_kv, usage),
+            (self.prefix_hit_rate, totals.prefix_hit_rate), (self.occupancy, running / config.max_num_seqs),
+            (self.tokens_per_iteration, stats.step.num_scheduled_tokens),
         ]
         gauges += [(self.trt_requests[kind], value) for kind, value in (
-            ("active", running), ("max", engine.config.max_num_seqs), ("scheduled", running),
-            ("context", prefill), ("waiting", waiting))]
+            ("active", running), ("max", config.max_num_seqs), ("scheduled", running),
+            ("context", stats.num_prefilling), ("waiting", waiting))]
         gauges += [(self.trt_blocks[kind], value) for kind, value in (
-            ("max", pool.num_blocks), ("free", pool.num_free), ("used", pool.num_used),
-            ("tokens_per", kv.block_size), ("reused", kv.num_prefix_hits // kv.block_size), ("fraction", kv.usage))]
+            ("max", stats.num_kv_blocks), ("free", stats.num_free_kv_blocks), ("used", stats.num_used_kv_blocks),
+            ("tokens_per", config.block_size), ("reused", totals.prefix_hit_tokens // config.block_size),
+            ("fraction", usage))]
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
                 updates.append((metric.set, value))

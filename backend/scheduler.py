@@ -38,6 +38,10 @@ class SchedulerOutput:
     # block ids (their rows change only when blocks are allocated or freed).
     block_table: BlockTable | None = None
     schedule_time_s: float = 0.0
+    # Prefix-cache lookups of the requests admitted this step (first admissions only): prompt
+    # tokens looked up, and of those, tokens found cached.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -58,8 +62,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Host blocks read by this step's swap-ins; freed only after the step's copies ran.
         self._host_blocks_to_free: list[int] = []
-        self.num_preemptions = 0
-        self.num_steps = 0
 
     @property
     def waiting(self) -> Policy:
@@ -134,7 +136,6 @@ class Scheduler:
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
-        self.num_preemptions += 1
         self.policy.push_front(victim)
         plan.preempted.append(victim)
         return returned
@@ -208,7 +209,6 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
 
         plan.scheduled = list(granted.items())
-        self.num_steps += 1
         plan.schedule_time_s = time.perf_counter() - start
         return plan
 
@@ -231,7 +231,8 @@ class Scheduler:
         if not self.kv.allocate(request, num_new, cached, reserve_tokens=reserve):
             return 0, False
         if request.num_preemptions == 0:
-            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_computed)
+            plan.prefix_query_tokens += request.num_prompt_tokens
+            plan.prefix_hit_tokens += num_computed
             request.num_cached_prompt_tokens = num_computed
         return num_new, True
 

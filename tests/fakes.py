@@ -131,6 +131,17 @@ class Harness:
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
 
+    @property
+    def num_preemptions(self) -> int:
+        """Over the steps taken: each step's plan names its victims."""
+        return sum(len(record.plan.preempted) for record in self.records)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / looked up, over the steps taken."""
+        queries = sum(record.plan.prefix_query_tokens for record in self.records)
+        return sum(record.plan.prefix_hit_tokens for record in self.records) / queries if queries else 0.0
+
     def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
             eos_at: int | None = None, min_tokens: int = 0) -> Request | None:
         """Admission as the engine does it: impossible requests are rejected at once."""

@@ -119,13 +119,13 @@ def test_preemption_leaves_the_probe_as_it_was(tiny_llama, dtype, preemption):
     # A pool of 20 blocks for 8 requests of up to ~100 tokens: the probe is preempted too.
     engine = assert_same_as_alone(tiny_llama, dtype, PROBE, GREEDY, crowd(1, 8, 40, 100, 0), num_kv_blocks=20,
                                   preemption_mode=preemption, swap_space_mb=64)
-    assert engine.counters.preemptions > 0
+    assert engine.stats.totals.preemptions > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefix_cache_hit_leaves_the_probe_as_it_was(tiny_llama, dtype):
     engine = assert_same_as_alone(tiny_llama, dtype, PROBE, GREEDY, [(0, PROBE[:64] + [9, 9])], probe_step=3)
-    assert engine.kv.num_prefix_hits > 0
+    assert engine.stats.totals.prefix_hit_tokens > 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -157,8 +157,8 @@ def test_prefix_cache_hits(tiny_llama, oracle):
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
     engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, max_num_seqs=5,
                                          long_prefill_token_threshold=20, num_kv_blocks=256)
-    assert engine.kv.prefix_hit_rate > 0
-    assert engine.kv.num_prefix_hits >= 32 * (len(SHARED_PROMPTS) - 1), "the shared blocks were not reused"
+    assert engine.stats.totals.prefix_hit_rate > 0
+    assert engine.stats.totals.prefix_hit_tokens >= 32 * (len(SHARED_PROMPTS) - 1), "the shared blocks were not reused"
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 
@@ -168,7 +168,7 @@ def test_prefix_caching_disabled(tiny_llama, oracle):
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
     engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, max_num_seqs=5,
                                          enable_prefix_caching=False, num_kv_blocks=256)
-    assert engine.kv.prefix_hit_rate == 0 and engine.kv.pool.cached == {}
+    assert engine.stats.totals.prefix_hit_rate == 0 and engine.kv.pool.cached == {}
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 
@@ -198,7 +198,7 @@ def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode):
         max_num_seqs=6, block_size=8, num_kv_blocks=14, long_prefill_token_threshold=13,
         preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
     )
-    assert engine.counters.preemptions > 0
+    assert engine.stats.totals.preemptions > 0
     if mode == "swap":
         assert swaps["swap_out"] > 0 and swaps["swap_in"] > 0, swaps
     else:
@@ -215,7 +215,7 @@ def test_priority_policy(tiny_llama, oracle):
         tiny_llama, prompts, max_tokens, arrivals, priorities,
         scheduling_policy="priority", max_num_seqs=4, block_size=8, num_kv_blocks=20, long_prefill_token_threshold=16,
     )
-    assert engine.counters.preemptions > 0, "expected priority or block-pressure preemption"
+    assert engine.stats.totals.preemptions > 0, "expected priority or block-pressure preemption"
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 

@@ -129,7 +129,7 @@ def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_model):
         loop.add_request("short", "a short one", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                          collector.callback("short"))
         wait_until(lambda: len(collector.outputs["long"]) >= 3)
-        steps_at_cancel.append(engine.counters.steps)
+        steps_at_cancel.append(engine.stats.totals.steps)
         cancelled.set()
         collector.wait()
         finals = collector.finals("long")
@@ -139,7 +139,7 @@ def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_model):
         assert finals[0].num_output_tokens <= len(collector.outputs["long"]) + 1
         assert collector.finals("short")[0].finish_reason == "length"
         wait_until(lambda: engine.kv.pool.num_used == 0)
-        assert engine.counters.aborts == 1
+        assert engine.stats.totals.aborts == 1
     finally:
         loop.shutdown()
 

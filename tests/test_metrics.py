@@ -115,7 +115,7 @@ def test_metrics_move_and_return_to_idle(loop):
     assert value("vllm:request_generation_tokens").observations == [6, 6, 6]
     assert value("inflight_requests_finished_total", finish_reason="length").value == 3
     assert value("vllm:request_success_total", finished_reason="length").value == 3
-    assert value("inflight_iterations_total").value == engine.counters.steps
+    assert value("inflight_iterations_total").value == engine.stats.totals.steps
     # Idle again: nothing running or waiting, no KV in use.
     assert value("vllm:num_requests_running").value == 0
     assert value("inflight_requests_waiting").value == 0
@@ -170,6 +170,6 @@ def test_updates_go_through_publish_and_only_apply_there(tmp_path_factory):
     assert value("vllm:request_generation_tokens").observations == []
     for updates in queued:
         apply(updates)
-    assert value("inflight_iterations_total").value == engine.counters.steps
+    assert value("inflight_iterations_total").value == engine.stats.totals.steps
     assert value("vllm:request_generation_tokens").observations == [2]
     assert value("vllm:request_success_total", finished_reason="length").value == 1

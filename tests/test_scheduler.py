@@ -189,7 +189,7 @@ def test_small_pool_forces_preemption_and_everything_still_finishes(policy, mode
         ],
     )
     h = run_workload(w)
-    assert h.scheduler.num_preemptions > 0
+    assert h.num_preemptions > 0
     if mode == "swap":
         assert h.runner.num_swapped_out_blocks > 0 and h.runner.num_swapped_in_blocks > 0
 
@@ -202,9 +202,9 @@ def test_swap_space_too_small_falls_back_to_recompute():
                   for i in range(5)],
     )
     h = run_workload(w)
-    assert h.scheduler.num_preemptions > 0
+    assert h.num_preemptions > 0
     # A victim holding more blocks than the swap space has is recomputed instead.
-    assert h.runner.num_swapped_out_blocks <= h.scheduler.num_preemptions
+    assert h.runner.num_swapped_out_blocks <= h.num_preemptions
 
 
 # --------------------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def test_zero_max_preemptions_never_preempts():
                   for i in range(6)],
     )
     h = run_workload(w)
-    assert h.scheduler.num_preemptions == 0
+    assert h.num_preemptions == 0
 
 
 @pytest.mark.parametrize("threshold", [512, 4096])
@@ -428,7 +428,7 @@ def test_prefix_hits_are_recorded_and_shared_blocks_read_correctly():
         assert r.num_cached_prompt_tokens == 3 * BS
         assert r.output_token_ids == expected_output(r.request_id, 5)
     assert first.num_cached_prompt_tokens == 0
-    assert h.kv.prefix_hit_rate > 0
+    assert h.prefix_hit_rate > 0
     assert_all_free(h)
 
 

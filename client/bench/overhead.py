@@ -72,15 +72,16 @@ def measure(model_path: str, running: int, prompt_len: int, iterations: int, war
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for index in range(running):
         engine.add_request(str(index), rng.integers(1000, 40000, prompt_len).tolist(), params)
-    while engine.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
-        engine.step()  # prefill, not measured
+    engine.step()  # prefill, not measured: until nothing waits and every request decodes
+    while engine.stats.num_waiting or engine.stats.num_prefilling:
+        engine.step()
     for _ in range(warmup_iterations):
         engine.step()
     samples = {phase: [] for phase in PHASES}
     batch_sizes = []
     for _ in tqdm(range(iterations), desc=f"{running} running", unit="it", disable=not progress, leave=False):
         engine.step()
-        step = engine.last_step
+        step = engine.stats.step
         batch_sizes.append(step.num_scheduled_tokens)
         for phase in PHASES:
             samples[phase].append(1e3 * getattr(step, f"{phase}_time_s"))

@@ -26,10 +26,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
     _warm_up(engine)
     requests = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_s)
     records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
-    steps_before = engine.counters.steps
-    counters_before = dict(vars(engine.counters))
-    pool_queries_before = engine.kv.num_prefix_queries
-    pool_hits_before = engine.kv.num_prefix_hits
+    totals_before = engine.stats.totals
     next_index = 0
     start = time.perf_counter()
     bar = tqdm(total=len(requests), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
@@ -75,18 +72,17 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
                 bar.update(1)
     duration = time.perf_counter() - start
     bar.close()
-    c = engine.counters
-    steps = c.steps - steps_before
+    totals = engine.stats.totals.since(totals_before)
+    steps = totals.steps
     kpis = {
         "iterations": steps,
-        "slot_occupancy": (c.sum_running - counters_before["sum_running"]) / max(1, steps) / config.max_num_seqs,
-        "tokens_per_iteration": (c.sum_scheduled_tokens - counters_before["sum_scheduled_tokens"]) / max(1, steps),
-        **{f"{name}_ms_per_iteration": 1e3 * (getattr(c, f"sum_{phase}_time_s") - counters_before[f"sum_{phase}_time_s"])
-           / max(1, steps)
+        "slot_occupancy": totals.sum_running / max(1, steps) / config.max_num_seqs,
+        "tokens_per_iteration": totals.sum_scheduled_tokens / max(1, steps),
+        **{f"{name}_ms_per_iteration": 1e3 * getattr(totals, f"sum_{phase}_time_s") / max(1, steps)
            for name, phase in (("scheduler", "schedule"), ("prepare", "prepare"), ("forward", "forward"),
                                ("update", "update"))},
-        "preemptions": c.preemptions - counters_before["preemptions"],
-        "prefix_hit_rate": safe_ratio(engine.kv.num_prefix_hits - pool_hits_before, engine.kv.num_prefix_queries - pool_queries_before),
+        "preemptions": totals.preemptions,
+        "prefix_hit_rate": safe_ratio(totals.prefix_hit_tokens, totals.prefix_query_tokens),
         "num_kv_blocks": engine.num_kv_blocks,
         "max_num_seqs": config.max_num_seqs,
         "dtype": str(engine.dtype).replace("torch.", ""),
@@ -101,8 +97,7 @@ def _warm_up(engine) -> None:
     engine.add_request("warmup", list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    engine.kv.pool.reset_prefix_cache()
-    engine.kv.num_prefix_queries = engine.kv.num_prefix_hits = 0
+    engine.reset_prefix_cache()
 
 
 def run_hf_static(workload: Workload, model_path: str, batch_size: int, progress: bool = True) -> SystemRun:

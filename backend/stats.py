@@ -1,0 +1,109 @@
+"""The engine's stats: one immutable snapshot per step, `LLMEngine.stats`.
+
+Everything that watches the engine (Triton metrics, the benchmark, the host-overhead tool,
+per-request traces) reads the snapshot and never reaches into the scheduler or the KV
+manager; the engine is the one writer. A snapshot is never changed once published, so a
+reader on another thread sees one consistent step. To report something new, add a field
+here and fill it where the engine builds the snapshot.
+
+No local imports: readers use these types without loading the engine (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step did. `ran` is False for a step without a completed forward pass
+    (nothing to schedule, or the pass failed); its times after scheduling are then 0."""
+
+    ran: bool = False
+    # The running set and the queue as the step was scheduled (the seats this step held).
+    num_running: int = 0
+    num_waiting: int = 0
+    num_scheduled_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preempted: int = 0
+    # Prefix-cache lookups of the requests admitted this step (first admissions): prompt
+    # tokens looked up, and of those, tokens found cached.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # Host time per phase: scheduling, input preparation (metadata and copies to the
+    # device), forward pass plus sampling, and the update after it (scheduler state,
+    # stop checks, detokenization, outputs).
+    schedule_time_s: float = 0.0
+    prepare_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    update_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Running totals since the engine started. `steps` and the `sum_*` fields count steps
+    that ran a forward pass (averages per iteration divide by `steps`); preemptions and
+    prefix lookups count wherever they happened. `since(earlier)` is what happened between
+    two snapshots (a benchmark's own window)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # of the requests enqueued
+    generation_tokens: int = 0
+    preemptions: int = 0
+    aborts: int = 0  # cancelled by a client or ended by shutdown
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    sum_running: int = 0
+    sum_scheduled_tokens: int = 0
+    sum_schedule_time_s: float = 0.0
+    sum_prepare_time_s: float = 0.0
+    sum_forward_time_s: float = 0.0
+    sum_update_time_s: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def plus(self, **increments: int) -> Totals:
+        return dataclasses.replace(self, **{name: getattr(self, name) + n for name, n in increments.items()})
+
+    def with_step(self, step: StepStats) -> Totals:
+        """These totals with one more step counted."""
+        increments = dict(preemptions=step.num_preempted, prefix_query_tokens=step.prefix_query_tokens,
+                          prefix_hit_tokens=step.prefix_hit_tokens)
+        if step.ran:
+            increments.update(
+                steps=1, generation_tokens=step.num_generated_tokens, sum_running=step.num_running,
+                sum_scheduled_tokens=step.num_scheduled_tokens, sum_schedule_time_s=step.schedule_time_s,
+                sum_prepare_time_s=step.prepare_time_s, sum_forward_time_s=step.forward_time_s,
+                sum_update_time_s=step.update_time_s,
+            )
+        return self.plus(**increments)
+
+    def since(self, earlier: Totals) -> Totals:
+        return Totals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine after one step: where it stands, what the step did, the totals so far."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # Running requests whose prompt is not all computed yet (TensorRT-LLM's context phase).
+    num_prefilling: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0  # free ones, cached or not: what can be handed out now
+    step: StepStats = StepStats()
+    totals: Totals = Totals()
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0

@@ -24,7 +24,7 @@ from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
-from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
+from backend.request import FinishReason, Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals

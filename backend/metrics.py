@@ -99,9 +99,9 @@ class EngineMetrics:
         self._published: dict[int, float] = {}
         # Publish every gauge now, before the model reports ready: the loop's first on_step
         # comes only after its first idle wait (EngineLoop.IDLE_WAIT_S), and a scrape right
-        # after readiness read 0 for the KV pool's size (the e2e kv_blocks fixture, once).
-        # Nothing steps the engine yet (the loop starts after this) and nothing else calls
-        # Triton yet, so they are applied here, at once.
+        # after readiness must already see the KV pool's size. Nothing else calls Triton
+        # yet, so they are applied here, at once; reading the engine's stats from this
+        # thread is safe, a snapshot being immutable.
         self._publish = apply
         self.on_step()
         self._publish = publish or apply

@@ -76,10 +76,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.policy.push(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_work(self) -> bool:
         return bool(self.requests)
 

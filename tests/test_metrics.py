@@ -80,8 +80,8 @@ def loop(tmp_path_factory):
 
 def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
     """A scrape right after the model reports ready must see the pool and batch sizes: the
-    loop's first on_step comes only after its first idle wait (the e2e kv_blocks fixture
-    once read 0 blocks). No loop here, so only the constructor can have set them."""
+    loop's first on_step comes only after its first idle wait. No loop here, so only the
+    constructor can have set them."""
     engine = tiny_engine(tmp_path_factory)
     EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max").value == engine.kv.pool.num_blocks > 0

@@ -297,7 +297,7 @@ def test_priority_request_preempts_a_less_important_one_for_a_seat():
 def test_a_victim_is_not_readmitted_in_the_step_that_preempted_it():
     """Priority preemption for blocks frees more than the newcomer needs; the victim must
     not be re-admitted (from scratch) in the same step: that is thrash, and it burns one of
-    its bounded preemptions for nothing. (Found by the random-workload test.)"""
+    its bounded preemptions for nothing."""
     cfg = make_config(scheduling_policy="priority", max_num_seqs=3, long_prefill_token_threshold=8, enable_prefix_caching=False)
     h = Harness(cfg, num_blocks=4)
     low = h.add("low", prompt(1, 20), max_tokens=4, priority=1)

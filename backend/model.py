@@ -28,6 +28,15 @@ response (which may carry an empty string) has the final flag. ``stream`` false 
 exactly one final response with the whole text, so HTTP ``/generate`` works; unless
 ``exclude_input_in_output`` is true the prompt is prepended to it (like Triton's vLLM
 backend).
+
+Every response carries every output its request asks for: Triton's requested outputs,
+which are all six declared outputs unless the client names some. perf_analyzer 2.51
+names all six, and for an output a response lacks it exports whatever bytes its empty
+buffer points at: a float among them that reads as NaN stops its JSON writer before the
+first flush and leaves genai-perf a zero-length profile export. The `return_*` inputs of
+Triton's vLLM backend are accepted and validated but add nothing: an output a client
+names or leaves to the default is already there (and Triton drops the ones it did not ask
+for).
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ OUTPUTS = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
+OUTPUT_NAMES = frozenset(spec["name"] for spec in OUTPUTS)
 
 # How often live requests that sent nothing lately are asked whether they were cancelled.
 CANCEL_POLL_INTERVAL_S = 0.25
@@ -142,7 +152,9 @@ class ParsedRequest:
     sampling: dict[str, Any]
     stream: bool
     prepend_prompt: bool
-    returns: dict[str, bool]
+    # The declared outputs this request asks for (Triton fills in all of them when a
+    # client names none); each response carries exactly these.
+    outputs: frozenset[str]
 
 
 def parse_request(request) -> ParsedRequest:
@@ -189,7 +201,7 @@ def parse_request(request) -> ParsedRequest:
         sampling=sampling,
         stream=stream,
         prepend_prompt=not stream and not exclude,
-        returns={name: switches.get(name, False) for name in RETURN_FLAGS},
+        outputs=frozenset(request.requested_output_names()) & OUTPUT_NAMES,
     )
 
 
@@ -364,7 +376,7 @@ class TritonPythonModel:
                     params,
                     on_output=lambda output, live=live: self._queue.put((live, output)),
                     is_cancelled=lambda live=live: live.cancelled,
-                    needs_logprobs=parsed.returns["return_cumulative_logprob"] or parsed.returns["return_logprobs"],
+                    needs_logprobs="cumulative_logprob" in parsed.outputs,
                 )
             except RequestError as exc:
                 self._forget(request_id)
@@ -509,22 +521,26 @@ class TritonPythonModel:
         )
 
     def _response(self, live: _Live, output, text: str):
-        returns = live.parsed.returns
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if returns["return_finish_reason"]:
+        outputs = live.parsed.outputs
+        tensors = []
+        if "text_output" in outputs:
+            tensors.append(pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)))
+        if "finish_reason" in outputs:
             reason = str(output.finish_reason) if output.finished else "None"
             tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
-        if returns["return_cumulative_logprob"]:
-            value = output.cumulative_logprob if output.cumulative_logprob is not None else float("nan")
+        if "cumulative_logprob" in outputs:
+            # Never None here: asking for this output makes the engine compute every token's
+            # logprob (needs_logprobs), and a NaN stand-in would break perf_analyzer's export.
+            value = float(output.cumulative_logprob)
             tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
-        if returns["return_logprobs"]:
+        if "logprobs" in outputs:
             # vLLM's JSON: per token {token id: {"logprob", "rank", "decoded_token"}}; null
             # unless sampling_parameters asked for "logprobs".
             entries = live.pending_logprobs or None
             tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_)))
-        if returns["return_num_input_tokens"]:
+        if "num_input_tokens" in outputs:
             tensors.append(pb_utils.Tensor("num_input_tokens", np.array([output.num_prompt_tokens], dtype=np.uint32)))
-        if returns["return_num_output_tokens"]:
+        if "num_output_tokens" in outputs:
             count = live.pending_tokens if live.parsed.stream else output.num_output_tokens
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([count], dtype=np.uint32)))
         live.pending_tokens = 0

@@ -14,8 +14,9 @@ from typing import Any, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The optional outputs of the Triton interface, each returned only when its BOOL input is
-# true (Triton's vLLM backend convention). Clients (tools/loadtest.py) import these names.
+# The BOOL inputs with which Triton's vLLM backend adds its optional outputs. This backend
+# accepts them, but answers every output a request asks for whatever they say
+# (backend/model.py). Clients (tools/loadtest.py) import these names.
 RETURN_FLAGS = (
     "return_finish_reason",
     "return_cumulative_logprob",

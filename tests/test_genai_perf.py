@@ -5,8 +5,9 @@ answered, and the engine idle afterwards.
 
 genai-perf 0.0.16 lives in its own venv (`make genai-perf-setup`, run here; a no-op once
 done), whose `perf_analyzer` is the project's wrapper of the tritonclient 2.51 binary. The
-command is `make genai-perf`'s (tools/loadtest.py); `make perf`'s perf_analyzer recipe is
-tested here too, and so is the comparison run (the same recipe against an OpenAI-compatible
+command is `make genai-perf`'s (tools/loadtest.py), with its five `return_*` inputs and,
+as genai-perf users type it, without them; `make perf`'s perf_analyzer recipe is tested
+here too, and so is the comparison run (the same recipe against an OpenAI-compatible
 server, here the project's own frontend standing in for vLLM's).
 """
 
@@ -49,14 +50,14 @@ def finished_since(before, metrics_port: int, model: str) -> dict[str, float]:
             for reason in ("stop", "length", "abort", "error")}
 
 
-def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, tmp_path):
-    model = triton_server.model
-    before = wait_idle(triton_server.metrics_port, model)
+def run_profile(triton_server, genai_perf, tmp_path, return_inputs: bool) -> tuple[dict, list[dict]]:
+    """`make genai-perf`'s command at a small size (`return_inputs` False: without the five
+    `return_*` inputs); its summary, checked complete, and perf_analyzer's request records."""
     artifacts = tmp_path / "artifacts"
     command = genai_perf_command(
-        genai_perf, model=model, url=triton_server.grpc_url, tokenizer=DEFAULT_CHECKPOINT,
+        genai_perf, model=triton_server.model, url=triton_server.grpc_url, tokenizer=DEFAULT_CHECKPOINT,
         concurrency=CONCURRENCY, num_requests=REQUESTS, input_tokens=INPUT_TOKENS, output_tokens=OUTPUT_TOKENS,
-        artifact_dir=artifacts, seed=7,
+        artifact_dir=artifacts, seed=7, return_inputs=return_inputs,
     )
     env = {
         **os.environ,
@@ -77,10 +78,30 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
     assert summary["time_to_first_token"]["avg"] > 0 and summary["inter_token_latency"]["avg"] > 0
     assert summary["output_token_throughput"]["avg"] > 0
 
-    # What perf_analyzer saw, request by request: the interface genai-perf speaks, and answers.
+    # What perf_analyzer saw, request by request.
     [raw_path] = artifacts.rglob("profile_export.json")
     requests = json.loads(raw_path.read_text())["experiments"][0]["requests"]
     assert len(requests) == REQUESTS
+    return summary, requests
+
+
+def assert_every_output_real(responses: list[dict]) -> None:
+    """perf_analyzer 2.51 records all six declared outputs of every response; one a response
+    lacks reads as stray memory (tools/loadtest.py). Every one must be the real value."""
+    assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
+    assert sum(r["num_output_tokens"] for r in responses) == OUTPUT_TOKENS
+    assert [r["finish_reason"] for r in responses[:-1]] == ["None"] * (len(responses) - 1)
+    assert responses[-1]["finish_reason"] == "length"
+    logprobs = [r["cumulative_logprob"] for r in responses]
+    assert all(b <= a <= 0 for a, b in zip(logprobs, logprobs[1:])), logprobs  # a running sum of log p
+
+
+def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, tmp_path):
+    model = triton_server.model
+    before = wait_idle(triton_server.metrics_port, model)
+    summary, requests = run_profile(triton_server, genai_perf, tmp_path, return_inputs=True)
+
+    # The interface genai-perf speaks, and its answers.
     # genai-perf's output length is the joined text re-encoded, not the count generated: the
     # model may emit a non-canonical split ("Par"+"is") that re-encodes to fewer tokens, or
     # the reverse, so it can pass max_tokens. The exact count is each response's
@@ -100,19 +121,34 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
         responses = record["response_outputs"]
         texts = [r.get("text_output", "") for r in responses]
         assert len(texts) >= 2 and "".join(texts).strip(), record  # streamed, with text
-        # Every output is real, so perf_analyzer records no stray memory (tools/loadtest.py).
-        assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
-        assert sum(r["num_output_tokens"] for r in responses) == OUTPUT_TOKENS
-        assert [r["finish_reason"] for r in responses[:-1]] == ["None"] * (len(responses) - 1)
-        assert responses[-1]["finish_reason"] == "length"
-        logprobs = [r["cumulative_logprob"] for r in responses]
-        assert all(b <= a <= 0 for a, b in zip(logprobs, logprobs[1:])), logprobs  # a running sum of log p
+        assert_every_output_real(responses)
 
     # The server's side: every request ended normally and nothing is left behind.
     ended = finished_since(before, triton_server.metrics_port, model)
     assert ended == {"stop": 0, "length": REQUESTS, "abort": 0, "error": 0}, ended
     assert scrape(triton_server.metrics_port).get(
         "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="used") == 0
+
+
+def test_plain_genai_perf_command_gets_a_complete_export(triton_server, genai_perf, tmp_path):
+    """The command without the `return_*` inputs, as genai-perf users type it: perf_analyzer
+    still asks for all six outputs, and every response carries them (before, a response
+    carried only text_output, and a stray float that read as NaN left a zero-length export)."""
+    model = triton_server.model
+    before = wait_idle(triton_server.metrics_port, model)
+    summary, requests = run_profile(triton_server, genai_perf, tmp_path, return_inputs=False)
+    assert summary["request_throughput"]["avg"] > 0
+
+    for record in requests:
+        inputs = record["request_inputs"]
+        assert not any(flag in inputs for flag in RETURN_FLAGS), inputs
+        responses = record["response_outputs"]
+        assert len(responses) >= 2 and "".join(r["text_output"] for r in responses).strip(), record
+        assert all(r["logprobs"] == "null" for r in responses), responses  # no "logprobs" sampling value asked
+        assert_every_output_real(responses)
+
+    ended = finished_since(before, triton_server.metrics_port, model)
+    assert ended == {"stop": 0, "length": REQUESTS, "abort": 0, "error": 0}, ended
 
 
 def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):

@@ -8,12 +8,13 @@ them against vLLM-backend models. `genai-perf --openai-url NAME=HOST:PORT` profi
 OpenAI-compatible server (vLLM's own) with the same recipe after each of this backend's
 profiles, and `--json` writes both with this backend's ratios to it.
 
-Every request sets the five `return_*` inputs. perf_analyzer 2.51 asks for every output
-the model declares and, for an output a response does not carry, records whatever memory
-its buffer points at: the exports then hold garbage counts and log-probabilities, and now
-and then (a NaN among them) an empty profile export that genai-perf cannot parse. With the
-flags set every response carries every output, with real values; the cost is one
-log-softmax per sampled token.
+perf_analyzer 2.51 asks for every output the model declares and, for an output a response
+does not carry, exports whatever bytes its empty buffer points at: garbage counts and
+log-probabilities, and, when a float among them reads as NaN, a zero-length profile export
+that genai-perf cannot parse. This backend answers every output a request asks for, so the
+plain genai-perf command works against it; Triton's vLLM backend answers only those whose
+`return_*` input is true. Every request here still sets the five `return_*` inputs, so
+that the recipes' exports stay whole against either.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def genai_perf_command(
     artifact_dir: str | os.PathLike,
     seed: int = 0,
     endpoint: str = "kserve",
+    return_inputs: bool = True,
 ) -> list[str]:
     """A genai-perf 0.0.16 profile: synthetic prompts of exactly `input_tokens` tokens
     (by the model's own tokenizer), exactly `output_tokens` generated (`min_tokens` =
@@ -59,13 +61,14 @@ def genai_perf_command(
     `endpoint` "kserve": tritonserver's gRPC streaming, the vLLM backend's interface
     (sampling values sent as strings, as genai-perf does). "openai": an OpenAI-compatible
     server's streaming /v1/completions at `url` (vLLM's own server, for the same recipe
-    against vLLM)."""
+    against vLLM). `return_inputs` False leaves out the five `return_*` inputs (kserve
+    only): the plain command, as genai-perf users type it."""
     if endpoint not in GENAI_ENDPOINTS:
         raise ValueError(f"endpoint must be one of {GENAI_ENDPOINTS} (got {endpoint!r})")
     command = [str(genai_perf), "profile", "-m", model, "--streaming", "-u", url, "--tokenizer", str(tokenizer)]
     if endpoint == "kserve":
         command += ["--endpoint-type", "kserve", "--backend", "vllm", "--output-tokens-mean-deterministic"]
-        for flag in RETURN_FLAGS:
+        for flag in RETURN_FLAGS if return_inputs else ():
             command += ["--extra-inputs", f"{flag}:true"]
     else:
         # The completions converter sends only max_tokens; min_tokens is vLLM's field.

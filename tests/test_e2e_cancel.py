@@ -260,7 +260,9 @@ def test_cancel_while_queued_and_a_full_queue_answers_unavailable(server):
 
 def test_cancel_during_prefill(server):
     before = wait_idle(server.metrics_port, SEQ1)
-    # ~900 prompt tokens, prefilled one token per iteration (long_prefill_token_threshold 1).
+    # ~900 prompt tokens, prefilled one token per iteration (long_prefill_token_threshold 1):
+    # far longer than the 10 ms in which the backend asks Triton whether a request in
+    # prefill was cancelled, so the request ends before its first token.
     prompt = "word " * 900
     with Stream(server.grpc_url) as stream:
         outcome = stream.send(SEQ1, inputs_for(prompt, {"temperature": 0, "max_tokens": 8, "ignore_eos": True}, stream=True))

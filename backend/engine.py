@@ -125,9 +125,11 @@ class LLMEngine:
         self.stats = self._snapshot(StepStats())
         self._pending: list[RequestOutput] = []
         self._arrival_seq = itertools.count()
-        # Test-only fault injection: the forward pass raises once, at the step after this many
-        # successful ones (then the engine serves again, as after a transient fault).
-        self._fail_after_steps = int(os.environ.get("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "0") or 0)
+        # Test-only fault injection: the forward pass raises once, in the first step whose batch
+        # holds at least this many requests (then the engine serves again, as after a transient
+        # fault). A batch size, not a step count, so that a test knows which requests it fails:
+        # all it sent, however long they took to arrive.
+        self._fail_at_batch = int(os.environ.get("INFLIGHT_FAULT_INJECT_AT_BATCH", "0") or 0)
         log.info(
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
@@ -296,9 +298,9 @@ class LLMEngine:
         if not plan.is_empty:
             start = time.perf_counter()
             try:
-                if self._fail_after_steps and self._totals.steps >= self._fail_after_steps:
-                    self._fail_after_steps = 0
-                    raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AFTER_STEPS)")
+                if self._fail_at_batch and len(plan.scheduled) >= self._fail_at_batch:
+                    self._fail_at_batch = 0
+                    raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AT_BATCH)")
                 inputs = self.runner.prepare(plan)
                 prepared = time.perf_counter()
                 logits, sample_requests = self.runner.execute(plan, inputs)

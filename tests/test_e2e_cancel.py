@@ -21,7 +21,7 @@ verbosely: there the count of final responses is read on Triton's side, in its g
 frontend's log, and a shutdown that waits out the exit timeout passes only when the log
 shows tritonserver 2.51's own lost stream (see `racing_server`).
 
-A further server runs with `INFLIGHT_FAULT_INJECT_AFTER_STEPS`, the forward pass's
+A further server runs with `INFLIGHT_FAULT_INJECT_AT_BATCH`, the forward pass's
 test-only fault switch.
 """
 
@@ -309,14 +309,15 @@ def test_cancel_during_decode_twice_and_racing_the_end(racing_server):
 
 # ---------------------------------------------------------------------------- fault injection
 
-FAULT_AFTER_STEPS = 100
+# The 4 streams and the HTTP request: the fault comes in the first step that holds all five.
+FAULT_AT_BATCH = 5
 
 
 @pytest.fixture(scope="module")
 def faulty_server(tmp_path_factory, checkpoint):
     models = {TINY: tiny_parameters(checkpoint)}
     with run_server(tmp_path_factory.mktemp("fault"), models,
-                    env={"INFLIGHT_FAULT_INJECT_AFTER_STEPS": str(FAULT_AFTER_STEPS)}) as srv:
+                    env={"INFLIGHT_FAULT_INJECT_AT_BATCH": str(FAULT_AT_BATCH)}) as srv:
         yield srv
 
 

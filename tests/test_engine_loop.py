@@ -204,13 +204,14 @@ def test_full_waiting_queue_answers_unavailable(tiny_model):
 
 
 def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model, monkeypatch):
-    monkeypatch.setenv("INFLIGHT_FAULT_INJECT_AFTER_STEPS", "3")
+    monkeypatch.setenv("INFLIGHT_FAULT_INJECT_AT_BATCH", "3")
     loop = make_loop(tiny_model)
     engine = loop.engine
     collector = Collector()
     try:
         for i in range(3):
-            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+            # Long enough that none ends before the third joins the batch, which fails.
+            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
                              collector.callback(f"r{i}"))
         collector.wait()
         for i in range(3):
@@ -220,7 +221,7 @@ def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model
             assert "injected fault" in str(finals[0].error)
         assert engine.kv.pool.num_used == 0
         # The fault switch off again: new requests are served normally.
-        engine._fail_after_steps = 0
+        engine._fail_at_batch = 0
         loop.add_request("after", "works again", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                          collector.callback("after"))
         collector.wait()

@@ -47,6 +47,11 @@ from tests.e2e_util import (
 pytestmark = pytest.mark.e2e
 
 TINY, SEQ1 = "tiny", "tiny_seq1"
+# max_tokens of a request that must still be running whenever the test gets to cancel it:
+# 8-25 s of work at this model's 1-3 ms a token (within max_model_len's 8192 cap). 1000
+# took ~2.4 s beside two busy loops on 2 cores, and a client starved that long cancelled
+# two streams after they had ended on their own.
+LONG_TOKENS = 8000
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # What a failed send logs in backend/model.py: a response after the final one would.
 SEND_FAILURES = ("could not send error response", "sending a response failed")
@@ -54,9 +59,8 @@ SEND_FAILURES = ("could not send error response", "sending a response failed")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    # 4096 positions: requests long enough to still be running whatever the machine's speed.
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("cancel-ckpt") / "tiny-llama"), "llama",
-                                max_position_embeddings=4096)
+                                max_position_embeddings=8192)
 
 
 def tiny_parameters(checkpoint: str) -> dict[str, str]:
@@ -124,7 +128,7 @@ def finished(m, model: str) -> float:
     return sum(m.get("inflight_requests_finished_total", model=model, finish_reason=r) for r in FINISH_REASONS)
 
 
-def long_request(i: int = 0, max_tokens: int = 1000, stream: bool = True) -> list:
+def long_request(i: int = 0, max_tokens: int = LONG_TOKENS, stream: bool = True) -> list:
     return inputs_for(f"Request {i} runs long", {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
                       stream=stream, returns=("return_finish_reason", "return_num_output_tokens"))
 
@@ -160,7 +164,7 @@ def test_grpc_stream_cancel_frees_every_block_and_spares_the_others(server):
         assert o.error is None and o.finals == 1 and o.after_final == 0
         assert output(o.last, "finish_reason") == "length" and o.total("num_output_tokens") == 40
     for o in gone:
-        assert o.total("num_output_tokens") < 1000
+        assert o.total("num_output_tokens") < LONG_TOKENS
     assert after.get("inflight_cancellations_total", model=TINY) - before.get("inflight_cancellations_total", model=TINY) == 2
     assert (after.get("inflight_requests_finished_total", model=TINY, finish_reason="abort")
             - before.get("inflight_requests_finished_total", model=TINY, finish_reason="abort")) == 2
@@ -170,7 +174,7 @@ def test_grpc_stream_cancel_frees_every_block_and_spares_the_others(server):
 def test_http_generate_stream_disconnect_frees_every_block(server):
     before = wait_idle(server.metrics_port, TINY)
     body = {"text_input": "An HTTP stream", "stream": True,
-            "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 1000, "ignore_eos": True})}
+            "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": LONG_TOKENS, "ignore_eos": True})}
     events = 0
     with requests.post(f"{server.http_url}/v2/models/{TINY}/generate_stream", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200, r.text
@@ -188,13 +192,13 @@ def test_http_generate_stream_disconnect_frees_every_block(server):
     assert after.get("inflight_cancellations_total", model=TINY) - before.get("inflight_cancellations_total", model=TINY) == 1
     assert finished(after, TINY) - finished(before, TINY) == 1
     generated = after.get("vllm:generation_tokens_total", model=TINY) - before.get("vllm:generation_tokens_total", model=TINY)
-    assert 3 <= generated < 1000
+    assert 3 <= generated < LONG_TOKENS
 
 
 def test_sixteen_streams_of_a_killed_client_process_leave_no_block_used(server):
     before = wait_idle(server.metrics_port, TINY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e_stream_client", server.grpc_url, TINY, "16", "1000"],
+        [sys.executable, "-m", "tests.e2e_stream_client", server.grpc_url, TINY, "16", str(LONG_TOKENS)],
         cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -226,7 +230,7 @@ def test_cancel_while_queued_and_a_full_queue_answers_unavailable(server):
     before = wait_idle(server.metrics_port, SEQ1)
     runner, queued = Stream(server.grpc_url), Stream(server.grpc_url)
     try:
-        running = runner.send(SEQ1, long_request(0, max_tokens=4000))
+        running = runner.send(SEQ1, long_request(0))
         wait_until(lambda: running.responses, 60, 0.01, "the running request's first token")
         waiting = queued.send(SEQ1, long_request(1, max_tokens=20))
         wait_until(lambda: state(server, SEQ1)["waiting"] == 1, 30, 0.05, "a queued request")
@@ -255,7 +259,7 @@ def test_cancel_while_queued_and_a_full_queue_answers_unavailable(server):
     assert finished(after, SEQ1) - finished(before, SEQ1) == 2  # the refused ones never reached the engine
     # The queued request never ran: the only generated tokens are the running one's.
     generated = after.get("vllm:generation_tokens_total", model=SEQ1) - before.get("vllm:generation_tokens_total", model=SEQ1)
-    assert generated < 4000
+    assert generated < LONG_TOKENS
 
 
 def test_cancel_during_prefill(server):

@@ -140,16 +140,15 @@ struct Avx512Bf16 {
 #endif
 
 // One tile: Rows rows of x against Panels adjacent panels (Panels * 16 columns, of which
-// `cols` are stored). `next`: the group this core computes next, or nullptr. The first tile
-// of a group finds its panels in memory, not cache (a step reads each weight once); it asks
-// for the next group's lines one step at a time as it consumes its own, so that the next
-// group's first tile finds them in cache. Measured with the AVX2 path on a 2-core AVX2 EPYC,
-// SmolLM2's projections and output head, GFLOP/s with / without: 8 rows 118 / 120 and 110 / 102,
-// 32 rows 161 / 160 and 149 / 137, 145 rows 174 / 169 and 162 / 157 (two A/B runs).
-template <class V, int Rows, int Panels, bool kPrefetchNext>
+// `cols` are stored). A group's first tile finds its panels in memory, not cache (a step
+// reads each weight once), so while the tiles of a group run, they ask for the next group's
+// lines: `prefetch` points at this tile's share of them (`prefetch_steps` steps' lines, one
+// per step of its own loop), or is nullptr. The shares spread the next group's lines over
+// all of the group's tiles, so that memory sees a steady stream rather than a burst.
+template <class V, int Rows, int Panels>
 inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* panels, int64_t panel_elems,
                  int64_t steps, bool odd_k, const float* bias, typename V::Out* out, int64_t ldo, int64_t cols,
-                 const typename V::In* next) {
+                 const typename V::In* prefetch, int64_t prefetch_steps) {
   using Vec = typename V::Vec;
   constexpr int kVectors = V::kVectorsPerLine;
   constexpr int64_t kLine = kPanel * V::kStepK;              // elements of one step's line
@@ -175,10 +174,9 @@ inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* pan
     }
   };
   for (int64_t s = 0; s < steps; ++s) {
-    if constexpr (kPrefetchNext) {
+    if (s < prefetch_steps) {
 #pragma GCC unroll 4
-      for (int p = 0; p < Panels; ++p)
-        __builtin_prefetch(next + p * panel_elems + s * kLine);
+      for (int p = 0; p < Panels; ++p) __builtin_prefetch(prefetch + p * panel_elems + s * kLine);
     }
     step(s, [](const typename V::In* p) { return V::broadcast(p); });
   }
@@ -206,13 +204,13 @@ inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* pan
   }
 }
 
-template <class V, int Panels, bool kPrefetchNext>
+template <class V, int Panels>
 struct TileTable {
   using Fn = void (*)(const typename V::In*, int64_t, const typename V::In*, int64_t, int64_t, bool, const float*,
-                      typename V::Out*, int64_t, int64_t, const typename V::In*);
+                      typename V::Out*, int64_t, int64_t, const typename V::In*, int64_t);
   template <int... Rows>
   static constexpr auto make(std::integer_sequence<int, Rows...>) {
-    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, tile<V, Rows + 1, Panels, kPrefetchNext>...};
+    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, tile<V, Rows + 1, Panels>...};
   }
   static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
 };
@@ -246,22 +244,20 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
       const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
       const In* group = wp + first_panel * panel_elems;
       const float* group_bias = bias != nullptr ? bias + col : nullptr;
-      // (Past the last panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
+      // The group this core computes next, whose lines the tiles below prefetch. (Past the last
+      // panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
       const In* next = item + 1 < end ? wp + (item + 1) % groups * kGroup * panel_elems : nullptr;
-      for (int64_t row = block * block_rows; row < row_end; row += kRows) {
-        const int64_t rows = std::min(kRows, row_end - row);
-        const bool prefetch = row == block * block_rows && next != nullptr;
+      const int64_t first_row = block * block_rows, tiles = (row_end - first_row + kRows - 1) / kRows;
+      const int64_t prefetch_total = next != nullptr ? steps + odd_k : 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t row = first_row + t * kRows, rows = std::min(kRows, row_end - row);
+        const int64_t share_begin = t * prefetch_total / tiles, share_end = (t + 1) * prefetch_total / tiles;
+        const In* prefetch = next != nullptr ? next + share_begin * kPanel * V::kStepK : nullptr;
         const In* xr = xp + row * ldx;
         Out* o = op + row * n + col;
-        if constexpr (kGroup == 2) {
-          if (panels == 2) {
-            (prefetch ? TileTable<V, 2, true>::kTiles : TileTable<V, 2, false>::kTiles)[rows](
-                xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, next);
-            continue;
-          }
-        }
-        (prefetch ? TileTable<V, 1, true>::kTiles : TileTable<V, 1, false>::kTiles)[rows](
-            xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, next);
+        const auto& table = panels == 2 ? TileTable<V, kGroup>::kTiles : TileTable<V, 1>::kTiles;
+        table[rows](xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, prefetch,
+                    share_end - share_begin);
       }
     }
   };

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.request import RETURN_FLAGS
+from backend.protocol import RETURN_FLAGS
 from client.bench.records import git_commit, machine
 from client.bench.stats import format_ratio
 from client.bench.workloads import TOKEN_HIGH, TOKEN_LOW

@@ -93,6 +93,24 @@ class _Live:
     last_cancel_poll: float = field(default_factory=time.monotonic)
 
 
+# What the response thread's queue carries: the loop thread queues engine outputs and
+# metric updates, finalize queues the stop once nothing else will be queued.
+@dataclass(frozen=True)
+class EngineOutput:
+    live: _Live
+    output: Any  # backend.engine.RequestOutput
+
+
+@dataclass(frozen=True)
+class MetricUpdates:
+    updates: list  # backend.metrics.Updates
+
+
+@dataclass(frozen=True)
+class StopResponses:
+    pass
+
+
 class TritonPythonModel:
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
@@ -185,7 +203,8 @@ class TritonPythonModel:
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1")),
                   "instance": args.get("model_instance_name", "")}
         try:
-            self._engine_metrics = EngineMetrics(pb_utils, labels, self.loop.engine, publish=self._queue.put)
+            self._engine_metrics = EngineMetrics(pb_utils, labels, self.loop.engine,
+                                                 publish=lambda updates: self._queue.put(MetricUpdates(updates)))
         except pb_utils.TritonModelException as exc:
             self.logger.log_info(f"[inflight] metrics disabled: {exc}")
             self._engine_metrics = None
@@ -201,7 +220,7 @@ class TritonPythonModel:
             self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - still answer every live request below
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
-        self._queue.put(None)
+        self._queue.put(StopResponses())
         self._response_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         self._readiness_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         # Whatever the engine did not finish still gets its one final response.
@@ -249,7 +268,7 @@ class TritonPythonModel:
                     request_id,
                     parsed.prompt,
                     params,
-                    on_output=lambda output, live=live: self._queue.put((live, output)),
+                    on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
                     is_cancelled=lambda live=live: live.cancelled,
                     needs_logprobs=parsed.needs_logprobs,
                 )
@@ -283,25 +302,28 @@ class TritonPythonModel:
             try:
                 item = self._queue.get(timeout=PREFILL_CANCEL_POLL_INTERVAL_S if self._live else CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
-                item = False
-            if item is None:
-                return
-            if isinstance(item, list):  # metric updates from the loop (EngineMetrics)
-                self._apply_metric_updates(item)
-            elif item:
-                live, output = item
-                try:
-                    self._respond(live, output)
-                except Exception:  # noqa: BLE001 - keep serving the other requests
-                    self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
-                    if output.finished:
-                        self._forget(live.request_id)
-                    else:
-                        live.cancelled = True  # its client is unreachable: the engine drops it
+                item = None  # nothing came: only the cancellation sweep below
+            match item:
+                case EngineOutput(live, output):
+                    self._deliver(live, output)
+                case MetricUpdates(updates):
+                    self._apply_metric_updates(updates)
+                case StopResponses():
+                    return
             now = time.monotonic()
             if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
                 last_sweep = now
                 self._poll_cancellation(now)
+
+    def _deliver(self, live: _Live, output) -> None:
+        try:
+            self._respond(live, output)
+        except Exception:  # noqa: BLE001 - keep serving the other requests
+            self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
+            if output.finished:
+                self._forget(live.request_id)
+            else:
+                live.cancelled = True  # its client is unreachable: the engine drops it
 
     def _apply_metric_updates(self, updates) -> None:
         from backend.metrics import apply

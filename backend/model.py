@@ -5,9 +5,10 @@ it is plain Python + torch. Triton calls:
 
 - ``initialize``: parse ``config.pbtxt`` parameters into ``EngineConfig``, load the
   engine, start its loop thread and the response thread.
-- ``execute``: for each request read and validate the inputs, hand the request to the
-  engine loop, return at once. A bad request gets one final error response
-  (INVALID_ARG naming the input) and the others go on.
+- ``execute``: for each request read and validate the inputs (``backend/protocol.py``,
+  which also says what each response carries), hand the request to the engine loop,
+  return at once. A bad request gets one final error response (INVALID_ARG naming the
+  input) and the others go on.
 - ``finalize``: stop the loop (every live request gets its final response), then the
   response thread once everything queued has been sent.
 
@@ -22,21 +23,6 @@ tritonserver 2.51 sometimes kept the model loaded after a load at a low request 
 exited 1); with the updates off or on the response thread, none of 11 did. The
 readiness thread notices an unload or a server shutdown while requests are live and
 aborts them, so each still gets its final response.
-
-Responses: ``stream`` true sends one response per new piece of text, and the last
-response (which may carry an empty string) has the final flag. ``stream`` false sends
-exactly one final response with the whole text, so HTTP ``/generate`` works; unless
-``exclude_input_in_output`` is true the prompt is prepended to it (like Triton's vLLM
-backend).
-
-Every response carries every output its request asks for: Triton's requested outputs,
-which are all six declared outputs unless the client names some. perf_analyzer 2.51
-names all six, and for an output a response lacks it exports whatever bytes its empty
-buffer points at: a float among them that reads as NaN stops its JSON writer before the
-first flush and leaves genai-perf a zero-length profile export. The `return_*` inputs of
-Triton's vLLM backend are accepted and validated but add nothing: an output a client
-names or leaves to the default is already there (and Triton drops the ones it did not ask
-for).
 """
 
 from __future__ import annotations
@@ -60,34 +46,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from backend.protocol import INPUTS, OUTPUTS, BadRequest, ResponseEncoder, parse_request
 from backend.readiness import HttpReadinessProbe
-from backend.request import RETURN_FLAGS, RequestStatus
-
-# Request-level switches (inputs of the model, BOOL[1]). When a client sends no
-# `sampling_parameters` input, they may also arrive among the request's parameters
-# (HTTP generate's "parameters": {...}), like Triton's vLLM backend accepts.
-STREAM = "stream"
-EXCLUDE_INPUT = "exclude_input_in_output"
-REQUEST_SWITCHES = (STREAM, EXCLUDE_INPUT) + RETURN_FLAGS
-
-INPUTS = [
-    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
-    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
-] + [{"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in RETURN_FLAGS]
-OUTPUTS = [
-    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
-    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
-    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-]
-OUTPUT_NAMES = frozenset(spec["name"] for spec in OUTPUTS)
+from backend.request import RequestStatus
 
 # How often live requests that sent nothing lately are asked whether they were cancelled
 # (a streaming request is asked after each response it sends). A request in prefill is
@@ -105,110 +68,16 @@ READINESS_POLL_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class BadRequest(Exception):
-    """A problem with one request's inputs: answered with INVALID_ARG."""
-
-
 def _error_code(name: str) -> Any:
     return getattr(pb_utils.TritonError, name, pb_utils.TritonError.INTERNAL)
 
 
-def _parse_bool(name: str, value: Any) -> bool:
-    """A boolean from a tensor element or a JSON value; the string "false" is false."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", errors="replace")
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in ("true", "1", "yes", "on"):
-            return True
-        if lowered in ("false", "0", "no", "off", ""):
-            return False
-    elif isinstance(value, (int, np.integer)) and int(value) in (0, 1):
-        return bool(value)
-    raise BadRequest(f"{name} must be a boolean, got {value!r}")
-
-
-def _single(request, name: str) -> Any | None:
-    """The one element of an optional [1]-shaped input, or None when absent."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    array = tensor.as_numpy()
-    if array.size != 1:
-        raise BadRequest(f"{name} must hold exactly one element, got shape {list(array.shape)}")
-    return array.reshape(-1)[0]
-
-
-def _text(name: str, value: Any) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"{name} is not valid UTF-8: {exc}") from None
-    if isinstance(value, str):
-        return value
-    raise BadRequest(f"{name} must be a string, got {type(value).__name__}")
-
-
-@dataclass
-class ParsedRequest:
-    prompt: str
-    sampling: dict[str, Any]
-    stream: bool
-    prepend_prompt: bool
-    # The declared outputs this request asks for (Triton fills in all of them when a
-    # client names none); each response carries exactly these.
-    outputs: frozenset[str]
-
-
-def parse_request(request) -> ParsedRequest:
-    """Read and validate one Triton request's inputs (sampling values checked later)."""
-    raw_prompt = _single(request, "text_input")
-    if raw_prompt is None:
-        raise BadRequest("missing required input 'text_input' (STRING, shape [1]): the prompt to complete")
-    prompt = _text("text_input", raw_prompt)
-    if not prompt:
-        raise BadRequest("input 'text_input' is empty: send a non-empty prompt")
-
-    raw_params = _single(request, "sampling_parameters")
-    from_request_parameters = raw_params is None
-    if raw_params is None:
-        raw_params = request.parameters() or "{}"
-    params_text = _text("sampling_parameters", raw_params).strip() or "{}"
-    try:
-        sampling = json.loads(params_text)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"sampling_parameters is not valid JSON: {exc}") from None
-    if not isinstance(sampling, dict):
-        raise BadRequest(f"sampling_parameters must be a JSON object, got {type(sampling).__name__}")
-
-    switches: dict[str, bool] = {}
-    if from_request_parameters:
-        # HTTP generate's "parameters": {...} carries switches and sampling values together.
-        for name in REQUEST_SWITCHES:
-            if name in sampling:
-                switches[name] = _parse_bool(name, sampling.pop(name))
-    for name in REQUEST_SWITCHES:
-        value = _single(request, name)
-        if value is not None:
-            switches[name] = _parse_bool(name, value)
-
-    stream = switches.get(STREAM, False)
-    exclude = switches.get(EXCLUDE_INPUT, stream)
-    if stream and not exclude:
-        # As Triton's vLLM backend: streamed responses carry only new text, never the prompt.
-        raise BadRequest(
-            f"{EXCLUDE_INPUT} must be true when {STREAM} is true: streamed responses carry only the new text"
-        )
-    return ParsedRequest(
-        prompt=prompt,
-        sampling=sampling,
-        stream=stream,
-        prepend_prompt=not stream and not exclude,
-        outputs=frozenset(request.requested_output_names()) & OUTPUT_NAMES,
-    )
+def _input_reader(request):
+    """`get_input` of protocol.parse_request for one Triton request."""
+    def get_input(name: str):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+    return get_input
 
 
 @dataclass(eq=False)
@@ -217,14 +86,29 @@ class _Live:
 
     request_id: str
     sender: Any
-    parsed: ParsedRequest
+    encoder: ResponseEncoder
     # The engine's Request (read-only here: its status and output tokens, set by the loop).
     request: Any = None
     cancelled: bool = False
     last_cancel_poll: float = field(default_factory=time.monotonic)
-    text: list[str] = field(default_factory=list)
-    pending_tokens: int = 0  # output tokens not yet reported (streaming skips empty deltas)
-    pending_logprobs: list[dict] = field(default_factory=list)
+
+
+# What the response thread's queue carries: the loop thread queues engine outputs and
+# metric updates, finalize queues the stop once nothing else will be queued.
+@dataclass(frozen=True)
+class EngineOutput:
+    live: _Live
+    output: Any  # backend.engine.RequestOutput
+
+
+@dataclass(frozen=True)
+class MetricUpdates:
+    updates: list  # backend.metrics.Updates
+
+
+@dataclass(frozen=True)
+class StopResponses:
+    pass
 
 
 class TritonPythonModel:
@@ -234,12 +118,12 @@ class TritonPythonModel:
         config = auto_complete_model_config.as_dict()
         have_inputs = {i["name"] for i in config.get("input", [])}
         have_outputs = {o["name"] for o in config.get("output", [])}
-        for spec in INPUTS:
-            if spec["name"] not in have_inputs:
-                auto_complete_model_config.add_input(spec)
-        for spec in OUTPUTS:
-            if spec["name"] not in have_outputs:
-                auto_complete_model_config.add_output(spec)
+        for spec in INPUTS.values():
+            if spec.name not in have_inputs:
+                auto_complete_model_config.add_input(spec.config())
+        for spec in OUTPUTS.values():
+            if spec.name not in have_outputs:
+                auto_complete_model_config.add_output(spec.config())
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
@@ -319,7 +203,8 @@ class TritonPythonModel:
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1")),
                   "instance": args.get("model_instance_name", "")}
         try:
-            self._engine_metrics = EngineMetrics(pb_utils, labels, self.loop.engine, publish=self._queue.put)
+            self._engine_metrics = EngineMetrics(pb_utils, labels, self.loop.engine,
+                                                 publish=lambda updates: self._queue.put(MetricUpdates(updates)))
         except pb_utils.TritonModelException as exc:
             self.logger.log_info(f"[inflight] metrics disabled: {exc}")
             self._engine_metrics = None
@@ -335,7 +220,7 @@ class TritonPythonModel:
             self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - still answer every live request below
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
-        self._queue.put(None)
+        self._queue.put(StopResponses())
         self._response_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         self._readiness_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         # Whatever the engine did not finish still gets its one final response.
@@ -360,7 +245,8 @@ class TritonPythonModel:
             try:
                 if self._shutting_down:
                     raise RequestError("UNAVAILABLE", "the model is shutting down")
-                parsed = parse_request(request)
+                parsed = parse_request(_input_reader(request), request.parameters(),
+                                       request.requested_output_names())
                 params = SamplingParams.from_dict(parsed.sampling)
             except BadRequest as exc:
                 self._send_error(sender, str(exc), "INVALID_ARG")
@@ -374,7 +260,7 @@ class TritonPythonModel:
                 continue
 
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-            live = _Live(request_id, sender, parsed)
+            live = _Live(request_id, sender, ResponseEncoder(parsed))
             with self._live_lock:
                 self._live[request_id] = live
             try:
@@ -382,9 +268,9 @@ class TritonPythonModel:
                     request_id,
                     parsed.prompt,
                     params,
-                    on_output=lambda output, live=live: self._queue.put((live, output)),
+                    on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
                     is_cancelled=lambda live=live: live.cancelled,
-                    needs_logprobs="cumulative_logprob" in parsed.outputs,
+                    needs_logprobs=parsed.needs_logprobs,
                 )
             except RequestError as exc:
                 self._forget(request_id)
@@ -416,25 +302,28 @@ class TritonPythonModel:
             try:
                 item = self._queue.get(timeout=PREFILL_CANCEL_POLL_INTERVAL_S if self._live else CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
-                item = False
-            if item is None:
-                return
-            if isinstance(item, list):  # metric updates from the loop (EngineMetrics)
-                self._apply_metric_updates(item)
-            elif item:
-                live, output = item
-                try:
-                    self._respond(live, output)
-                except Exception:  # noqa: BLE001 - keep serving the other requests
-                    self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
-                    if output.finished:
-                        self._forget(live.request_id)
-                    else:
-                        live.cancelled = True  # its client is unreachable: the engine drops it
+                item = None  # nothing came: only the cancellation sweep below
+            match item:
+                case EngineOutput(live, output):
+                    self._deliver(live, output)
+                case MetricUpdates(updates):
+                    self._apply_metric_updates(updates)
+                case StopResponses():
+                    return
             now = time.monotonic()
             if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
                 last_sweep = now
                 self._poll_cancellation(now)
+
+    def _deliver(self, live: _Live, output) -> None:
+        try:
+            self._respond(live, output)
+        except Exception:  # noqa: BLE001 - keep serving the other requests
+            self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
+            if output.finished:
+                self._forget(live.request_id)
+            else:
+                live.cancelled = True  # its client is unreachable: the engine drops it
 
     def _apply_metric_updates(self, updates) -> None:
         from backend.metrics import apply
@@ -500,66 +389,24 @@ class TritonPythonModel:
                 pass
 
     def _respond(self, live: _Live, output) -> None:
-        parsed = live.parsed
-        live.pending_tokens += len(output.token_ids_delta)
-        if output.logprobs_delta:
-            live.pending_logprobs.extend(output.logprobs_delta)
-        if not output.finished:
-            if output.text_delta:
-                live.text.append(output.text_delta)
-            if not parsed.stream or not output.text_delta:
+        if output.finished:
+            self._forget(live.request_id)
+            if output.error is not None:
+                self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"))
                 return
-            live.sender.send(self._response(live, output, output.text_delta), flags=0)
-            live.last_cancel_poll = time.monotonic()
-            live.cancelled = live.cancelled or bool(live.sender.is_cancelled())
+            if output.finish_reason == "abort" and live.cancelled:
+                self.logger.log_verbose(f"[inflight] request {live.request_id} cancelled by the client")
+                self._send_error(live.sender, "request was cancelled", "CANCELLED")
+                return
+        arrays = live.encoder.encode(output)
+        if arrays is None:
             return
-
-        self._forget(live.request_id)
-        error = output.error
-        if error is None and output.finish_reason == "abort" and live.cancelled:
-            self.logger.log_verbose(f"[inflight] request {live.request_id} cancelled by the client")
-            error_message, code = "request was cancelled", "CANCELLED"
-        elif error is not None:
-            error_message, code = str(error), getattr(error, "code", "INTERNAL")
-        else:
-            error_message = None
-        if error_message is not None:
-            self._send_error(live.sender, error_message, code)
-            return
-        if parsed.stream:
-            text = output.text_delta
-        else:
-            live.text.append(output.text_delta)
-            text = "".join(live.text)
-            if parsed.prepend_prompt:
-                text = (output.prompt_text or parsed.prompt) + text
-        live.sender.send(
-            self._response(live, output, text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()]
         )
-
-    def _response(self, live: _Live, output, text: str):
-        outputs = live.parsed.outputs
-        tensors = []
-        if "text_output" in outputs:
-            tensors.append(pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)))
-        if "finish_reason" in outputs:
-            reason = str(output.finish_reason) if output.finished else "None"
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
-        if "cumulative_logprob" in outputs:
-            # Never None here: asking for this output makes the engine compute every token's
-            # logprob (needs_logprobs), and a NaN stand-in would break perf_analyzer's export.
-            value = float(output.cumulative_logprob)
-            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
-        if "logprobs" in outputs:
-            # vLLM's JSON: per token {token id: {"logprob", "rank", "decoded_token"}}; null
-            # unless sampling_parameters asked for "logprobs".
-            entries = live.pending_logprobs or None
-            tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(entries).encode()], dtype=np.object_)))
-        if "num_input_tokens" in outputs:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([output.num_prompt_tokens], dtype=np.uint32)))
-        if "num_output_tokens" in outputs:
-            count = live.pending_tokens if live.parsed.stream else output.num_output_tokens
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([count], dtype=np.uint32)))
-        live.pending_tokens = 0
-        live.pending_logprobs = []
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        if output.finished:
+            live.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        live.sender.send(response, flags=0)
+        live.last_cancel_poll = time.monotonic()
+        live.cancelled = live.cancelled or bool(live.sender.is_cancelled())

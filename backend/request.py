@@ -14,17 +14,6 @@ from typing import Any, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The BOOL inputs with which Triton's vLLM backend adds its optional outputs. This backend
-# accepts them, but answers every output a request asks for whatever they say
-# (backend/model.py). Clients (tools/loadtest.py) import these names.
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
-
 
 class RequestError(Exception):
     """An error that ends one request; `code` maps onto Triton's error codes."""

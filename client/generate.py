@@ -11,13 +11,18 @@ the server answered with an error, 2 when it cannot be reached or the model is n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
+
+from backend.protocol import (
+    FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+)
+from client.triton import is_final, make_inputs, output_value, stream_generate, text_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TOKENIZER = ".models/SmolLM2-135M-Instruct"
@@ -47,76 +52,6 @@ def apply_chat_template(prompt: str, tokenizer_path: str, system: str | None = N
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def make_inputs(prompt: str, sampling: dict[str, Any], stream: bool = True, exclude_input: bool = True,
-                returns: tuple[str, ...] = ()) -> list:
-    """The input tensors of one request (vLLM-backend conventions)."""
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name: str, value: Any, dtype: str):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
-        return t
-
-    inputs = [
-        tensor("text_input", prompt.encode("utf-8"), "BYTES"),
-        tensor("stream", stream, "BOOL"),
-        tensor("sampling_parameters", json.dumps(sampling).encode(), "BYTES"),
-        tensor("exclude_input_in_output", exclude_input, "BOOL"),
-    ]
-    inputs += [tensor(name, True, "BOOL") for name in returns]
-    return inputs
-
-
-def stream_generate(client, model: str, inputs: list, request_id: str = "1", timeout_s: float = 600.0) -> Iterator[Any]:
-    """Yield each response (an InferResult) of one request; raise its error if it fails.
-
-    `client` is a tritonclient.grpc.InferenceServerClient with no stream open.
-    """
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    finished = False
-    try:
-        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no final response after {timeout_s:.0f}s")
-            result, error = responses.get(timeout=remaining)
-            if error is not None:
-                raise error
-            finished = is_final(result)
-            yield result
-            if finished:
-                return
-    finally:
-        # Leaving early (error, Ctrl-C, a consumer that stops reading) cancels the request.
-        client.stop_stream(cancel_requests=not finished)
-
-
-def is_final(result) -> bool:
-    params = result.get_response().parameters
-    return "triton_final_response" in params and params["triton_final_response"].bool_param
-
-
-def output_value(result, name: str):
-    """The one element of a gRPC response's output `name` (str for BYTES), or None when the
-    response lacks it (optional outputs come only when a return_* input asks)."""
-    array = result.as_numpy(name)
-    if array is None or array.size == 0:
-        return None
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
-def text_of(result) -> str:
-    array = result.as_numpy("text_output")
-    if array is None or array.size == 0:
-        return ""
-    return b"".join(x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1)).decode("utf-8")
 
 
 def check_server(client, url: str, model: str) -> str | None:
@@ -178,7 +113,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] | None = None
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
-    returns = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens") if args.stats else ()
+    returns = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS) if args.stats else ()
     inputs = make_inputs(prompt, build_sampling_parameters(args), returns=returns)
     num_output_tokens, finish_reason, num_input_tokens = 0, None, None
     start = time.monotonic()
@@ -186,13 +121,12 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] | None = None
         for result in stream_generate(client, args.model, inputs, timeout_s=args.timeout):
             write(text_of(result))
             if args.stats:
-                n = result.as_numpy("num_output_tokens")
-                num_output_tokens += int(n.reshape(-1)[0]) if n is not None else 0
-                n = result.as_numpy("num_input_tokens")
-                num_input_tokens = int(n.reshape(-1)[0]) if n is not None else num_input_tokens
-                reason = result.as_numpy("finish_reason")
+                num_output_tokens += int(output_value(result, NUM_OUTPUT_TOKENS) or 0)
+                n = output_value(result, NUM_INPUT_TOKENS)
+                num_input_tokens = int(n) if n is not None else num_input_tokens
+                reason = output_value(result, FINISH_REASON)
                 if reason is not None and is_final(result):
-                    finish_reason = reason.reshape(-1)[0].decode()
+                    finish_reason = reason
     except InferenceServerException as exc:
         write("\n")
         print(f"error: {exc.message() or exc}", file=sys.stderr)

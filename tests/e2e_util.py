@@ -22,7 +22,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from client.generate import output_value as output  # noqa: F401 - the tests import it from here
+from backend.protocol import EXCLUDE_INPUT, SAMPLING_PARAMETERS, STREAM, TEXT_INPUT, TEXT_OUTPUT
+from client.triton import grpc_input, is_final
+from client.triton import output_value as output  # noqa: F401 - the tests import it from here
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # How long a test waits, after a request's final response, for anything (wrongly) sent after it.
@@ -32,7 +34,8 @@ AFTER_FINAL_GRACE_S = 0.3
 # ---------------------------------------------------------------------------- requests
 
 def tensor(name: str, value: Any, dtype: str, shape: list[int] | None = None):
-    """One gRPC input tensor. BYTES values may be str (UTF-8 encoded here) or bytes."""
+    """Any gRPC input tensor, of any datatype and shape (for requests the interface refuses;
+    `inputs_for` builds the ones it accepts). BYTES values may be str (UTF-8 encoded here) or bytes."""
     import tritonclient.grpc as grpcclient
 
     values = value if isinstance(value, list) else [value]
@@ -50,22 +53,14 @@ def tensor(name: str, value: Any, dtype: str, shape: list[int] | None = None):
 def inputs_for(prompt: str | bytes | None = "Hello", sampling: dict | str | None = None, stream: bool | None = None,
                exclude_input: bool | None = None, returns: tuple[str, ...] = ()) -> list:
     """Input tensors of one request; None leaves an input out. `sampling` may be raw text."""
-    inputs = []
-    if prompt is not None:
-        inputs.append(tensor("text_input", prompt, "BYTES"))
-    if stream is not None:
-        inputs.append(tensor("stream", stream, "BOOL"))
-    if sampling is not None:
-        inputs.append(tensor("sampling_parameters", sampling if isinstance(sampling, str) else json.dumps(sampling), "BYTES"))
-    if exclude_input is not None:
-        inputs.append(tensor("exclude_input_in_output", exclude_input, "BOOL"))
-    inputs += [tensor(name, True, "BOOL") for name in returns]
-    return inputs
-
-
-def is_final(result) -> bool:
-    params = result.get_response().parameters
-    return "triton_final_response" in params and params["triton_final_response"].bool_param
+    values = {
+        TEXT_INPUT: prompt,
+        STREAM: stream,
+        SAMPLING_PARAMETERS: sampling if sampling is None or isinstance(sampling, str) else json.dumps(sampling),
+        EXCLUDE_INPUT: exclude_input,
+        **{flag: True for flag in returns},
+    }
+    return [grpc_input(name, value) for name, value in values.items() if value is not None]
 
 
 @dataclass
@@ -82,7 +77,7 @@ class Outcome:
 
     @property
     def chunks(self) -> list[str]:
-        return [output(r, "text_output") or "" for r in self.responses]
+        return [output(r, TEXT_OUTPUT) or "" for r in self.responses]
 
     @property
     def text(self) -> str:

@@ -28,6 +28,7 @@ from typing import Callable
 import pytest
 import requests
 
+from backend.protocol import RETURN_FLAGS
 from tests.conftest import DEFAULT_CHECKPOINT, E2E_PARAMETERS
 from tests.e2e_util import (
     AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, tensor, wait_for, wait_idle, wait_until,
@@ -38,8 +39,6 @@ pytestmark = pytest.mark.e2e
 PROMPT = "The three primary colors are"
 VOCAB = 49152  # SmolLM2's vocabulary
 MAX_MODEL_LEN = 8192  # SmolLM2's 8192 positions (the engine's cap)
-ALL_RETURNS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
-               "return_cumulative_logprob", "return_logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ class Reference:
 def greedy(server, prompt: str, max_tokens: int, stream: bool = False, **extra) -> object:
     sampling = {"temperature": 0, "max_tokens": max_tokens, **extra}
     return generate(server.grpc_url, server.model, inputs_for(prompt, sampling, stream=stream, exclude_input=True,
-                                                              returns=ALL_RETURNS))
+                                                              returns=RETURN_FLAGS))
 
 
 def logprob_entries(outcome) -> list[dict]:
@@ -286,12 +285,12 @@ def test_values_as_strings_mean_what_they_say(server, reference):
     url, model = server.grpc_url, server.model
     # genai-perf's style: every value a string.
     got = generate(url, model, inputs_for(PROMPT, {"max_tokens": "8", "temperature": "0", "ignore_eos": "true"},
-                                          stream=True, returns=ALL_RETURNS))
+                                          stream=True, returns=RETURN_FLAGS))
     assert got.error is None, got.message
     assert got.total("num_output_tokens") == 8 and output(got.last, "finish_reason") == "length"
     assert got.text == "".join(reference.tokens[:8])
     got = generate(url, model, inputs_for(PROMPT, '{"max_tokens":"16","min_tokens":"16"}', stream=True,
-                                          exclude_input=True, returns=ALL_RETURNS))
+                                          exclude_input=True, returns=RETURN_FLAGS))
     assert got.error is None, got.message
     assert got.total("num_output_tokens") == 16
 
@@ -301,7 +300,7 @@ def test_values_as_strings_mean_what_they_say(server, reference):
     chat = apply_chat_template("Answer with one word: is the sky blue?", str(DEFAULT_CHECKPOINT))
     with Stream(url) as stream:
         outcomes = {flag: stream.send(model, inputs_for(chat, {"max_tokens": "48", "temperature": "0", "ignore_eos": flag},
-                                                        stream=False, exclude_input=True, returns=ALL_RETURNS))
+                                                        stream=False, exclude_input=True, returns=RETURN_FLAGS))
                     for flag in ("false", "true", "0", "1")}
         for got in outcomes.values():
             wait_for(got, 300)
@@ -318,7 +317,7 @@ def test_values_as_strings_mean_what_they_say(server, reference):
     for flag, expected in (("false", ""), ("true", stop)):
         got = generate(url, model, inputs_for(PROMPT, {"max_tokens": "40", "temperature": "0", "stop": stop,
                                                        "include_stop_str_in_output": flag},
-                                              stream=False, exclude_input=True, returns=ALL_RETURNS))
+                                              stream=False, exclude_input=True, returns=RETURN_FLAGS))
         assert got.text == "".join(reference.tokens[:3]) + expected, flag
 
 
@@ -396,7 +395,7 @@ def test_stop_strings_inside_across_and_mid_token_streamed_and_not(server, refer
                     sampling = {"temperature": 0, "max_tokens": 40, "stop": [stop, "never appears"],
                                 "include_stop_str_in_output": include}
                     outcome = stream.send(model, inputs_for(PROMPT, sampling, stream=streamed, exclude_input=True,
-                                                            returns=ALL_RETURNS))
+                                                            returns=RETURN_FLAGS))
                     runs.append((name, stop, j, include, streamed, outcome))
         for run in runs:
             wait_for(run[-1], 300)
@@ -433,9 +432,9 @@ def test_multibyte_utf8_streams_without_replacement_characters(server, prompt, s
     warm = generate(server.grpc_url, server.model, inputs_for(prompt, {"temperature": 0, "max_tokens": 1}, stream=False))
     assert warm.error is None, warm.message
     sampling = {**sampling, "logprobs": 0}
-    streamed = generate(server.grpc_url, server.model, inputs_for(prompt, sampling, stream=True, returns=ALL_RETURNS))
+    streamed = generate(server.grpc_url, server.model, inputs_for(prompt, sampling, stream=True, returns=RETURN_FLAGS))
     whole = generate(server.grpc_url, server.model, inputs_for(prompt, sampling, stream=False, exclude_input=True,
-                                                              returns=ALL_RETURNS))
+                                                              returns=RETURN_FLAGS))
     assert streamed.error is None and whole.error is None
     # The same tokens (same seed, same computation), so the text must match too.
     assert [sampled(e)[0] for e in logprob_entries(streamed)] == [sampled(e)[0] for e in logprob_entries(whole)]
@@ -501,7 +500,7 @@ def test_return_outputs_and_logprobs_in_vllm_shape(server, tokenizer, reference)
     r = requests.post(f"{server.http_url}/v2/models/{server.model}/generate", timeout=120, json={
         "text_input": PROMPT, "exclude_input_in_output": True,
         "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": max_tokens, "logprobs": n_top}),
-        **{name: True for name in ALL_RETURNS}})
+        **{name: True for name in RETURN_FLAGS}})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["text_output"] == whole.text and body["finish_reason"] == "length"

@@ -16,7 +16,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.generate import apply_chat_template, is_final, make_inputs, stream_generate, text_of
+from client.generate import apply_chat_template
+from client.triton import is_final, make_inputs, stream_generate, text_of
 from tests.e2e_util import run_server
 
 pytestmark = pytest.mark.e2e

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from backend.protocol import RETURN_FLAGS
 from tests.conftest import DEFAULT_CHECKPOINT
 from tests.e2e_util import REPO_ROOT, scrape, wait_idle
-from tools.loadtest import RETURN_FLAGS, genai_perf_command
+from tools.loadtest import genai_perf_command
 
 pytestmark = pytest.mark.e2e
 

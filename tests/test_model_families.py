@@ -423,7 +423,7 @@ def test_qwen3_through_tritonserver_matches_transformers(qwen3_server):
 
     import tritonclient.grpc as grpcclient
 
-    from client.generate import make_inputs, stream_generate, text_of
+    from client.triton import make_inputs, stream_generate, text_of
 
     server, path = qwen3_server
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)

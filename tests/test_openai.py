@@ -18,8 +18,9 @@ import openai
 import pytest
 import requests
 
-from client.generate import apply_chat_template, make_inputs, stream_generate, text_of
+from client.generate import apply_chat_template
 from client.openai_server import _chat_logprobs, _completion_logprobs, classify_backend_error
+from client.triton import make_inputs, stream_generate, text_of
 from tests.openai_frontend import metric, run_frontend, wait_for
 
 MODEL = "llm"

@@ -27,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-from backend.request import RETURN_FLAGS
+from backend.protocol import RETURN_FLAGS
 from client.bench.records import git_commit, machine
 from client.bench.stats import format_ratio
 from client.bench.workloads import TOKEN_HIGH, TOKEN_LOW
+from client.triton import request_values
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
@@ -111,10 +112,10 @@ def genai_perf_ratios(ours: dict, peer: dict) -> dict:
 def perf_analyzer_input_data(prompts: list[str], output_tokens: int) -> dict:
     """perf_analyzer's --input-data JSON: one entry per prompt, used round-robin.
     EOS is ignored so every request generates exactly `output_tokens` tokens."""
-    sampling = json.dumps({"max_tokens": output_tokens, "ignore_eos": True})
+    sampling = {"max_tokens": output_tokens, "ignore_eos": True}
     return {"data": [
-        {"text_input": [prompt], "stream": [True], "exclude_input_in_output": [True],
-         "sampling_parameters": [sampling], **{flag: [True] for flag in RETURN_FLAGS}}
+        {name: [value] for name, value in request_values(prompt, sampling, stream=True, exclude_input=True,
+                                                          returns=RETURN_FLAGS).items()}
         for prompt in prompts
     ]}
 

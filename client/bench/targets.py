@@ -35,12 +35,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from backend.protocol import FINISH_REASON, NUM_OUTPUT_TOKENS, RETURN_FINISH_REASON, RETURN_NUM_OUTPUT_TOKENS, TEXT_OUTPUT
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.workloads import BenchRequest, Workload
-from client.generate import is_final, make_inputs, output_value
+from client.triton import is_final, make_inputs, output_value, request_values
 
 SCHEMES = {"grpc": "triton-grpc", "http": "triton-http", "openai": "openai"}
-TRITON_RETURNS = ("return_finish_reason", "return_num_output_tokens")
+TRITON_RETURNS = (RETURN_FINISH_REASON, RETURN_NUM_OUTPUT_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,13 @@ class _TritonGrpc:
                 if error is not None:
                     record.error = error.message() or str(error)
                     return
-                tokens = int(output_value(result, "num_output_tokens") or 0)
-                if output_value(result, "text_output") or tokens:
+                tokens = int(output_value(result, NUM_OUTPUT_TOKENS) or 0)
+                if output_value(result, TEXT_OUTPUT) or tokens:
                     record.token_times.append(now)
                     record.num_output_tokens += tokens
                 if is_final(result):
                     finished = True
-                    reason = output_value(result, "finish_reason")
+                    reason = output_value(result, FINISH_REASON)
                     record.end_time = now
                     record.finish_reason = reason if reason not in (None, "", "None") else "unknown"
                     return
@@ -168,8 +169,7 @@ class _Http:
 class _TritonHttp(_Http):
     async def send(self, request_id: str, prompt: str, sampling: dict, record: RequestRecord) -> None:
         url = f"http://{self.target.address}/v2/models/{self.target.model_name}/generate_stream"
-        body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
-                "sampling_parameters": json.dumps(sampling), **{flag: True for flag in TRITON_RETURNS}}
+        body = request_values(prompt, sampling, stream=True, exclude_input=True, returns=TRITON_RETURNS)
         reason = None
         async with aclosing(self.events(url, body, record)) as events:
             async for now, event in events:
@@ -178,11 +178,11 @@ class _TritonHttp(_Http):
                 if "error" in event:
                     record.error = str(event["error"])
                     return
-                tokens = int(_scalar(event.get("num_output_tokens", 0)) or 0)
-                if _scalar(event.get("text_output")) or tokens:
+                tokens = int(_scalar(event.get(NUM_OUTPUT_TOKENS, 0)) or 0)
+                if _scalar(event.get(TEXT_OUTPUT)) or tokens:
                     record.token_times.append(now)
                     record.num_output_tokens += tokens
-                value = _scalar(event.get("finish_reason"))
+                value = _scalar(event.get(FINISH_REASON))
                 if value not in (None, "", "None"):
                     reason = value
                 record.end_time = now

@@ -1,0 +1,316 @@
+"""The wire interface of the inflight backend: Triton's vLLM backend's inputs and outputs.
+
+Plain Python + numpy, so that the Triton adapter (``model.py``), the clients and unit
+tests share one table and one parser:
+
+- ``INPUTS`` and ``OUTPUTS``: name, Triton data type, dims, optional; clients build their
+  requests from them (``client/triton.py``) and ``model.py`` declares them to Triton.
+- ``parse_request``: one request's inputs (numpy arrays by name) and request parameters
+  into a ``ParsedRequest``, or ``BadRequest`` naming the input and the limit.
+- ``ResponseEncoder`` and ``encode_response``: one request's engine outputs into the numpy
+  arrays of its responses, by output name.
+
+Responses: ``stream`` true sends one response per new piece of text, and the last
+response (which may carry an empty string) is the final one. ``stream`` false sends
+exactly one final response with the whole text, so HTTP ``/generate`` works; unless
+``exclude_input_in_output`` is true the prompt is prepended to it (like Triton's vLLM
+backend).
+
+Every response carries every output its request asks for: Triton's requested outputs,
+which are all six declared outputs unless the client names some. perf_analyzer 2.51
+names all six, and for an output a response lacks it exports whatever bytes its empty
+buffer points at: a float among them that reads as NaN stops its JSON writer before the
+first flush and leaves genai-perf a zero-length profile export. The ``return_*`` inputs of
+Triton's vLLM backend are accepted and validated but add nothing: an output a client
+names or leaves to the default is already there (and Triton drops the ones it did not ask
+for).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from backend.engine import RequestOutput
+
+TEXT_INPUT = "text_input"
+STREAM = "stream"
+SAMPLING_PARAMETERS = "sampling_parameters"
+EXCLUDE_INPUT = "exclude_input_in_output"
+# The BOOL inputs with which Triton's vLLM backend adds its optional outputs. This backend
+# accepts them, but answers every output a request asks for whatever they say.
+RETURN_FINISH_REASON = "return_finish_reason"
+RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
+RETURN_LOGPROBS = "return_logprobs"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+RETURN_FLAGS = (
+    RETURN_FINISH_REASON,
+    RETURN_CUMULATIVE_LOGPROB,
+    RETURN_LOGPROBS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+)
+# Request-level switches (BOOL[1] inputs). When a client sends no `sampling_parameters`
+# input, they may also arrive among the request's parameters (HTTP generate's
+# "parameters": {...}), as Triton's vLLM backend accepts them.
+REQUEST_SWITCHES = (STREAM, EXCLUDE_INPUT) + RETURN_FLAGS
+
+TEXT_OUTPUT = "text_output"
+FINISH_REASON = "finish_reason"
+CUMULATIVE_LOGPROB = "cumulative_logprob"
+LOGPROBS = "logprobs"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+
+# Triton's config data type -> (the datatype a client names on the wire, numpy dtype).
+_DATA_TYPES: dict[str, tuple[str, Any]] = {
+    "TYPE_STRING": ("BYTES", np.object_),
+    "TYPE_BOOL": ("BOOL", np.bool_),
+    "TYPE_FP32": ("FP32", np.float32),
+    "TYPE_UINT32": ("UINT32", np.uint32),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the model, as config.pbtxt declares it."""
+
+    name: str
+    data_type: str  # Triton's config type, a key of _DATA_TYPES
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.data_type in _DATA_TYPES, self.data_type
+
+    @property
+    def datatype(self) -> str:
+        """The datatype clients name for this tensor ("BYTES" for TYPE_STRING)."""
+        return _DATA_TYPES[self.data_type][0]
+
+    @property
+    def numpy_dtype(self) -> Any:
+        return _DATA_TYPES[self.data_type][1]
+
+    def config(self) -> dict[str, Any]:
+        """The entry of `input` or `output` in a model config (auto_complete_config)."""
+        entry: dict[str, Any] = {"name": self.name, "data_type": self.data_type, "dims": list(self.dims)}
+        if self.optional:
+            entry["optional"] = True
+        return entry
+
+
+def _table(*specs: TensorSpec) -> dict[str, TensorSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+INPUTS = _table(
+    TensorSpec(TEXT_INPUT, "TYPE_STRING", (1,)),
+    TensorSpec(STREAM, "TYPE_BOOL", (1,), optional=True),
+    TensorSpec(SAMPLING_PARAMETERS, "TYPE_STRING", (1,), optional=True),
+    TensorSpec(EXCLUDE_INPUT, "TYPE_BOOL", (1,), optional=True),
+    *(TensorSpec(name, "TYPE_BOOL", (1,), optional=True) for name in RETURN_FLAGS),
+)
+OUTPUTS = _table(
+    TensorSpec(TEXT_OUTPUT, "TYPE_STRING", (-1,)),
+    TensorSpec(FINISH_REASON, "TYPE_STRING", (-1,)),
+    TensorSpec(CUMULATIVE_LOGPROB, "TYPE_FP32", (-1,)),
+    TensorSpec(LOGPROBS, "TYPE_STRING", (-1,)),
+    TensorSpec(NUM_INPUT_TOKENS, "TYPE_UINT32", (1,)),
+    TensorSpec(NUM_OUTPUT_TOKENS, "TYPE_UINT32", (-1,)),
+)
+OUTPUT_NAMES = frozenset(OUTPUTS)
+
+
+class BadRequest(Exception):
+    """A problem with one request's inputs: answered with INVALID_ARG."""
+
+
+# ---------------------------------------------------------------------------- requests
+
+def _parse_bool(name: str, value: Any) -> bool:
+    """A boolean from a tensor element or a JSON value; the string "false" is false."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off", ""):
+            return False
+    elif isinstance(value, (int, np.integer)) and int(value) in (0, 1):
+        return bool(value)
+    raise BadRequest(f"{name} must be a boolean, got {value!r}")
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"{name} is not valid UTF-8: {exc}") from None
+    if isinstance(value, str):
+        return value
+    raise BadRequest(f"{name} must be a string, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt: str
+    # The client's sampling values, not validated yet (SamplingParams.from_dict does that).
+    sampling: dict[str, Any]
+    stream: bool
+    prepend_prompt: bool
+    # The declared outputs this request asks for (Triton fills in all of them when a
+    # client names none); each response carries exactly these.
+    outputs: frozenset[str]
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the engine must compute every sampled token's logprob for this request."""
+        return CUMULATIVE_LOGPROB in self.outputs
+
+
+def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str = "",
+                  requested_outputs: Iterable[str] = OUTPUT_NAMES) -> ParsedRequest:
+    """Read and validate one request (sampling values are checked later, by SamplingParams).
+
+    `get_input(name)` is the numpy array of an input, or None when the request lacks it;
+    `parameters` the request's parameters as JSON text (Triton's `request.parameters()`);
+    `requested_outputs` the output names Triton asks for."""
+
+    def single(name: str) -> Any | None:
+        """The one element of a [1]-shaped input, or None when absent."""
+        array = get_input(name)
+        if array is None:
+            return None
+        if array.size != 1:
+            raise BadRequest(f"{name} must hold exactly one element, got shape {list(array.shape)}")
+        return array.reshape(-1)[0]
+
+    raw_prompt = single(TEXT_INPUT)
+    if raw_prompt is None:
+        raise BadRequest(f"missing required input '{TEXT_INPUT}' (STRING, shape [1]): the prompt to complete")
+    prompt = _text(TEXT_INPUT, raw_prompt)
+    if not prompt:
+        raise BadRequest(f"input '{TEXT_INPUT}' is empty: send a non-empty prompt")
+
+    raw_params = single(SAMPLING_PARAMETERS)
+    from_request_parameters = raw_params is None
+    if raw_params is None:
+        raw_params = parameters or "{}"
+    params_text = _text(SAMPLING_PARAMETERS, raw_params).strip() or "{}"
+    try:
+        sampling = json.loads(params_text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"{SAMPLING_PARAMETERS} is not valid JSON: {exc}") from None
+    if not isinstance(sampling, dict):
+        raise BadRequest(f"{SAMPLING_PARAMETERS} must be a JSON object, got {type(sampling).__name__}")
+
+    switches: dict[str, bool] = {}
+    if from_request_parameters:
+        # HTTP generate's "parameters": {...} carries switches and sampling values together.
+        for name in REQUEST_SWITCHES:
+            if name in sampling:
+                switches[name] = _parse_bool(name, sampling.pop(name))
+    for name in REQUEST_SWITCHES:
+        value = single(name)
+        if value is not None:
+            switches[name] = _parse_bool(name, value)
+
+    stream = switches.get(STREAM, False)
+    exclude = switches.get(EXCLUDE_INPUT, stream)
+    if stream and not exclude:
+        # As Triton's vLLM backend: streamed responses carry only new text, never the prompt.
+        raise BadRequest(
+            f"{EXCLUDE_INPUT} must be true when {STREAM} is true: streamed responses carry only the new text"
+        )
+    return ParsedRequest(
+        prompt=prompt,
+        sampling=sampling,
+        stream=stream,
+        prepend_prompt=not stream and not exclude,
+        outputs=frozenset(requested_outputs) & OUTPUT_NAMES,
+    )
+
+
+# ---------------------------------------------------------------------------- responses
+
+def encode_response(outputs: Iterable[str], *, text: str, finish_reason: str | None,
+                    cumulative_logprob: float | None, logprobs: list[dict] | None,
+                    num_input_tokens: int, num_output_tokens: int) -> dict[str, np.ndarray]:
+    """The arrays of one response, by output name, for each of `outputs`.
+
+    `finish_reason` None (a response that is not the final one) is sent as "None";
+    `logprobs` None as JSON null; `cumulative_logprob` must be a number when asked for."""
+    outputs = frozenset(outputs)
+    arrays: dict[str, np.ndarray] = {}
+    if TEXT_OUTPUT in outputs:
+        arrays[TEXT_OUTPUT] = np.array([text.encode("utf-8")], dtype=np.object_)
+    if FINISH_REASON in outputs:
+        arrays[FINISH_REASON] = np.array([str(finish_reason).encode()], dtype=np.object_)
+    if CUMULATIVE_LOGPROB in outputs:
+        # Never None here: asking for this output makes the engine compute every token's
+        # logprob (ParsedRequest.needs_logprobs), and a NaN stand-in would break
+        # perf_analyzer's export.
+        arrays[CUMULATIVE_LOGPROB] = np.array([float(cumulative_logprob)], dtype=np.float32)
+    if LOGPROBS in outputs:
+        # vLLM's JSON: per token {token id: {"logprob", "rank", "decoded_token"}}; null
+        # unless sampling_parameters asked for "logprobs".
+        arrays[LOGPROBS] = np.array([json.dumps(logprobs).encode()], dtype=np.object_)
+    if NUM_INPUT_TOKENS in outputs:
+        arrays[NUM_INPUT_TOKENS] = np.array([num_input_tokens], dtype=np.uint32)
+    if NUM_OUTPUT_TOKENS in outputs:
+        arrays[NUM_OUTPUT_TOKENS] = np.array([num_output_tokens], dtype=np.uint32)
+    return arrays
+
+
+@dataclass(eq=False)
+class ResponseEncoder:
+    """Turns one request's engine outputs, fed in order, into the arrays of its responses.
+
+    A streamed response reports the tokens and logprobs since the previous response (an
+    output that adds no text adds its tokens to the next response); the one response of a
+    request that is not streamed reports them all."""
+
+    request: ParsedRequest
+    text: list[str] = field(default_factory=list)  # not streamed: the text so far
+    pending_tokens: int = 0
+    pending_logprobs: list[dict] = field(default_factory=list)
+
+    def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
+        """The arrays of the response `output` calls for, or None when it calls for none
+        (not final, and either not streamed or without new text)."""
+        self.pending_tokens += len(output.token_ids_delta)
+        if output.logprobs_delta:
+            self.pending_logprobs.extend(output.logprobs_delta)
+        if self.request.stream:
+            if not output.finished and not output.text_delta:
+                return None
+            text = output.text_delta
+        else:
+            self.text.append(output.text_delta)
+            if not output.finished:
+                return None
+            text = "".join(self.text)
+            if self.request.prepend_prompt:
+                text = (output.prompt_text or self.request.prompt) + text
+        arrays = encode_response(
+            self.request.outputs,
+            text=text,
+            finish_reason=output.finish_reason if output.finished else None,
+            cumulative_logprob=output.cumulative_logprob,
+            logprobs=self.pending_logprobs or None,
+            num_input_tokens=output.num_prompt_tokens,
+            num_output_tokens=self.pending_tokens if self.request.stream else output.num_output_tokens,
+        )
+        self.pending_tokens = 0
+        self.pending_logprobs = []
+        return arrays

@@ -244,7 +244,8 @@ def test_parse_target():
 
 def test_openai_frontend_passes_ignore_eos_to_the_backend():
     """vLLM's `ignore_eos` extension reaches the backend's sampling parameters (the openai target relies on it)."""
-    from client.openai_server import CompletionRequest, validate_sampling
+    from client.openai.schema import CompletionRequest
+    from client.openai.translation import validate_sampling
 
     req = CompletionRequest.model_validate({"model": "llm", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True,
                                             "seed": 3, "stream": True, "stream_options": {"include_usage": True}})

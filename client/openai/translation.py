@@ -1,0 +1,227 @@
+"""Translation between the two APIs: an OpenAI request's fields become the backend's
+``sampling_parameters``; the backend's responses and errors become OpenAI's objects,
+server-sent events and error JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from backend.request import RequestError, SamplingParams
+from client.openai.schema import ApiError
+
+# OpenAI's own limits are lower (4 stop sequences, 5/20 logprobs); the backend's are the
+# ones enforced (backend/request.py), so a client gets the same answer here and there.
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+
+# Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
+# gRPC stream carries only an error's message, not its code, so the code is recovered
+# from the message: UNAVAILABLE and INTERNAL are recognised; the rest of what the backend
+# refuses is request validation (INVALID_ARG: "<param>: <why>").
+_UNAVAILABLE = re.compile(r"queue is full|retry later|shutting down|unavailable|not ready", re.I)
+_INTERNAL = re.compile(r"^(internal error|engine error|could not send)", re.I)
+_UNKNOWN_MODEL = re.compile(r"unknown model|is not found", re.I)
+_PARAM = re.compile(r"^([a-z_]+): ")
+# Backend parameter names as a client of this API knows them.
+_PARAM_ALIASES = {"text_input": "prompt", "sampling_parameters": None}
+
+
+def classify_backend_error(message: str, model: str) -> ApiError:
+    """The ApiError for an error message from a Triton stream response."""
+    if _UNKNOWN_MODEL.search(message):
+        return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    if _UNAVAILABLE.search(message):
+        return ApiError(503, message, code="service_unavailable")
+    if _INTERNAL.search(message):
+        return ApiError(500, message, code="internal_error")
+    match = _PARAM.match(message)
+    param = match.group(1) if match else None
+    param = _PARAM_ALIASES.get(param, param)
+    return ApiError(400, message, param, "invalid_value" if param else None)
+
+
+def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
+    """Check sampling values with the backend's own table (backend/request.py) before sending."""
+    try:
+        SamplingParams.from_dict(sampling)
+    except RequestError as exc:
+        param = (aliases or {}).get(exc.param, exc.param)
+        message = str(exc)
+        if param != exc.param and exc.param and message.startswith(f"{exc.param}:"):
+            message = f"{param}:{message[len(exc.param) + 1:]}"
+        raise ApiError(400, message, param, "invalid_value") from None
+
+
+@dataclass
+class Piece:
+    """One backend response."""
+
+    text: str
+    num_input_tokens: int | None
+    num_output_tokens: int
+    finish_reason: str | None
+    logprobs: list[dict[str, dict[str, Any]]]
+    final: bool
+
+
+def _first(result, name: str):
+    array = result.as_numpy(name)
+    if array is None or array.size == 0:
+        return None
+    return array.reshape(-1)[0]
+
+
+def _piece(result) -> Piece:
+    text = _first(result, "text_output")
+    reason = _first(result, "finish_reason")
+    reason = reason.decode() if isinstance(reason, bytes) else reason
+    n_in = _first(result, "num_input_tokens")
+    n_out = _first(result, "num_output_tokens")
+    raw_logprobs = _first(result, "logprobs")
+    logprobs = json.loads(raw_logprobs) if raw_logprobs is not None else None
+    params = result.get_response().parameters
+    final = "triton_final_response" in params and params["triton_final_response"].bool_param
+    return Piece(
+        text=text.decode("utf-8") if isinstance(text, bytes) else (text or ""),
+        num_input_tokens=int(n_in) if n_in is not None else None,
+        num_output_tokens=int(n_out) if n_out is not None else 0,
+        finish_reason=None if reason in (None, "None") else reason,
+        logprobs=logprobs or [],
+        final=final,
+    )
+
+
+def _completion_logprobs(entries: list[dict], offset: int) -> dict[str, list]:
+    """OpenAI's legacy completions logprobs from the backend's per-token dicts."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        items = list(entry.values())
+        sampled = items[0]  # the backend puts the sampled token first
+        out["tokens"].append(sampled["decoded_token"])
+        out["token_logprobs"].append(sampled["logprob"])
+        out["top_logprobs"].append({v["decoded_token"]: v["logprob"] for v in items})
+        out["text_offset"].append(offset)
+        offset += len(sampled["decoded_token"])
+    return out
+
+
+def _chat_logprobs(entries: list[dict], top: int) -> list[dict[str, Any]]:
+    content = []
+    for entry in entries:
+        items = list(entry.values())
+        sampled = items[0]
+        ranked = sorted((v for v in items if v.get("rank") is not None and v["rank"] <= top), key=lambda v: v["rank"])
+        content.append({
+            "token": sampled["decoded_token"],
+            "logprob": sampled["logprob"],
+            "bytes": list(sampled["decoded_token"].encode("utf-8")),
+            "top_logprobs": [
+                {"token": v["decoded_token"], "logprob": v["logprob"], "bytes": list(v["decoded_token"].encode("utf-8"))}
+                for v in ranked
+            ],
+        })
+    return content
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return {"abort": "stop"}.get(reason, reason) if reason else None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+@dataclass
+class Job:
+    """What one endpoint call generates, and how its pieces become OpenAI objects."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt: str
+    sampling: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # completions: k; chat: top_logprobs (0 when only logprobs)
+    echo: bool = False
+    # backend parameter name -> the name this endpoint's client used
+    aliases: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
+        self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+    @property
+    def object_name(self) -> str:
+        if self.kind == "completion":
+            return "text_completion"
+        return "chat.completion.chunk" if self.stream else "chat.completion"
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.kind == "chat":
+            body["system_fingerprint"] = None
+        if usage is not None or not self.stream:
+            body["usage"] = usage
+        return body
+
+    def _logprobs(self, entries: list[dict], offset: int) -> Any:
+        if self.logprobs is None:
+            return None
+        if self.kind == "completion":
+            return _completion_logprobs(entries, offset)
+        return {"content": _chat_logprobs(entries, self.logprobs)}
+
+    # non-streamed
+    def whole(self, pieces: list[Piece]) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        entries = [e for p in pieces for e in p.logprobs]
+        reason = _finish_reason(pieces[-1].finish_reason)
+        prompt_tokens = next((p.num_input_tokens for p in pieces if p.num_input_tokens is not None), 0)
+        usage = _usage(prompt_tokens, sum(p.num_output_tokens for p in pieces))
+        if self.kind == "completion":
+            offset = len(self.prompt) if self.echo else 0
+            choice = {"index": 0, "text": (self.prompt if self.echo else "") + text,
+                      "logprobs": self._logprobs(entries, offset), "finish_reason": reason}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
+        return self._envelope([choice], usage)
+
+    # streamed
+    def first_chunks(self) -> list[bytes]:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            return [_sse(self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))]
+        if self.echo:
+            return [_sse(self._envelope([{"index": 0, "text": self.prompt, "logprobs": None, "finish_reason": None}]))]
+        return []
+
+    def chunk(self, piece: Piece, offset: int) -> bytes | None:
+        reason = _finish_reason(piece.finish_reason) if piece.final else None
+        if not piece.text and reason is None:
+            return None
+        logprobs = self._logprobs(piece.logprobs, offset) if piece.logprobs or self.logprobs is not None else None
+        if self.kind == "completion":
+            choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            delta = {"content": piece.text} if piece.text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return _sse(self._envelope([choice]))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return _sse(self._envelope([], _usage(prompt_tokens, completion_tokens)))

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, _validation_error
 from client.openai.settings import Settings
-from client.openai.translation import Job, Piece, _sse, validate_sampling
+from client.openai.translation import Job, Piece, _sse, client_names, sampling_parameters, validate_sampling
 from client.openai.upstream import Catalog, ClientGone, Generation
 
 log = logging.getLogger("inflight.openai")
@@ -162,32 +162,23 @@ def create_app(settings: Settings):
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request))
         prompt = req.check()
-        sampling = req.sampling()
-        validate_sampling(sampling)
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
         await state["catalog"].get(req.model)
-        job = Job("completion", req.model, prompt, sampling, req.stream,
-                  bool(req.stream_options and req.stream_options.include_usage), req.logprobs, echo=req.echo)
-        return await run(request, job)
+        return await run(request, Job.of(req, prompt, sampling))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request))
         messages = req.check()
-        sampling = req.sampling()
-        aliases = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
-        aliases["logprobs"] = "top_logprobs"
-        validate_sampling(sampling, aliases)
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
         prompt = await state["catalog"].chat_prompt(info, messages)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        job = Job("chat", req.model, prompt, sampling, req.stream,
-                  bool(req.stream_options and req.stream_options.include_usage), top,
-                  aliases={**aliases, "prompt": "messages"})
-        return await run(request, job)
+        return await run(request, Job.of(req, prompt, sampling))
 
     async def run(request: Request, job: Job):
-        generation = Generation(state["client"], settings.triton_url, job.model, job.prompt, job.sampling,
-                                job.logprobs is not None, job.request_id, settings.request_timeout_s, job.aliases)
+        generation = Generation(state["client"], settings.triton_url, job, settings.request_timeout_s)
         if not job.stream:
             async def collect() -> list[Piece]:
                 return [piece async for piece in generation]

@@ -67,13 +67,6 @@ class _Common(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     priority: Optional[int] = None
 
-    def sampling(self) -> dict[str, Any]:
-        """The backend's sampling_parameters (only what the client set)."""
-        names = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                 "skip_special_tokens", "include_stop_str_in_output", "priority")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
             raise ApiError(400, f"n={self.n} is not supported: this server returns exactly one choice (n=1)", "n",
@@ -110,12 +103,6 @@ class CompletionRequest(_Common):
         if not prompt:
             raise ApiError(400, "prompt must not be empty", "prompt", "invalid_value")
         return prompt
-
-    def sampling(self) -> dict[str, Any]:
-        values = super().sampling()
-        if self.logprobs is not None:
-            values["logprobs"] = self.logprobs
-        return values
 
 
 class TextPart(_Strict):
@@ -185,14 +172,6 @@ class ChatCompletionRequest(_Common):
             role = "system" if message.role == "developer" else message.role
             messages.append({"role": role, "content": message.text(i)})
         return messages
-
-    def sampling(self) -> dict[str, Any]:
-        values = super().sampling()
-        if self.max_completion_tokens is not None:
-            values["max_tokens"] = self.max_completion_tokens
-        if self.logprobs:
-            values["logprobs"] = self.top_logprobs or 0
-        return values
 
 
 def _validation_error(exc: pydantic.ValidationError) -> ApiError:

@@ -1,6 +1,6 @@
-"""Translation between the two APIs: an OpenAI request's fields become the backend's
-``sampling_parameters``; the backend's responses and errors become OpenAI's objects,
-server-sent events and error JSON.
+"""Translation between the two APIs: an OpenAI request becomes a ``Job``, whose Triton
+inputs carry the backend's ``sampling_parameters``; the backend's responses and errors
+become OpenAI's objects, server-sent events and error JSON.
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.request import RequestError, SamplingParams
-from client.openai.schema import ApiError
+from client.generate import make_inputs
+from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
 
-# OpenAI's own limits are lower (4 stop sequences, 5/20 logprobs); the backend's are the
-# ones enforced (backend/request.py), so a client gets the same answer here and there.
-RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+# The backend outputs that every OpenAI response is built from: finish_reason and usage.
+# return_logprobs is added only when the client asks for logprobs.
+OPENAI_RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+# Fields of both endpoints that the backend's sampling_parameters takes under the same name.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+                    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens", "include_stop_str_in_output", "priority")
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
@@ -46,8 +51,36 @@ def classify_backend_error(message: str, model: str) -> ApiError:
     return ApiError(400, message, param, "invalid_value" if param else None)
 
 
+def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The backend's sampling_parameters: only what the client set, under the backend's names."""
+    values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            values["logprobs"] = req.logprobs
+        return values
+    if req.max_completion_tokens is not None:
+        values["max_tokens"] = req.max_completion_tokens
+    if req.logprobs:
+        values["logprobs"] = req.top_logprobs or 0
+    return values
+
+
+def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Backend parameter name -> the field this request set it with, for the ``param`` of errors."""
+    if isinstance(req, CompletionRequest):
+        return {}
+    names = {"logprobs": "top_logprobs", "prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
 def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
-    """Check sampling values with the backend's own table (backend/request.py) before sending."""
+    """Check sampling values with the backend's own table (backend/request.py) before sending.
+
+    OpenAI's own limits are lower (4 stop sequences, 5/20 logprobs); the backend's are the
+    ones enforced, so a client gets the same answer here and from Triton directly.
+    """
     try:
         SamplingParams.from_dict(sampling)
     except RequestError as exc:
@@ -163,6 +196,28 @@ class Job:
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
         self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+    @classmethod
+    def of(cls, req: CompletionRequest | ChatCompletionRequest, prompt: str, sampling: dict[str, Any]) -> "Job":
+        """The job for a checked request, its prompt text and its sampling_parameters."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if isinstance(req, CompletionRequest):
+            return cls("completion", req.model, prompt, sampling, req.stream, include_usage, req.logprobs,
+                       echo=req.echo, aliases=client_names(req))
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
+                   aliases=client_names(req))
+
+    def triton_inputs(self) -> list:
+        """The inputs of the job's one Triton request, streamed, without the prompt in its text."""
+        flags = OPENAI_RETURN_FLAGS + (("return_logprobs",) if self.logprobs is not None else ())
+        return make_inputs(self.prompt, self.sampling, stream=True, exclude_input=True, returns=flags)
+
+    def backend_error(self, message: str) -> ApiError:
+        """The ApiError for an error the backend answered this job with, naming the client's field."""
+        error = classify_backend_error(message, self.model)
+        error.param = self.aliases.get(error.param, error.param)
+        return error
 
     @property
     def object_name(self) -> str:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.generate import make_inputs
 from client.openai.schema import ApiError
 from client.openai.settings import DEFAULT_MODEL_REPOSITORY, Settings
-from client.openai.translation import RETURN_FLAGS, Piece, _piece, classify_backend_error
+from client.openai.translation import Job, Piece, _piece
 
 log = logging.getLogger("inflight.openai")
 
@@ -46,18 +45,15 @@ class Generation:
     Iterate with ``async for piece in generation``; errors surface as ``ApiError``.
     """
 
-    def __init__(self, client, url: str, model: str, prompt: str, sampling: dict[str, Any], want_logprobs: bool,
-                 request_id: str, timeout_s: float, aliases: dict[str, str] | None = None):
+    def __init__(self, client, url: str, job: Job, timeout_s: float):
         self.url = url
-        self.aliases = aliases or {}
-        self.model = model
+        self.job = job
         self.finished = False
         self.cancelled = False
-        flags = RETURN_FLAGS + (("return_logprobs",) if want_logprobs else ())
-        inputs = make_inputs(prompt, sampling, stream=True, exclude_input=True, returns=flags)
+        inputs = job.triton_inputs()
 
         async def requests_iter():
-            yield {"model_name": model, "inputs": inputs, "request_id": request_id,
+            yield {"model_name": job.model, "inputs": inputs, "request_id": job.request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}
 
         self._call = client.stream_infer(requests_iter(), stream_timeout=timeout_s)
@@ -81,9 +77,7 @@ class Generation:
             raise api from None
         if error is not None:
             self.finished = True
-            api = classify_backend_error(error.message() or str(error), self.model)
-            api.param = self.aliases.get(api.param, api.param)
-            raise api
+            raise self.job.backend_error(error.message() or str(error))
         piece = _piece(result)
         if piece.final:
             self.finished = True
@@ -94,7 +88,7 @@ class Generation:
         if not self.finished and not self.cancelled:
             self.cancelled = True
             self._call.cancel()
-            log.info("cancelled Triton request on model %s (client went away)", self.model)
+            log.info("cancelled Triton request on model %s (client went away)", self.job.model)
 
 
 @dataclass

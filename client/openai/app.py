@@ -8,14 +8,18 @@ import asyncio
 import hmac
 import json
 import logging
+from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-import pydantic
-from fastapi import Request
+import tritonclient.grpc.aio as grpcaio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, _validation_error
+from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 from client.openai.settings import Settings
-from client.openai.translation import Job, Piece, _sse, client_names, sampling_parameters, validate_sampling
+from client.openai.translation import Job, Piece, client_names, sampling_parameters, sse_event, validate_sampling
 from client.openai.upstream import Catalog, ClientGone, Generation
 
 log = logging.getLogger("inflight.openai")
@@ -53,20 +57,11 @@ async def _unless_disconnected(request, coro, generation: Generation):
     raise ClientGone()
 
 
-def create_app(settings: Settings):
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.background import BackgroundTask
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
+def create_app(settings: Settings) -> FastAPI:
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_app):
-        import tritonclient.grpc.aio as grpcaio
-
         client = grpcaio.InferenceServerClient(settings.triton_url)
         state["client"] = client
         state["catalog"] = Catalog(settings, client)
@@ -130,12 +125,6 @@ def create_app(settings: Settings):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
-    def parse(model_cls, body: dict[str, Any]):
-        try:
-            return model_cls.model_validate(body)
-        except pydantic.ValidationError as exc:
-            raise _validation_error(exc) from None
-
     @app.get("/health")
     async def health():
         try:
@@ -160,7 +149,7 @@ def create_app(settings: Settings):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request))
+        req = parse_request(CompletionRequest, await read_json(request))
         prompt = req.check()
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
@@ -169,7 +158,7 @@ def create_app(settings: Settings):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await read_json(request))
+        req = parse_request(ChatCompletionRequest, await read_json(request))
         messages = req.check()
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
@@ -195,6 +184,7 @@ def create_app(settings: Settings):
             first = await _unless_disconnected(request, generation.__anext__(), generation)
         except ClientGone:
             return JSONResponse({}, status_code=499)
+
         async def cancel_upstream() -> None:  # runs after the response, also when the client went away
             generation.cancel()
 
@@ -222,12 +212,12 @@ def create_app(settings: Settings):
             if job.include_usage:
                 yield job.usage_chunk(prompt_tokens, completion_tokens)
         except ApiError as exc:
-            yield _sse(exc.body())
+            yield sse_event(exc.body())
         except ClientGone:
             return
         finally:
             # Starlette cancels this generator when the client disconnects: cancel upstream.
             generation.cancel()
-        yield _sse("[DONE]")
+        yield sse_event("[DONE]")
 
     return app

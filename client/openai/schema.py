@@ -174,6 +174,14 @@ class ChatCompletionRequest(_Common):
         return messages
 
 
+def parse_request(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``model_cls`` validated from a JSON body; the first error found becomes a 400 naming its field."""
+    try:
+        return model_cls.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
 def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     first = exc.errors()[0]
     loc = ".".join(str(x) for x in first["loc"]) or None

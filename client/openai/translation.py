@@ -110,7 +110,8 @@ def _first(result, name: str):
     return array.reshape(-1)[0]
 
 
-def _piece(result) -> Piece:
+def piece_of(result) -> Piece:
+    """The Piece a Triton stream response (tritonclient's InferResult) carries."""
     text = _first(result, "text_output")
     reason = _first(result, "finish_reason")
     reason = reason.decode() if isinstance(reason, bytes) else reason
@@ -163,6 +164,7 @@ def _chat_logprobs(entries: list[dict], top: int) -> list[dict[str, Any]]:
 
 
 def _finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason; it has no "abort" (cancelled, or the server shutting down)."""
     return {"abort": "stop"}.get(reason, reason) if reason else None
 
 
@@ -171,7 +173,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _sse(payload: dict[str, Any] | str) -> bytes:
+def sse_event(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode("utf-8")
 
@@ -261,22 +263,24 @@ class Job:
     def first_chunks(self) -> list[bytes]:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""}
-            return [_sse(self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))]
-        if self.echo:
-            return [_sse(self._envelope([{"index": 0, "text": self.prompt, "logprobs": None, "finish_reason": None}]))]
-        return []
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        elif self.echo:
+            choice = {"index": 0, "text": self.prompt, "logprobs": None, "finish_reason": None}
+        else:
+            return []
+        return [sse_event(self._envelope([choice]))]
 
     def chunk(self, piece: Piece, offset: int) -> bytes | None:
         reason = _finish_reason(piece.finish_reason) if piece.final else None
         if not piece.text and reason is None:
             return None
-        logprobs = self._logprobs(piece.logprobs, offset) if piece.logprobs or self.logprobs is not None else None
+        logprobs = self._logprobs(piece.logprobs, offset)
         if self.kind == "completion":
             choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": reason}
         else:
             delta = {"content": piece.text} if piece.text else {}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return _sse(self._envelope([choice]))
+        return sse_event(self._envelope([choice]))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return _sse(self._envelope([], _usage(prompt_tokens, completion_tokens)))
+        return sse_event(self._envelope([], _usage(prompt_tokens, completion_tokens)))

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+from tritonclient.utils import InferenceServerException
+
 from client.openai.schema import ApiError
 from client.openai.settings import DEFAULT_MODEL_REPOSITORY, Settings
-from client.openai.translation import Job, Piece, _piece
+from client.openai.translation import Job, Piece, piece_of
 
 log = logging.getLogger("inflight.openai")
 
@@ -26,8 +29,6 @@ class ClientGone(Exception):
 
 def _grpc_error(exc: Exception, url: str) -> ApiError | None:
     """ApiError for a gRPC failure of the stream itself (None: the call was cancelled)."""
-    import grpc
-
     code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.CANCELLED:
@@ -78,7 +79,7 @@ class Generation:
         if error is not None:
             self.finished = True
             raise self.job.backend_error(error.message() or str(error))
-        piece = _piece(result)
+        piece = piece_of(result)
         if piece.final:
             self.finished = True
         return piece
@@ -123,8 +124,6 @@ class Catalog:
         self._started = int(time.time())
 
     async def _call(self, coro):
-        from tritonclient.utils import InferenceServerException
-
         try:
             return await coro
         except InferenceServerException as exc:

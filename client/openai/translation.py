@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.request import RequestError, SamplingParams
-from client.generate import make_inputs
+from client.generate import is_final, make_inputs, output_value
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
 
 # The backend outputs that every OpenAI response is built from: finish_reason and usage.
@@ -103,31 +103,20 @@ class Piece:
     final: bool
 
 
-def _first(result, name: str):
-    array = result.as_numpy(name)
-    if array is None or array.size == 0:
-        return None
-    return array.reshape(-1)[0]
-
-
 def piece_of(result) -> Piece:
     """The Piece a Triton stream response (tritonclient's InferResult) carries."""
-    text = _first(result, "text_output")
-    reason = _first(result, "finish_reason")
-    reason = reason.decode() if isinstance(reason, bytes) else reason
-    n_in = _first(result, "num_input_tokens")
-    n_out = _first(result, "num_output_tokens")
-    raw_logprobs = _first(result, "logprobs")
+    reason = output_value(result, "finish_reason")
+    n_in = output_value(result, "num_input_tokens")
+    n_out = output_value(result, "num_output_tokens")
+    raw_logprobs = output_value(result, "logprobs")
     logprobs = json.loads(raw_logprobs) if raw_logprobs is not None else None
-    params = result.get_response().parameters
-    final = "triton_final_response" in params and params["triton_final_response"].bool_param
     return Piece(
-        text=text.decode("utf-8") if isinstance(text, bytes) else (text or ""),
+        text=output_value(result, "text_output") or "",
         num_input_tokens=int(n_in) if n_in is not None else None,
         num_output_tokens=int(n_out) if n_out is not None else 0,
         finish_reason=None if reason in (None, "None") else reason,
         logprobs=logprobs or [],
-        final=final,
+        final=is_final(result),
     )
 
 

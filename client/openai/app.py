@@ -193,8 +193,7 @@ def create_app(settings: Settings) -> FastAPI:
                                  background=BackgroundTask(cancel_upstream))
 
     async def sse_events(job: Job, generation: Generation, first: Piece) -> AsyncIterator[bytes]:
-        prompt_tokens = first.num_input_tokens or 0
-        completion_tokens = 0
+        prompt_tokens = completion_tokens = 0
         offset = len(job.prompt) if job.echo else 0
         try:
             for chunk in job.first_chunks():

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+import uvicorn
+
 from client.openai import __doc__ as package_doc
 from client.openai.app import create_app
 from client.openai.settings import (
@@ -52,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    import uvicorn
-
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     return 0

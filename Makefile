@@ -121,13 +121,13 @@ perf: setup
 genai-perf: genai-perf-setup
 	$(VPY) -m tools.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
 
-# OpenAI-compatible frontend (client/openai_server.py) beside `make serve`, over Triton gRPC.
+# OpenAI-compatible frontend (client/openai/) beside `make serve`, over Triton gRPC.
 OPENAI_PORT ?= 9000
 TRITON_GRPC_URL ?= $(if $(filter 0.0.0.0,$(HOST)),127.0.0.1,$(HOST)):$(GRPC_PORT)
 
 .PHONY: openai
 openai: $(VENV_STAMP)
-	$(VPY) -m client.openai_server --triton-url "$(TRITON_GRPC_URL)" --host "$(HOST)" --port $(OPENAI_PORT) \
+	$(VPY) -m client.openai --triton-url "$(TRITON_GRPC_URL)" --host "$(HOST)" --port $(OPENAI_PORT) \
 		--model-repository "$(MODEL_REPOSITORY)"
 
 bench: setup

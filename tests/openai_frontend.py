@@ -1,4 +1,4 @@
-"""Test helpers: run the OpenAI frontend (client/openai_server.py) as a real process.
+"""Test helpers: run the OpenAI frontend (client/openai/) as a real process.
 
     with run_frontend(triton_server.grpc_url) as frontend:
         client = frontend.openai()          # the official `openai` client, no retries
@@ -57,13 +57,13 @@ class Frontend:
 
 @contextlib.contextmanager
 def run_frontend(triton_grpc_url: str, *args: str, wait_healthy: bool = True) -> Iterator[Frontend]:
-    """Start `python -m client.openai_server` on a free port; stop it (by PID) afterwards.
+    """Start `python -m client.openai` on a free port; stop it (by PID) afterwards.
 
     Waits until `/health` answers 200 (Triton reachable), or any answer with `wait_healthy` false.
     """
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="openai-frontend-")) / "frontend.log"
-    cmd = [sys.executable, "-m", "client.openai_server", "--triton-url", triton_grpc_url, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "client.openai", "--triton-url", triton_grpc_url, "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})

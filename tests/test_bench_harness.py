@@ -244,12 +244,13 @@ def test_parse_target():
 
 def test_openai_frontend_passes_ignore_eos_to_the_backend():
     """vLLM's `ignore_eos` extension reaches the backend's sampling parameters (the openai target relies on it)."""
-    from client.openai_server import CompletionRequest, validate_sampling
+    from client.openai.schema import CompletionRequest
+    from client.openai.translation import sampling_parameters, validate_sampling
 
     req = CompletionRequest.model_validate({"model": "llm", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True,
                                             "seed": 3, "stream": True, "stream_options": {"include_usage": True}})
     assert req.check() == "Hi"
-    sampling = req.sampling()
+    sampling = sampling_parameters(req)
     assert sampling["ignore_eos"] is True and sampling["max_tokens"] == 8 and sampling["seed"] == 3
     validate_sampling(sampling)
 

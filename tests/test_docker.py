@@ -201,7 +201,7 @@ def compose() -> dict:
 
 
 def test_compose_services(compose, dockerfile):
-    from client.openai_server import build_parser
+    from client.openai.cli import build_parser
 
     services = compose["services"]
     assert set(services) == {"triton", "openai", "prometheus"}
@@ -213,7 +213,7 @@ def test_compose_services(compose, dockerfile):
     assert triton.get("shm_size")
 
     openai_cmd = services["openai"]["command"]
-    assert openai_cmd[:3] == ["python", "-m", "client.openai_server"]
+    assert openai_cmd[:3] == ["python", "-m", "client.openai"]
     args = build_parser().parse_args(openai_cmd[3:])
     assert args.triton_url == "triton:8001"
     assert args.host == "0.0.0.0" and args.port == 9000

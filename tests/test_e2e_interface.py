@@ -12,7 +12,7 @@
 Error codes do not reach clients of a decoupled model through Triton 2.51: a gRPC stream
 response carries only `error_message`, and HTTP generate answers 400 for every error
 response (INTERNAL ones too, see test_e2e_cancel.py). So each rejection is checked by its
-message (the parameter and the limit; "<param>: <why>" is what client/openai_server.py
+message (the parameter and the limit; "<param>: <why>" is what client/openai/translation.py
 maps to 400) and by HTTP 400, the status INVALID_ARG has in every Triton version.
 """
 

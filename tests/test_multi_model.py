@@ -282,7 +282,7 @@ def test_frontend_serves_only_named_models(server):
 
 
 def test_local_defaults_bind_loopback_and_disable_model_control():
-    from client.openai_server import build_parser
+    from client.openai.cli import build_parser
     from tools import serve
 
     cmd = serve.build_command("model_repository")

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible frontend (client/openai_server.py), driven by the official `openai`
+"""The OpenAI-compatible frontend (client/openai/), driven by the official `openai`
 package against a real tritonserver (the session's `triton_server`, tests/conftest.py:
 SmolLM2-135M-Instruct behind the inflight backend).
 
@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from client.generate import apply_chat_template
-from client.openai_server import _chat_logprobs, _completion_logprobs, classify_backend_error
+from client.openai.translation import _chat_logprobs, _completion_logprobs, classify_backend_error
 from client.triton import make_inputs, stream_generate, text_of
 from tests.openai_frontend import metric, run_frontend, wait_for
 
@@ -64,7 +64,8 @@ def test_logprobs_conversion():
 
 def test_relative_model_path_resolves_like_the_backend():
     """model_repository/llm's relative model_path is found from the frontend too (chat templates)."""
-    from client.openai_server import Catalog, ModelInfo, Settings
+    from client.openai.settings import Settings
+    from client.openai.upstream import Catalog, ModelInfo
     from tests.conftest import DEFAULT_CHECKPOINT, REPO_ROOT
 
     config = {"parameters": {"model_path": {"string_value": "../../../.models/SmolLM2-135M-Instruct"}}}

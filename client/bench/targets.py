@@ -3,7 +3,7 @@
     grpc://HOST:PORT    Triton gRPC streaming (ModelStreamInfer), system "triton-grpc"
     http://HOST:PORT    Triton HTTP /v2/models/<model>/generate_stream (SSE), "triton-http"
     openai://HOST:PORT  any OpenAI-compatible /v1/completions with stream (our
-                        client/openai_server.py, vLLM's api_server), "openai"
+                        client/openai/, vLLM's api_server), "openai"
 
 `NAME=SCHEME://...` names the system otherwise (two OpenAI servers in one run).
 

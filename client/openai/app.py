@@ -1,0 +1,222 @@
+"""The HTTP app: FastAPI routes, the API key, body limits, and client disconnects, over
+upstream.py's Triton streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import tritonclient.grpc.aio as grpcaio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from client.openai.settings import Settings
+from client.openai.translation import Job, Piece, client_names, sampling_parameters, sse_event, validate_sampling
+from client.openai.upstream import Catalog, ClientGone, Generation
+
+log = logging.getLogger("inflight.openai")
+
+MAX_DRAIN_BYTES = 16 * 1024 * 1024
+
+
+async def _until_disconnected(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request, coro, generation: Generation):
+    """Await `coro`; if the HTTP client disconnects first, cancel `generation` and raise ClientGone."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        generation.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    generation.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
+        pass
+    raise ClientGone()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        client = grpcaio.InferenceServerClient(settings.triton_url)
+        state["client"] = client
+        state["catalog"] = Catalog(settings, client)
+        log.info("OpenAI frontend on http://%s:%d, Triton gRPC at %s", settings.host, settings.port, settings.triton_url)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="inflight OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    def error_response(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(ApiError(500, f"internal error: {exc}", code="internal_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+                return error_response(ApiError(401, "Incorrect or missing API key (Authorization: Bearer ...).",
+                                               code="invalid_api_key"))
+        return await call_next(request)
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        limit = settings.max_body_bytes
+        too_big = ApiError(413, f"request body exceeds {limit} bytes (--max-body-bytes)", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                # Read (and drop) a moderate excess so that the client gets to read the 413
+                # instead of a reset connection; beyond that the connection is dropped.
+                if size > limit + MAX_DRAIN_BYTES:
+                    raise too_big
+                chunks = []
+                continue
+            chunks.append(chunk)
+        if size > limit:
+            raise too_big
+        try:
+            body = json.loads(b"".join(chunks) or b"null")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    @app.get("/health")
+    async def health():
+        try:
+            live = await state["client"].is_server_live(client_timeout=5)
+        except Exception:  # noqa: BLE001
+            live = False
+        if not live:
+            return error_response(ApiError(503, f"Triton at {settings.triton_url} is not live",
+                                           code="service_unavailable"))
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        models = await state["catalog"].refresh()
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": "inflight"} for m in models]}
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str):
+        m = await state["catalog"].get(name)
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "inflight"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await read_json(request))
+        prompt = req.check()
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
+        await state["catalog"].get(req.model)
+        return await run(request, Job.of(req, prompt, sampling))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_json(request))
+        messages = req.check()
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
+        info = await state["catalog"].get(req.model)
+        prompt = await state["catalog"].chat_prompt(info, messages)
+        return await run(request, Job.of(req, prompt, sampling))
+
+    async def run(request: Request, job: Job):
+        generation = Generation(state["client"], settings.triton_url, job, settings.request_timeout_s)
+        if not job.stream:
+            async def collect() -> list[Piece]:
+                return [piece async for piece in generation]
+
+            try:
+                pieces = await _unless_disconnected(request, collect(), generation)
+            except ClientGone:
+                return JSONResponse({}, status_code=499)
+            return JSONResponse(job.whole(pieces))
+
+        # Streamed: wait for the first response so that a refusal (400, 503) is a real HTTP
+        # status, not an event inside a 200 stream.
+        try:
+            first = await _unless_disconnected(request, generation.__anext__(), generation)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+
+        async def cancel_upstream() -> None:  # runs after the response, also when the client went away
+            generation.cancel()
+
+        return StreamingResponse(sse_events(job, generation, first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(cancel_upstream))
+
+    async def sse_events(job: Job, generation: Generation, first: Piece) -> AsyncIterator[bytes]:
+        prompt_tokens = completion_tokens = 0
+        offset = len(job.prompt) if job.echo else 0
+        try:
+            for chunk in job.first_chunks():
+                yield chunk
+            piece: Piece | None = first
+            while piece is not None:
+                completion_tokens += piece.num_output_tokens
+                if piece.num_input_tokens is not None:
+                    prompt_tokens = piece.num_input_tokens
+                chunk = job.chunk(piece, offset)
+                offset += len(piece.text)
+                if chunk is not None:
+                    yield chunk
+                piece = None if piece.final else await generation.__anext__()
+            if job.include_usage:
+                yield job.usage_chunk(prompt_tokens, completion_tokens)
+        except ApiError as exc:
+            yield sse_event(exc.body())
+        except ClientGone:
+            return
+        finally:
+            # Starlette cancels this generator when the client disconnects: cancel upstream.
+            generation.cancel()
+        yield sse_event("[DONE]")
+
+    return app

@@ -1,0 +1,276 @@
+"""Translation between the two APIs: an OpenAI request becomes a ``Job``, whose Triton
+inputs carry the backend's ``sampling_parameters``; the backend's responses and errors
+become OpenAI's objects, server-sent events and error JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from backend.protocol import RETURN_FINISH_REASON, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS
+from backend.request import RequestError, SamplingParams
+from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
+from client.triton import is_final, make_inputs, output_value
+
+# The backend outputs that every OpenAI response is built from: finish_reason and usage.
+# return_logprobs is added only when the client asks for logprobs.
+OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS)
+# Fields of both endpoints that the backend's sampling_parameters takes under the same name.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+                    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens", "include_stop_str_in_output", "priority")
+
+
+# Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
+# gRPC stream carries only an error's message, not its code, so the code is recovered
+# from the message: UNAVAILABLE and INTERNAL are recognised; the rest of what the backend
+# refuses is request validation (INVALID_ARG: "<param>: <why>").
+_UNAVAILABLE = re.compile(r"queue is full|retry later|shutting down|unavailable|not ready", re.I)
+_INTERNAL = re.compile(r"^(internal error|engine error|could not send)", re.I)
+_UNKNOWN_MODEL = re.compile(r"unknown model|is not found", re.I)
+_PARAM = re.compile(r"^([a-z_]+): ")
+# Backend parameter names as a client of this API knows them.
+_PARAM_ALIASES = {"text_input": "prompt", "sampling_parameters": None}
+
+
+def classify_backend_error(message: str, model: str) -> ApiError:
+    """The ApiError for an error message from a Triton stream response."""
+    if _UNKNOWN_MODEL.search(message):
+        return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    if _UNAVAILABLE.search(message):
+        return ApiError(503, message, code="service_unavailable")
+    if _INTERNAL.search(message):
+        return ApiError(500, message, code="internal_error")
+    match = _PARAM.match(message)
+    param = match.group(1) if match else None
+    param = _PARAM_ALIASES.get(param, param)
+    return ApiError(400, message, param, "invalid_value" if param else None)
+
+
+def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The backend's sampling_parameters: only what the client set, under the backend's names."""
+    values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            values["logprobs"] = req.logprobs
+        return values
+    if req.max_completion_tokens is not None:
+        values["max_tokens"] = req.max_completion_tokens
+    if req.logprobs:
+        values["logprobs"] = req.top_logprobs or 0
+    return values
+
+
+def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Backend parameter name -> the field this request set it with, for the ``param`` of errors."""
+    if isinstance(req, CompletionRequest):
+        return {}
+    names = {"logprobs": "top_logprobs", "prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
+def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
+    """Check sampling values with the backend's own table (backend/request.py) before sending.
+
+    OpenAI's own limits are lower (4 stop sequences, 5/20 logprobs); the backend's are the
+    ones enforced, so a client gets the same answer here and from Triton directly.
+    """
+    try:
+        SamplingParams.from_dict(sampling)
+    except RequestError as exc:
+        param = (aliases or {}).get(exc.param, exc.param)
+        message = str(exc)
+        if param != exc.param and exc.param and message.startswith(f"{exc.param}:"):
+            message = f"{param}:{message[len(exc.param) + 1:]}"
+        raise ApiError(400, message, param, "invalid_value") from None
+
+
+@dataclass
+class Piece:
+    """One backend response."""
+
+    text: str
+    num_input_tokens: int | None
+    num_output_tokens: int
+    finish_reason: str | None
+    logprobs: list[dict[str, dict[str, Any]]]
+    final: bool
+
+
+def piece_of(result) -> Piece:
+    """The Piece a Triton stream response (tritonclient's InferResult) carries."""
+    reason = output_value(result, "finish_reason")
+    n_in = output_value(result, "num_input_tokens")
+    n_out = output_value(result, "num_output_tokens")
+    raw_logprobs = output_value(result, "logprobs")
+    logprobs = json.loads(raw_logprobs) if raw_logprobs is not None else None
+    return Piece(
+        text=output_value(result, "text_output") or "",
+        num_input_tokens=int(n_in) if n_in is not None else None,
+        num_output_tokens=int(n_out) if n_out is not None else 0,
+        finish_reason=None if reason in (None, "None") else reason,
+        logprobs=logprobs or [],
+        final=is_final(result),
+    )
+
+
+def _completion_logprobs(entries: list[dict], offset: int) -> dict[str, list]:
+    """OpenAI's legacy completions logprobs from the backend's per-token dicts."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        items = list(entry.values())
+        sampled = items[0]  # the backend puts the sampled token first
+        out["tokens"].append(sampled["decoded_token"])
+        out["token_logprobs"].append(sampled["logprob"])
+        out["top_logprobs"].append({v["decoded_token"]: v["logprob"] for v in items})
+        out["text_offset"].append(offset)
+        offset += len(sampled["decoded_token"])
+    return out
+
+
+def _chat_logprobs(entries: list[dict], top: int) -> list[dict[str, Any]]:
+    content = []
+    for entry in entries:
+        items = list(entry.values())
+        sampled = items[0]
+        ranked = sorted((v for v in items if v.get("rank") is not None and v["rank"] <= top), key=lambda v: v["rank"])
+        content.append({
+            "token": sampled["decoded_token"],
+            "logprob": sampled["logprob"],
+            "bytes": list(sampled["decoded_token"].encode("utf-8")),
+            "top_logprobs": [
+                {"token": v["decoded_token"], "logprob": v["logprob"], "bytes": list(v["decoded_token"].encode("utf-8"))}
+                for v in ranked
+            ],
+        })
+    return content
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason; it has no "abort" (cancelled, or the server shutting down)."""
+    return {"abort": "stop"}.get(reason, reason) if reason else None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+@dataclass
+class Job:
+    """What one endpoint call generates, and how its pieces become OpenAI objects."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt: str
+    sampling: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # completions: k; chat: top_logprobs (0 when only logprobs)
+    echo: bool = False
+    # backend parameter name -> the name this endpoint's client used
+    aliases: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
+        self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+    @classmethod
+    def of(cls, req: CompletionRequest | ChatCompletionRequest, prompt: str, sampling: dict[str, Any]) -> "Job":
+        """The job for a checked request, its prompt text and its sampling_parameters."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if isinstance(req, CompletionRequest):
+            return cls("completion", req.model, prompt, sampling, req.stream, include_usage, req.logprobs,
+                       echo=req.echo, aliases=client_names(req))
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
+                   aliases=client_names(req))
+
+    def triton_inputs(self) -> list:
+        """The inputs of the job's one Triton request, streamed, without the prompt in its text."""
+        flags = OPENAI_RETURN_FLAGS + ((RETURN_LOGPROBS,) if self.logprobs is not None else ())
+        return make_inputs(self.prompt, self.sampling, stream=True, exclude_input=True, returns=flags)
+
+    def backend_error(self, message: str) -> ApiError:
+        """The ApiError for an error the backend answered this job with, naming the client's field."""
+        error = classify_backend_error(message, self.model)
+        error.param = self.aliases.get(error.param, error.param)
+        return error
+
+    @property
+    def object_name(self) -> str:
+        if self.kind == "completion":
+            return "text_completion"
+        return "chat.completion.chunk" if self.stream else "chat.completion"
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.kind == "chat":
+            body["system_fingerprint"] = None
+        if usage is not None or not self.stream:
+            body["usage"] = usage
+        return body
+
+    def _logprobs(self, entries: list[dict], offset: int) -> Any:
+        if self.logprobs is None:
+            return None
+        if self.kind == "completion":
+            return _completion_logprobs(entries, offset)
+        return {"content": _chat_logprobs(entries, self.logprobs)}
+
+    # non-streamed
+    def whole(self, pieces: list[Piece]) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        entries = [e for p in pieces for e in p.logprobs]
+        reason = _finish_reason(pieces[-1].finish_reason)
+        prompt_tokens = next((p.num_input_tokens for p in pieces if p.num_input_tokens is not None), 0)
+        usage = _usage(prompt_tokens, sum(p.num_output_tokens for p in pieces))
+        if self.kind == "completion":
+            offset = len(self.prompt) if self.echo else 0
+            choice = {"index": 0, "text": (self.prompt if self.echo else "") + text,
+                      "logprobs": self._logprobs(entries, offset), "finish_reason": reason}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
+        return self._envelope([choice], usage)
+
+    # streamed
+    def first_chunks(self) -> list[bytes]:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        elif self.echo:
+            choice = {"index": 0, "text": self.prompt, "logprobs": None, "finish_reason": None}
+        else:
+            return []
+        return [sse_event(self._envelope([choice]))]
+
+    def chunk(self, piece: Piece, offset: int) -> bytes | None:
+        reason = _finish_reason(piece.finish_reason) if piece.final else None
+        if not piece.text and reason is None:
+            return None
+        logprobs = self._logprobs(piece.logprobs, offset)
+        if self.kind == "completion":
+            choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            delta = {"content": piece.text} if piece.text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return sse_event(self._envelope([choice]))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse_event(self._envelope([], _usage(prompt_tokens, completion_tokens)))

@@ -1,0 +1,236 @@
+"""The OpenAI frontend's translation without a server (client/openai/translation.py): a
+request's fields become the backend's sampling_parameters and Triton inputs, bad fields are
+refused with the field's name, and backend responses become OpenAI's bodies and events.
+Responses are real tritonclient InferResults built from the protobuf Triton sends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from client.openai.translation import Job, client_names, piece_of, sampling_parameters, validate_sampling
+
+
+def translate(model_cls, body: dict) -> Job:
+    """What the app does with a body before it reaches Triton (the chat template aside)."""
+    req = parse_request(model_cls, body)
+    checked = req.check()
+    sampling = sampling_parameters(req)
+    validate_sampling(sampling, client_names(req))
+    prompt = checked if isinstance(checked, str) else json.dumps(checked)
+    return Job.of(req, prompt, sampling)
+
+
+def refusal(model_cls, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        translate(model_cls, body)
+    assert info.value.status == 400
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+    return info.value
+
+
+def inputs_of(job: Job) -> dict:
+    """Each Triton input of the job's request, decoded: str for BYTES, bool for BOOL."""
+    values = {}
+    for tensor in job.triton_inputs():
+        assert tensor.shape() == [1]
+        raw = tensor._get_content()
+        if tensor.datatype() == "BYTES":
+            values[tensor.name()] = deserialize_bytes_tensor(raw)[0].decode("utf-8")
+        else:
+            assert tensor.datatype() == "BOOL"
+            values[tensor.name()] = bool(np.frombuffer(raw, dtype=bool)[0])
+    return values
+
+
+def triton_response(text: str = "", finish_reason: str | None = None, num_input_tokens: int | None = None,
+                    num_output_tokens: int = 1, logprobs: list | None = None, final: bool = False) -> InferResult:
+    """One stream response as backend/model.py encodes it (finish_reason "None" until the end)."""
+    response = service_pb2.ModelInferResponse(model_name="llm", id="1")
+
+    def add(name: str, datatype: str, raw: bytes) -> None:
+        response.outputs.add(name=name, datatype=datatype, shape=[1])
+        response.raw_output_contents.append(raw)
+
+    def add_string(name: str, value: str) -> None:
+        add(name, "BYTES", serialize_byte_tensor(np.array([value.encode("utf-8")], dtype=np.object_)).item())
+
+    add_string("text_output", text)
+    add_string("finish_reason", str(finish_reason))
+    if num_input_tokens is not None:
+        add("num_input_tokens", "UINT32", np.array([num_input_tokens], dtype=np.uint32).tobytes())
+    add("num_output_tokens", "UINT32", np.array([num_output_tokens], dtype=np.uint32).tobytes())
+    add_string("logprobs", json.dumps(logprobs))
+    response.parameters["triton_final_response"].bool_param = final
+    return InferResult(response)
+
+
+def sse_payload(event: bytes):
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+    return json.loads(event[6:-2])
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def test_chat_with_logprobs_asks_the_backend_for_them():
+    job = translate(ChatCompletionRequest, {
+        "model": "llm", "messages": HI, "max_completion_tokens": 16, "temperature": 0, "stop": ["\n\n", "User:"],
+        "logprobs": True, "top_logprobs": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert job.sampling == {"max_tokens": 16, "temperature": 0.0, "stop": ["\n\n", "User:"], "logprobs": 3}
+    assert (job.kind, job.model, job.stream, job.include_usage, job.logprobs) == ("chat", "llm", True, True, 3)
+    assert job.request_id.startswith("chatcmpl-")
+    inputs = inputs_of(job)
+    assert json.loads(inputs.pop("sampling_parameters")) == job.sampling
+    assert inputs == {"text_input": job.prompt, "stream": True, "exclude_input_in_output": True,
+                      "return_finish_reason": True, "return_num_input_tokens": True,
+                      "return_num_output_tokens": True, "return_logprobs": True}
+
+
+def test_chat_without_logprobs_sends_only_what_the_client_set():
+    job = translate(ChatCompletionRequest, {
+        "model": "llm", "messages": [{"role": "developer", "content": "Be brief."}, *HI], "max_tokens": 8})
+    assert job.sampling == {"max_tokens": 8}
+    assert job.logprobs is None and not job.stream and not job.include_usage
+    assert "return_logprobs" not in inputs_of(job)
+    # A developer message is a system message to the chat template; content parts are joined.
+    req = ChatCompletionRequest.model_validate({"model": "llm", "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]})
+    assert req.check() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    # logprobs without top_logprobs asks the backend for the sampled token's logprob only.
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "logprobs": True}).sampling == \
+        {"logprobs": 0}
+
+
+def test_completion_stop_max_tokens_and_logprobs():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": ["Once"], "max_tokens": 5, "stop": ".",
+                                        "logprobs": 2, "seed": 7, "ignore_eos": True, "echo": False})
+    assert job.prompt == "Once" and job.kind == "completion" and job.request_id.startswith("cmpl-")
+    assert job.sampling == {"max_tokens": 5, "stop": ".", "logprobs": 2, "seed": 7, "ignore_eos": True}
+    assert job.logprobs == 2 and inputs_of(job)["return_logprobs"] is True
+    assert translate(CompletionRequest, {"model": "llm", "prompt": "x"}).sampling == {}
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": "llm", "messages": HI, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ({"model": "llm"}, "messages", "missing_required_parameter"),
+    ({"model": "llm", "messages": HI, "temperature": "hot"}, "temperature", "invalid_value"),
+    ({"model": "llm", "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_value"),
+    ({"model": "llm", "messages": HI, "n": 2}, "n", "unsupported_value"),
+    ({"model": "llm", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]", "unsupported_value"),
+    # The backend's own table (backend/request.py) decides, under the name the client used.
+    ({"model": "llm", "messages": HI, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ({"model": "llm", "messages": HI, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"model": "llm", "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"model": "llm", "messages": HI, "stop": ["s"] * 65}, "stop", "invalid_value"),
+])
+def test_bad_chat_fields_are_refused_naming_the_field(body, param, code):
+    error = refusal(ChatCompletionRequest, body)
+    assert (error.param, error.code) == (param, code), error.message
+
+
+def test_an_aliased_field_is_named_in_the_message_too():
+    error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, "max_completion_tokens": 0})
+    assert error.message.startswith("max_completion_tokens:"), error.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "llm", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "llm", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "llm", "prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"model": "llm", "prompt": ["x", "y"]}, "prompt"),
+    ({"model": "llm", "prompt": ""}, "prompt"),
+    ({"model": "llm", "prompt": "x", "best_of": 2}, "best_of"),
+    ({"model": "llm", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": "llm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "", "prompt": "x"}, "model"),
+])
+def test_bad_completion_fields_are_refused_naming_the_field(body, param):
+    assert refusal(CompletionRequest, body).param == param
+
+
+def test_backend_refusals_name_the_field_the_client_sent():
+    chat = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "max_completion_tokens": 9000})
+    error = chat.backend_error("max_tokens: prompt (5 tokens) + max_tokens (9000) = 9005 exceeds max_model_len 8192")
+    assert (error.status, error.param) == (400, "max_completion_tokens")
+    error = chat.backend_error("text_input: prompt has 9000 tokens; max_model_len is 8192")
+    assert (error.status, error.param) == (400, "messages")
+    completion = translate(CompletionRequest, {"model": "llm", "prompt": "x"})
+    assert completion.backend_error("text_input: prompt has 9000 tokens").param == "prompt"
+    assert completion.backend_error("waiting queue is full (1 requests); retry later").status == 503
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def test_a_triton_response_becomes_a_piece():
+    entries = [{"7": {"logprob": -0.25, "rank": 1, "decoded_token": " Paris"}}]
+    piece = piece_of(triton_response(" Paris", num_input_tokens=12, logprobs=entries))
+    assert (piece.text, piece.num_input_tokens, piece.num_output_tokens) == (" Paris", 12, 1)
+    assert piece.finish_reason is None and piece.logprobs == entries and not piece.final
+    last = piece_of(triton_response("", finish_reason="length", num_output_tokens=0, final=True))
+    assert (last.text, last.finish_reason, last.num_input_tokens, last.logprobs, last.final) == \
+        ("", "length", None, [], True)
+
+
+def test_chat_pieces_become_one_chat_completion_with_usage_and_logprobs():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "logprobs": True, "top_logprobs": 1})
+    pieces = [piece_of(r) for r in (
+        triton_response("Hel", num_input_tokens=20, logprobs=[
+            {"1": {"logprob": -0.5, "rank": 2, "decoded_token": "Hel"}, "2": {"logprob": -0.1, "rank": 1,
+                                                                               "decoded_token": "Hi"}}]),
+        triton_response("lo", finish_reason="abort", logprobs=[
+            {"3": {"logprob": -0.2, "rank": 1, "decoded_token": "lo"}}], final=True),
+    )]
+    body = job.whole(pieces)
+    assert body["object"] == "chat.completion" and body["id"] == job.request_id and body["model"] == "llm"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello"}
+    assert choice["finish_reason"] == "stop"  # a cancelled ("abort") request ends as OpenAI's "stop"
+    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22}
+    content = choice["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [("Hel", -0.5), ("lo", -0.2)]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["Hi"]
+
+
+def test_streamed_chat_is_role_then_deltas_then_usage():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+    [first] = job.first_chunks()
+    head = sse_payload(first)
+    assert head["object"] == "chat.completion.chunk" and "usage" not in head
+    assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    delta = sse_payload(job.chunk(piece_of(triton_response("Hi", num_input_tokens=9)), offset=0))
+    assert delta["choices"] == [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]
+    # An empty response that is not the last sends no event; the last one carries the reason.
+    assert job.chunk(piece_of(triton_response("", num_output_tokens=0)), offset=2) is None
+    end = sse_payload(job.chunk(piece_of(triton_response("", finish_reason="stop", num_output_tokens=0,
+                                                         final=True)), offset=2))
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    usage = sse_payload(job.usage_chunk(9, 1))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 1,
+                                                         "total_tokens": 10}
+
+
+def test_completion_echo_puts_the_prompt_before_the_text():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "2+2=", "echo": True, "max_tokens": 1})
+    body = job.whole([piece_of(triton_response("4", finish_reason="length", num_input_tokens=4, final=True))])
+    assert body["object"] == "text_completion"
+    assert body["choices"] == [{"index": 0, "text": "2+2=4", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["completion_tokens"] == 1

@@ -76,18 +76,18 @@ test: setup
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 # genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
-# out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/genai_perf_setup.py).
-# tests/test_genai_perf.py runs this target itself; a second run is a no-op.
+# out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/e2e/genai_perf_setup.py).
+# tests/e2e/test_genai_perf.py runs this target itself; a second run is a no-op.
 GENAI_VENV ?= .venv-genai
 GENAI_STAMP := $(GENAI_VENV)/.inflight-setup
 
 .PHONY: genai-perf-setup
 genai-perf-setup: $(GENAI_STAMP)
 
-$(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(TRITON_STAMP)
+$(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup.py | $(TRITON_STAMP)
 	@test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
-	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/genai_perf_requirements.txt
-	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/e2e/genai_perf_requirements.txt
+	$(VPY) tests/e2e/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
 # vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/bench/peers.py runs it), in a venv of

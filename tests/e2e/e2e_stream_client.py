@@ -1,8 +1,8 @@
-"""A client process for tests/test_e2e_cancel.py: opens N gRPC streams, one long request on
+"""A client process for tests/e2e/test_e2e_cancel.py: opens N gRPC streams, one long request on
 each, prints "streaming N" once every request has received a response, then waits to be
 killed (SIGKILL: the kernel closes its sockets, nothing says goodbye).
 
-    python -m tests.e2e_stream_client URL MODEL N MAX_TOKENS
+    python -m tests.e2e.e2e_stream_client URL MODEL N MAX_TOKENS
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.e2e_util import Stream, inputs_for
+from tests.e2e.e2e_util import Stream, inputs_for
 
 
 def main(argv: list[str]) -> int:

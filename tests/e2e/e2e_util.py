@@ -2,8 +2,8 @@
 (final flags counted), /metrics scraping, waiting for an idle engine, and tritonserver
 instances on a model repository of the test's own (several models, extra environment).
 
-Imported by tests/test_e2e_interface.py, tests/test_e2e_cancel.py, tests/test_genai_perf.py
-and by the client processes those tests start (tests/e2e_stream_client.py).
+Imported by tests/e2e/test_e2e_interface.py, tests/e2e/test_e2e_cancel.py, tests/e2e/test_genai_perf.py
+and by the client processes those tests start (tests/e2e/e2e_stream_client.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from client.generate import output_value as output  # noqa: F401 - the tests import it from here
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # How long a test waits, after a request's final response, for anything (wrongly) sent after it.
 AFTER_FINAL_GRACE_S = 0.3
 

@@ -6,7 +6,7 @@ a wrapper that runs the project venv's perf_analyzer 2.51 with the libraries it 
 (tools/setup_triton.py); this links the genai-perf venv's `bin/perf_analyzer` to it, so
 that running the venv's `genai-perf` with its `bin` first on PATH is all it takes.
 
-    .venv/bin/python tests/genai_perf_setup.py .venv-genai
+    .venv/bin/python tests/e2e/genai_perf_setup.py .venv-genai
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
 
 

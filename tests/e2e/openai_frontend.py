@@ -23,7 +23,7 @@ from typing import Iterator
 
 import requests
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60
 
 

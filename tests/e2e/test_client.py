@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports
+from tests.conftest import free_ports
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_client(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.e2e_util import Stream, inputs_for, output, wait_for, wait_idle, wait_until
+from tests.e2e.e2e_util import Stream, inputs_for, output, wait_for, wait_idle, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -39,7 +39,7 @@ import pytest
 import requests
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e_util import (
+from tests.e2e.e2e_util import (
     AFTER_FINAL_GRACE_S, REPO_ROOT, Stream, generate, inputs_for, output, run_server, scrape, wait_for, wait_idle,
     wait_until,
 )
@@ -198,7 +198,7 @@ def test_http_generate_stream_disconnect_frees_every_block(server):
 def test_sixteen_streams_of_a_killed_client_process_leave_no_block_used(server):
     before = wait_idle(server.metrics_port, TINY)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e_stream_client", server.grpc_url, TINY, "16", str(LONG_TOKENS)],
+        [sys.executable, "-m", "tests.e2e.e2e_stream_client", server.grpc_url, TINY, "16", str(LONG_TOKENS)],
         cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -17,13 +17,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.generate import apply_chat_template, is_final, make_inputs, stream_generate, text_of
-from tests.e2e_util import run_server
+from tests.e2e.e2e_util import run_server
 
 pytestmark = pytest.mark.e2e
 
 GREEDY = {"temperature": 0, "max_tokens": 24}
 PROMPT = "The three primary colors are"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def grpc_generate(server, prompt: str, sampling: dict, stream: bool, exclude_input: bool = True,

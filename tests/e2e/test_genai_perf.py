@@ -23,7 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import DEFAULT_CHECKPOINT
-from tests.e2e_util import REPO_ROOT, scrape, wait_idle
+from tests.e2e.e2e_util import REPO_ROOT, scrape, wait_idle
 from tools.loadtest import RETURN_FLAGS, genai_perf_command
 
 pytestmark = pytest.mark.e2e
@@ -183,7 +183,7 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
     recipe against Triton (kserve) and an OpenAI-compatible server (completions), one export
     folder per profile, a report with both and their ratios. The OpenAI server here is the
     project's frontend over the same tritonserver (vLLM's is not installed in CI)."""
-    from tests.openai_frontend import run_frontend
+    from tests.e2e.openai_frontend import run_frontend
 
     model, requests, output_tokens = triton_server.model, 4, 8
     before = wait_idle(triton_server.metrics_port, model)

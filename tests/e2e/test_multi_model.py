@@ -31,7 +31,7 @@ import requests
 
 from tests.checkpoints import make_tiny_checkpoint
 from tests.conftest import free_ports, make_model_repository
-from tests.openai_frontend import metric, metrics_text, run_frontend, wait_for
+from tests.e2e.openai_frontend import metric, metrics_text, run_frontend, wait_for
 
 pytestmark = pytest.mark.e2e
 

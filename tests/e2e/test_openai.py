@@ -20,7 +20,7 @@ import requests
 
 from client.generate import apply_chat_template, make_inputs, stream_generate, text_of
 from client.openai_server import _chat_logprobs, _completion_logprobs, classify_backend_error
-from tests.openai_frontend import metric, run_frontend, wait_for
+from tests.e2e.openai_frontend import metric, run_frontend, wait_for
 
 MODEL = "llm"
 PROMPT = "The three primary colors are"
@@ -78,7 +78,7 @@ def test_relative_model_path_resolves_like_the_backend():
 
 
 def test_triton_down_is_503_with_openai_error_json():
-    from tests.openai_frontend import free_port
+    from tests.e2e.openai_frontend import free_port
 
     with run_frontend(f"127.0.0.1:{free_port()}", wait_healthy=False) as fe:
         assert requests.get(f"{fe.url}/health", timeout=30).status_code == 503

@@ -406,7 +406,7 @@ def test_progress_bar_for_large_checkpoints(ckpt_root, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
     """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
-    from tests.e2e_util import run_server
+    from tests.e2e.e2e_util import run_server
 
     root = tmp_path_factory.mktemp("qwen3-triton")
     path = make_tiny_checkpoint(str(root / "qwen3"), family="qwen3", attention_bias=True)

@@ -256,7 +256,7 @@ def test_openai_frontend_passes_ignore_eos_to_the_backend():
 
 @pytest.mark.e2e
 def test_server_targets_complete_every_request_with_its_token_count(triton_server, tokenizer):
-    from tests.openai_frontend import run_frontend
+    from tests.e2e.openai_frontend import run_frontend
 
     w = workloads.attach_text(workloads.w3_online(num_requests=4, input_len=16, output_len=8, rate_per_s=8.0),
                               tokenizer)

@@ -1,6 +1,6 @@
 """Each scheduling policy through the one interface the scheduler uses (backend/policies.py):
 admission order, where a preempted request goes back, victim order and the rules in which
-the policies differ. How the scheduler applies them is tests/test_scheduler.py's."""
+the policies differ. How the scheduler applies them is tests/unit/test_scheduler.py's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Scheduler invariants over random workloads, and its policies case by case.
 
-No model: `tests/fakes.py` plays the model runner, checks that every request reads the
+No model: `tests/unit/fakes.py` plays the model runner, checks that every request reads the
 right KV at every computed position (through prefix hits, preemption and swap) and
 "samples" a deterministic token per request and position, so the exact output of every
 request is known in advance.
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from backend.config import EngineConfig
 from backend.request import FinishReason, RequestStatus
-from tests.fakes import EOS, Harness, assert_all_free, fake_token
+from tests.unit.fakes import EOS, Harness, assert_all_free, fake_token
 
 BS = 8  # the smallest block size EngineConfig allows: more block boundaries per token
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tools import serve
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_command_binds_host_and_ports():

@@ -5,8 +5,8 @@ checkpoints made here: the engine's greedy output on a batch of prompts is token
 to `transformers` `generate()`, and its logits match a `transformers` forward pass. Then
 loading: sharded checkpoints, checkpoint and configured dtypes, and load errors that name
 what is wrong (missing / extra / misshapen tensors, unsupported architectures and config
-fields, pickle-only weights). Then EOS ids from generation_config.json, and one non-Llama
-checkpoint served through tritonserver.
+fields, pickle-only weights). Then EOS ids from generation_config.json. One non-Llama
+checkpoint served through tritonserver is tests/e2e/test_e2e_model_families.py's.
 """
 
 from __future__ import annotations
@@ -398,54 +398,6 @@ def test_progress_bar_for_large_checkpoints(ckpt_root, monkeypatch, capsys):
     monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
     load_model(path, torch.float32, torch.device("cpu"), 64)
     assert "loading weights" in capsys.readouterr().err
-
-
-# ---- through tritonserver -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory):
-    """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
-    from tests.e2e.e2e_util import run_server
-
-    root = tmp_path_factory.mktemp("qwen3-triton")
-    path = make_tiny_checkpoint(str(root / "qwen3"), family="qwen3", attention_bias=True)
-    parameters = {"model_path": path, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
-    with run_server(root, {"llm": parameters}) as server:
-        yield server, path
-
-
-@pytest.mark.e2e
-def test_qwen3_through_tritonserver_matches_transformers(qwen3_server):
-    """A batch of concurrent greedy requests: the token ids (from the returned logprobs) and
-    the text are those of transformers generate()."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import tritonclient.grpc as grpcclient
-
-    from client.generate import make_inputs, stream_generate, text_of
-
-    server, path = qwen3_server
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    expected = hf_greedy(path, [tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
-    sampling = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
-
-    def ask(i: int):
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        try:
-            inputs = make_inputs(PROMPTS[i], sampling, stream=False, returns=("return_logprobs",))
-            responses = list(stream_generate(client, "llm", inputs, request_id=str(i), timeout_s=300))
-        finally:
-            client.close()
-        assert len(responses) == 1
-        entries = json.loads(responses[0].as_numpy("logprobs").reshape(-1)[0])
-        return [int(next(iter(entry))) for entry in entries], text_of(responses[0])
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(ask, range(len(PROMPTS))))
-    for (token_ids, text), want in zip(results, expected):
-        assert token_ids == want
-        assert text == tokenizer.decode(want, skip_special_tokens=True)
 
 
 # ---- config.json as released checkpoints write it (transformers 4 field names) ---------------

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TOKENIZER = ".models/SmolLM2-135M-Instruct"
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 
 
 def build_sampling_parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] | None = None
     parser.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     parser.add_argument("--system", default=None, help="system message for --chat")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="checkpoint folder with the chat template")
+    parser.add_argument("--tokenizer", default=str(DEFAULT_CHECKPOINT), help="checkpoint folder with the chat template")
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default %(default)s)")
     parser.add_argument("--model", default="llm", help="model name (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the server's default_max_tokens")

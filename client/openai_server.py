@@ -52,12 +52,12 @@ import pydantic
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.paths import REPO_ROOT
 from backend.request import RequestError, SamplingParams
 from client.generate import make_inputs
 
 log = logging.getLogger("inflight.openai")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 600.0

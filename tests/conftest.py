@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CHECKPOINT = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+
 SERVER_READY_TIMEOUT_S = 300
 
 # Engine parameters the e2e server runs with (on top of model_repository/llm/config.pbtxt).

@@ -39,7 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 # Where tools.setup_triton put the server; INFLIGHT_TRITON_DIR points elsewhere (e.g. an image).
 TRITON_DIR = Path(os.environ.get("INFLIGHT_TRITON_DIR", REPO_ROOT / ".triton"))
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"

@@ -24,7 +24,6 @@ import numpy as np
 
 from client.generate import output_value as output  # noqa: F401 - the tests import it from here
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # How long a test waits, after a request's final response, for anything (wrongly) sent after it.
 AFTER_FINAL_GRACE_S = 0.3
 

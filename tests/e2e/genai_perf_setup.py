@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.paths import REPO_ROOT
+
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
 
 

@@ -23,7 +23,8 @@ from typing import Iterator
 
 import requests
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.paths import REPO_ROOT
+
 READY_TIMEOUT_S = 60
 
 

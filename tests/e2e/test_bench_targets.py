@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from backend.paths import DEFAULT_CHECKPOINT
 from client.bench import workloads
 from client.bench.stats import summarize
 from client.bench.targets import parse_target, run_target
-from tests.checkpoints import DEFAULT_CHECKPOINT
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from backend.paths import REPO_ROOT
 from tests.conftest import free_ports
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_client(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.paths import REPO_ROOT
+
 DOCKER = REPO_ROOT / "docker"
 # Triton container release -> tritonserver version (NVIDIA's support matrix).
 TRITON_RELEASES = {"24.10": "2.51.0"}

@@ -38,9 +38,10 @@ import time
 import pytest
 import requests
 
+from backend.paths import REPO_ROOT
 from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import (
-    AFTER_FINAL_GRACE_S, REPO_ROOT, Stream, generate, inputs_for, output, run_server, scrape, wait_for, wait_idle,
+    AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, run_server, scrape, wait_for, wait_idle,
     wait_until,
 )
 

@@ -28,7 +28,8 @@ from typing import Callable
 import pytest
 import requests
 
-from tests.conftest import DEFAULT_CHECKPOINT, E2E_PARAMETERS
+from backend.paths import DEFAULT_CHECKPOINT
+from tests.conftest import E2E_PARAMETERS
 from tests.e2e.e2e_util import (
     AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, tensor, wait_for, wait_idle, wait_until,
 )

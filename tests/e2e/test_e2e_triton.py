@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from backend.paths import DEFAULT_CHECKPOINT
 from client.generate import apply_chat_template, is_final, make_inputs, stream_generate, text_of
 from tests.e2e.e2e_util import run_server
 
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.e2e
 
 GREEDY = {"temperature": 0, "max_tokens": 24}
 PROMPT = "The three primary colors are"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def grpc_generate(server, prompt: str, sampling: dict, stream: bool, exclude_input: bool = True,
@@ -193,7 +192,7 @@ def test_cancelled_stream_does_not_disturb_others(triton_server, reference_text)
 
 
 def test_default_model_knows_the_capital_of_france(triton_server):
-    prompt = apply_chat_template("What is the capital of France?", str(REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"))
+    prompt = apply_chat_template("What is the capital of France?", str(DEFAULT_CHECKPOINT))
     responses = grpc_generate(triton_server, prompt, {"temperature": 0, "max_tokens": 32}, stream=True)
     answer = "".join(text_of(r) for r in responses)
     assert "Paris" in answer, answer

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import DEFAULT_CHECKPOINT
-from tests.e2e.e2e_util import REPO_ROOT, scrape, wait_idle
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from tests.e2e.e2e_util import scrape, wait_idle
 from tools.loadtest import RETURN_FLAGS, genai_perf_command
 
 pytestmark = pytest.mark.e2e

@@ -63,8 +63,8 @@ def test_logprobs_conversion():
 
 def test_relative_model_path_resolves_like_the_backend():
     """model_repository/llm's relative model_path is found from the frontend too (chat templates)."""
+    from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
     from client.openai_server import Catalog, ModelInfo, Settings
-    from tests.conftest import DEFAULT_CHECKPOINT, REPO_ROOT
 
     config = {"parameters": {"model_path": {"string_value": "../../../.models/SmolLM2-135M-Instruct"}}}
     catalog = Catalog(Settings(), client=None)
@@ -143,7 +143,7 @@ def test_completion_matches_triton_and_counts_tokens(client, triton_server):
 
 
 def triton_server_checkpoint():
-    from tests.conftest import DEFAULT_CHECKPOINT
+    from backend.paths import DEFAULT_CHECKPOINT
 
     return DEFAULT_CHECKPOINT
 

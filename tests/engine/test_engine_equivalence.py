@@ -20,8 +20,9 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
-from tests.checkpoints import DEFAULT_CHECKPOINT, hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 
 MAX_NEW = 16
 VOCAB = 49152
@@ -259,7 +260,7 @@ def test_default_checkpoint_chat_prompts_match_transformers():
     assert os.path.isfile(os.path.join(DEFAULT_CHECKPOINT, "config.json")), f"{DEFAULT_CHECKPOINT} missing: run `make setup`"
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         for q in QUESTIONS

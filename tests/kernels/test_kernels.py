@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import kernels  # noqa: E402
+from backend.paths import REPO_ROOT  # noqa: E402
 from kernels import (  # noqa: E402
     build_cos_sin_cache,
     paged_attention_reference, paged_attention_triton,
@@ -266,7 +267,7 @@ def test_kernels_compile_for_gpu(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(REPO_ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--quick"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -10,12 +10,12 @@ to be wrong, and against transformers' own Llama modules where those define the 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.paths import REPO_ROOT
 from kernels import (
     build_cos_sin_cache,
     paged_attention_cpu,
@@ -275,7 +275,7 @@ BIT_IDENTICAL = "rms_norm_cpu_matches or silu_and_mul_cpu_is_bit or rotary_store
 def test_the_bit_identical_kernels_follow_torch_under_every_capability(capability):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", BIT_IDENTICAL],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
         env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "deselected" in run.stdout

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
-from client.bench.records import REPO_ROOT, RequestRecord, SystemRun
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from client.bench.records import RequestRecord, SystemRun
 from client.bench.stats import summarize
 from client.bench.targets import parse_target
-from tests.checkpoints import DEFAULT_CHECKPOINT, make_tiny_checkpoint
+from tests.checkpoints import make_tiny_checkpoint
 
 # A small KV pool: the default 1 GiB is needless for a few tiny requests.
 ENGINE = {"kv_cache_memory_mb": 64}

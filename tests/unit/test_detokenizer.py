@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
-from tests.checkpoints import DEFAULT_CHECKPOINT
+from backend.paths import DEFAULT_CHECKPOINT
 
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,7 +28,7 @@ def tokenizer():
     assert os.path.isfile(os.path.join(DEFAULT_CHECKPOINT, "tokenizer.json")), f"{DEFAULT_CHECKPOINT} missing: run `make setup`"
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+    return AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
 
 
 @pytest.fixture(scope="module")

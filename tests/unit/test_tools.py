@@ -6,9 +6,8 @@ import re
 import sysconfig
 from pathlib import Path
 
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from tools import serve
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_command_binds_host_and_ports():
@@ -42,4 +41,4 @@ def test_shipped_config_parameters_are_engine_parameters():
     params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config))
     version_dir = REPO_ROOT / "model_repository" / "llm" / "1"
     engine_config = EngineConfig.from_parameters(params, str(version_dir))
-    assert Path(engine_config.model_path) == REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
+    assert Path(engine_config.model_path) == DEFAULT_CHECKPOINT

@@ -1,6 +1,6 @@
 """Helpers of the end-to-end tests: requests over gRPC streams with every response recorded
-(final flags counted), /metrics scraping, waiting for an idle engine, and tritonserver
-instances on a model repository of the test's own (several models, extra environment).
+(final flags counted), /metrics scraping, and waiting for an idle engine. The servers
+themselves come from the `tritonserver` fixture (tests/e2e/conftest.py, tests/e2e/server.py).
 
 Imported by tests/e2e/test_e2e_interface.py, tests/e2e/test_e2e_cancel.py, tests/e2e/test_genai_perf.py
 and by the client processes those tests start (tests/e2e/e2e_stream_client.py).
@@ -9,16 +9,12 @@ and by the client processes those tests start (tests/e2e/e2e_stream_client.py).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -264,57 +260,3 @@ def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
         return wait_until(idle, timeout, 0.2, "idle engine")
     except AssertionError:
         raise AssertionError(f"model {model} not idle after {timeout:.0f}s: {last}") from None
-
-
-# ---------------------------------------------------------------------------- servers
-
-@dataclass
-class Server:
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    proc: subprocess.Popen
-    log_path: Path
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-
-@contextmanager
-def run_server(root: Path, models: dict[str, dict[str, str]], env: dict[str, str] | None = None,
-               ready_timeout: float = 300.0, extra_args: tuple[str, ...] = (), log_verbose: int = 0) -> Iterator[Server]:
-    """tritonserver on free ports serving one inflight model per entry of `models`
-    (name -> config.pbtxt parameters, on top of model_repository/llm's), with `extra_args`
-    after the launcher's own options; stopped by PID on exit."""
-    from tests.conftest import free_ports, make_model_repository
-    from tools import serve
-
-    repository = root / "model_repository"
-    for name, parameters in models.items():
-        make_model_repository(repository, parameters, name=name)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    log_path = root / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, log_verbose=log_verbose,
-                            extra_args=extra_args,
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = Server(http_port, grpc_port, metrics_port, proc, log_path)
-    try:
-        try:
-            serve.wait_ready(http_port, ready_timeout, proc=proc, metrics_port=metrics_port)
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}") from None
-        yield server
-    finally:
-        serve.stop(proc)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +23,9 @@ from typing import Iterator
 import requests
 
 from backend.paths import REPO_ROOT
+from tests.e2e.server import free_ports
 
 READY_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -62,7 +56,7 @@ def run_frontend(triton_grpc_url: str, *args: str, wait_healthy: bool = True) ->
 
     Waits until `/health` answers 200 (Triton reachable), or any answer with `wait_healthy` false.
     """
-    port = free_port()
+    (port,) = free_ports(1)
     log_path = Path(tempfile.mkdtemp(prefix="openai-frontend-")) / "frontend.log"
     cmd = [sys.executable, "-m", "client.openai_server", "--triton-url", triton_grpc_url, "--port", str(port), *args]
     with open(log_path, "wb") as log:

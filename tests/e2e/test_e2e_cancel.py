@@ -41,7 +41,7 @@ import requests
 from backend.paths import REPO_ROOT
 from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import (
-    AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, run_server, scrape, wait_for, wait_idle,
+    AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, wait_for, wait_idle,
     wait_until,
 )
 
@@ -70,13 +70,13 @@ def tiny_parameters(checkpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, checkpoint):
+def server(tritonserver, checkpoint):
     models = {
         TINY: tiny_parameters(checkpoint),
         SEQ1: {"model_path": checkpoint, "max_num_seqs": "1", "max_queue_len": "1", "kv_cache_memory_mb": "16",
                "long_prefill_token_threshold": "1"},
     }
-    with run_server(tmp_path_factory.mktemp("cancel"), models) as srv:
+    with tritonserver(models) as srv:
         yield srv
         # Every request had its final response: nothing keeps the models loaded.
         code, seconds, _ = stop_when_idle(srv, models)
@@ -110,10 +110,10 @@ FINAL_RESPONSE = re.compile(r"ModelStreamInferHandler::StreamInferComplete, .*, 
 
 
 @pytest.fixture(scope="module")
-def racing_server(tmp_path_factory, checkpoint):
+def racing_server(tritonserver, checkpoint):
     """`tiny` alone, logging verbosely, for streams cancelled as their requests end."""
     models = {TINY: tiny_parameters(checkpoint)}
-    with run_server(tmp_path_factory.mktemp("racing"), models, log_verbose=1) as srv:
+    with tritonserver(models, log_verbose=1) as srv:
         yield srv
         code, seconds, log = stop_when_idle(srv, models)
         if code == 0:
@@ -319,10 +319,9 @@ FAULT_AT_BATCH = 5
 
 
 @pytest.fixture(scope="module")
-def faulty_server(tmp_path_factory, checkpoint):
+def faulty_server(tritonserver, checkpoint):
     models = {TINY: tiny_parameters(checkpoint)}
-    with run_server(tmp_path_factory.mktemp("fault"), models,
-                    env={"INFLIGHT_FAULT_INJECT_AT_BATCH": str(FAULT_AT_BATCH)}) as srv:
+    with tritonserver(models, env={"INFLIGHT_FAULT_INJECT_AT_BATCH": str(FAULT_AT_BATCH)}) as srv:
         yield srv
 
 

@@ -29,7 +29,7 @@ import pytest
 import requests
 
 from backend.paths import DEFAULT_CHECKPOINT
-from tests.conftest import E2E_PARAMETERS
+from tests.e2e.server import E2E_PARAMETERS
 from tests.e2e.e2e_util import (
     AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, tensor, wait_for, wait_idle, wait_until,
 )

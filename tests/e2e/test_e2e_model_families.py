@@ -17,14 +17,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory):
+def qwen3_server(tritonserver, tmp_path_factory):
     """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
-    from tests.e2e.e2e_util import run_server
-
     root = tmp_path_factory.mktemp("qwen3-triton")
     path = make_tiny_checkpoint(str(root / "qwen3"), family="qwen3", attention_bias=True)
     parameters = {"model_path": path, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
-    with run_server(root, {"llm": parameters}) as server:
+    with tritonserver({"llm": parameters}) as server:
         yield server, path
 
 

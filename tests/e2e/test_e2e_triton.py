@@ -1,6 +1,6 @@
 """End to end through a real tritonserver: gRPC streaming, HTTP generate(_stream), errors.
 
-All tests share the session's `triton_server` (tests/conftest.py): the default
+All tests share the session's `triton_server` (tests/e2e/conftest.py): the default
 SmolLM2-135M-Instruct checkpoint behind the inflight backend, on free ports.
 """
 
@@ -17,7 +17,6 @@ from tritonclient.utils import InferenceServerException
 
 from backend.paths import DEFAULT_CHECKPOINT
 from client.generate import apply_chat_template, is_final, make_inputs, stream_generate, text_of
-from tests.e2e.e2e_util import run_server
 
 pytestmark = pytest.mark.e2e
 
@@ -256,7 +255,7 @@ def _assert_aborted(results: dict[str, object], server) -> None:
         assert responses[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == "abort"
 
 
-def test_server_shutdown_ends_live_requests(tmp_path):
+def test_server_shutdown_ends_live_requests(tritonserver, tmp_path):
     """SIGTERM with streams in flight: each gets its final response (abort), the server exits 0.
 
     Triton keeps a decoupled model loaded while any response sender is open, so without
@@ -266,7 +265,7 @@ def test_server_shutdown_ends_live_requests(tmp_path):
     """
     import time
 
-    with run_server(tmp_path, _tiny_model(tmp_path)) as server:
+    with tritonserver(_tiny_model(tmp_path)) as server:
         expected = f"[inflight] unload detection: GET {server.http_url}/v2/models/llm/versions/1/ready"
         assert expected in server.log(), server.log_tail()
         threads, results = _two_long_requests(server)
@@ -280,14 +279,14 @@ def test_server_shutdown_ends_live_requests(tmp_path):
         assert "Fatal Python error" not in server.log()
 
 
-def test_unloading_a_model_ends_its_live_requests(tmp_path):
+def test_unloading_a_model_ends_its_live_requests(tritonserver, tmp_path):
     """An explicit unload with streams in flight ends each (abort) and the unload completes."""
     import time
 
     import tritonclient.http as httpclient
 
     explicit = ("--model-control-mode=explicit", "--load-model=llm")
-    with run_server(tmp_path, _tiny_model(tmp_path), extra_args=explicit) as server:
+    with tritonserver(_tiny_model(tmp_path), args=explicit) as server:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
         try:
             threads, results = _two_long_requests(server)

@@ -18,20 +18,17 @@ model names (``--model-name``).
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.conftest import free_ports, make_model_repository
 from tests.e2e.openai_frontend import metric, metrics_text, run_frontend, wait_for
+from tests.e2e.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 
@@ -49,59 +46,12 @@ INSTANCES = {"tiny_a": 2, "tiny_b": 1}
 PROMPT = "Hello there, how are"
 
 
-def set_instance_count(config_text: str, count: int) -> str:
-    new, n = re.subn(r"instance_group\s*\[[^\]]*\]", f"instance_group [ {{ kind: KIND_CPU, count: {count} }} ]",
-                     config_text)
-    assert n == 1, "instance_group not found in model_repository/llm/config.pbtxt"
-    return new
-
-
-def make_two_model_repository(root: Path) -> Path:
-    checkpoint = make_tiny_checkpoint(str(root / "tiny-llama"))
-    repository = root / "model_repository"
-    for name, params in MODELS.items():
-        make_model_repository(repository, {"model_path": checkpoint, **params}, name=name)
-        config = repository / name / "config.pbtxt"
-        config.write_text(set_instance_count(config.read_text(), INSTANCES[name]))
-    return repository
-
-
-@dataclass
-class Server:
-    http_port: int
-    grpc_port: int
-    metrics_port: int
-    log_path: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tools import serve
-
-    root = tmp_path_factory.mktemp("multi")
-    repository = make_two_model_repository(root)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    log_path = root / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, log_verbose=1,
-                            extra_args=RESTRICTED, stdout=log, stderr=subprocess.STDOUT)
-    running = Server(http_port, grpc_port, metrics_port, log_path)
-    try:
-        serve.wait_ready(http_port, 300, proc=proc, metrics_port=metrics_port)
-    except (RuntimeError, TimeoutError) as exc:
-        serve.stop(proc)
-        pytest.fail(f"{exc}\n{running.log()[-4000:]}", pytrace=False)
-    try:
+def server(tritonserver, tmp_path_factory):
+    checkpoint = make_tiny_checkpoint(str(tmp_path_factory.mktemp("multi") / "tiny-llama"))
+    models = {name: {"model_path": checkpoint, **params} for name, params in MODELS.items()}
+    with tritonserver(models, args=RESTRICTED, instances=INSTANCES, log_verbose=1) as running:
         yield running
-    finally:
-        serve.stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +71,7 @@ def greedy(client, model: str, max_tokens: int = 8, prompt: str = PROMPT) -> str
                                      extra_body={"ignore_eos": True}).choices[0].text
 
 
-def metric_sum(server: Server, name: str, **labels: str) -> float:
+def metric_sum(server: TritonServer, name: str, **labels: str) -> float:
     """Sum over every series of `name` whose labels include `labels` (instances, reasons...)."""
     total = 0.0
     for line in metrics_text(server.metrics_port).splitlines():

@@ -1,5 +1,5 @@
 """The OpenAI-compatible frontend (client/openai_server.py), driven by the official `openai`
-package against a real tritonserver (the session's `triton_server`, tests/conftest.py:
+package against a real tritonserver (the session's `triton_server`, tests/e2e/conftest.py:
 SmolLM2-135M-Instruct behind the inflight backend).
 
 Covers completion, chat (the checkpoint's chat template), streaming (SSE ending with
@@ -78,9 +78,9 @@ def test_relative_model_path_resolves_like_the_backend():
 
 
 def test_triton_down_is_503_with_openai_error_json():
-    from tests.e2e.openai_frontend import free_port
+    from tests.e2e.server import free_ports
 
-    with run_frontend(f"127.0.0.1:{free_port()}", wait_healthy=False) as fe:
+    with run_frontend(f"127.0.0.1:{free_ports(1)[0]}", wait_healthy=False) as fe:
         assert requests.get(f"{fe.url}/health", timeout=30).status_code == 503
         r = requests.post(f"{fe.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable", r.text

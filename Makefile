@@ -7,7 +7,7 @@
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
-#   make lint    byte-compile every project module (cheap sanity check)
+#   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -133,8 +133,9 @@ openai: $(VENV_STAMP)
 bench: setup
 	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)
 
+# ruff parses every file too, so a syntax error fails here as a byte-compile would.
 lint: $(VENV_STAMP)
-	$(VPY) -m compileall -q backend kernels client tools tests
+	$(VPY) -m ruff check --no-cache .
 
 clean:
 	rm -rf .pytest_cache .hypothesis

@@ -333,7 +333,7 @@ class TritonPythonModel:
         self.logger.log_info(f"[inflight] finalize: {len(self._live)} live request(s) will be ended")
         try:
             self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - still answer every live request below
+        except Exception:  # still answer every live request below
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
         self._queue.put(None)
         self._response_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
@@ -368,7 +368,7 @@ class TritonPythonModel:
             except RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
                 continue
-            except Exception as exc:  # noqa: BLE001 - one bad request must not fail the batch
+            except Exception as exc:  # one bad request must not fail the batch
                 self.logger.log_error(f"[inflight] bad request: {traceback.format_exc()}")
                 self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
                 continue
@@ -389,7 +389,7 @@ class TritonPythonModel:
             except RequestError as exc:
                 self._forget(request_id)
                 self._send_error(sender, str(exc), exc.code)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] add_request failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
@@ -407,7 +407,7 @@ class TritonPythonModel:
                 output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
             )
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # noqa: BLE001 - the client may be gone
+        except Exception:  # the client may be gone
             self.logger.log_warn(f"[inflight] could not send error response: {traceback.format_exc()}")
 
     def _response_loop(self) -> None:
@@ -425,7 +425,7 @@ class TritonPythonModel:
                 live, output = item
                 try:
                     self._respond(live, output)
-                except Exception:  # noqa: BLE001 - keep serving the other requests
+                except Exception:  # keep serving the other requests
                     self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
                     if output.finished:
                         self._forget(live.request_id)
@@ -441,7 +441,7 @@ class TritonPythonModel:
 
         try:
             apply(updates)
-        except Exception:  # noqa: BLE001 - a metric must never stop the responses
+        except Exception:  # a metric must never stop the responses
             self.logger.log_error(f"[inflight] metric update failed: {traceback.format_exc()}")
 
     def _watch_readiness(self) -> None:
@@ -449,7 +449,7 @@ class TritonPythonModel:
             if self._live and not self._shutting_down:
                 try:
                     self._check_still_loaded()
-                except Exception:  # noqa: BLE001 - keep watching
+                except Exception:  # keep watching
                     self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
 
     def _is_model_ready(self) -> bool | None:
@@ -464,7 +464,7 @@ class TritonPythonModel:
             return None
         try:
             return bool(is_model_ready(model_name=self.model_name, model_version=self.model_version))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # Once shutdown has begun Triton answers "Server not ready"; anything else is
             # an unanswerable question, not a shutdown.
             return False if "not ready" in str(exc).lower() else None
@@ -496,7 +496,7 @@ class TritonPythonModel:
             live.last_cancel_poll = now
             try:
                 live.cancelled = bool(live.sender.is_cancelled())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     def _respond(self, live: _Live, output) -> None:

@@ -496,7 +496,7 @@ class Catalog:
                 try:
                     if await self.client.is_model_ready(name):
                         ready[name] = []
-                except Exception:  # noqa: BLE001 - unknown to Triton: not served
+                except Exception:  # unknown to Triton: not served
                     pass
         else:
             index = await self._call(self.client.get_model_repository_index(as_json=True))
@@ -730,7 +730,7 @@ async def _unless_disconnected(request, coro, generation: Generation):
     generation.cancel()
     try:
         await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
+    except (asyncio.CancelledError, Exception):  # the client is gone either way
         pass
     raise ClientGone()
 
@@ -822,7 +822,7 @@ def create_app(settings: Settings):
     async def health():
         try:
             live = await state["client"].is_server_live(client_timeout=5)
-        except Exception:  # noqa: BLE001
+        except Exception:
             live = False
         if not live:
             return error_response(ApiError(503, f"Triton at {settings.triton_url} is not live",

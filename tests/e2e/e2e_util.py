@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from client.generate import output_value as output  # noqa: F401 - the tests import it from here
+from client.generate import output_value as output
 
 # How long a test waits, after a request's final response, for anything (wrongly) sent after it.
 AFTER_FINAL_GRACE_S = 0.3

@@ -176,7 +176,7 @@ def test_server_command_is_make_serves(dockerfile, monkeypatch):
         assert flag in line, flag
     # The same builder makes `make serve`'s command: only paths and addresses differ.
     local = serve.build_command("model_repository")
-    strip = lambda c: [f.split("=")[0] for f in c[1:]]  # noqa: E731
+    strip = lambda c: [f.split("=")[0] for f in c[1:]]
     assert strip(local) == strip(line)
     exposed = {int(p) for kw, args in dockerfile if kw == "EXPOSE" for p in args.split()}
     assert {http, grpc, metrics} <= exposed

@@ -41,7 +41,14 @@ import requests
 from backend.paths import REPO_ROOT
 from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import (
-    AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, wait_for, wait_idle,
+    AFTER_FINAL_GRACE_S,
+    Stream,
+    generate,
+    inputs_for,
+    output,
+    scrape,
+    wait_for,
+    wait_idle,
     wait_until,
 )
 

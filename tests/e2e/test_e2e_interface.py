@@ -29,10 +29,19 @@ import pytest
 import requests
 
 from backend.paths import DEFAULT_CHECKPOINT
-from tests.e2e.server import E2E_PARAMETERS
 from tests.e2e.e2e_util import (
-    AFTER_FINAL_GRACE_S, Stream, generate, inputs_for, output, scrape, tensor, wait_for, wait_idle, wait_until,
+    AFTER_FINAL_GRACE_S,
+    Stream,
+    generate,
+    inputs_for,
+    output,
+    scrape,
+    tensor,
+    wait_for,
+    wait_idle,
+    wait_until,
 )
+from tests.e2e.server import E2E_PARAMETERS
 
 pytestmark = pytest.mark.e2e
 

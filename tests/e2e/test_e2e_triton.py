@@ -131,7 +131,7 @@ def test_sixteen_concurrent_streams_complete(triton_server):
                 returns=("return_finish_reason", "return_num_output_tokens"),
             )
             results[i] = responses
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -236,7 +236,7 @@ def _two_long_requests(server) -> tuple[list[threading.Thread], dict[str, object
                 responses.append(r)
                 started.set()
             results["stream" if stream else "whole"] = responses
-        except Exception as exc:  # noqa: BLE001 - reported by _assert_aborted
+        except Exception as exc:  # reported by _assert_aborted
             results["stream" if stream else "whole"] = exc
 
     threads = [threading.Thread(target=run, args=(stream,)) for stream in (True, False)]

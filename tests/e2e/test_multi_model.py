@@ -137,7 +137,7 @@ def test_metrics_carry_each_models_label(client, server):
 def test_overloaded_model_answers_503(frontend, client, server):
     """tiny_b: one running, one waiting, the third is refused at once with 503 (UNAVAILABLE)."""
     long = dict(model="tiny_b", prompt=PROMPT, max_tokens=900, temperature=0, extra_body={"ignore_eos": True})
-    waiting = lambda: metric(server.metrics_port, "inflight_requests_waiting", model="tiny_b")  # noqa: E731
+    waiting = lambda: metric(server.metrics_port, "inflight_requests_waiting", model="tiny_b")
     assert wait_for(lambda: waiting() == 0)
     running = client.completions.create(stream=True, **long)
     chunks = iter(running)
@@ -147,7 +147,7 @@ def test_overloaded_model_answers_503(frontend, client, server):
     def queued():
         try:
             second["text"] = client.completions.create(**{**long, "max_tokens": 4}).choices[0].text
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             second["error"] = exc
 
     thread = threading.Thread(target=queued)

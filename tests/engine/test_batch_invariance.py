@@ -14,8 +14,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine

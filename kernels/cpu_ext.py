@@ -5,7 +5,7 @@ torch's extension builder compiles them with g++ and ninja into `.build/cpu_kern
 Triton backend's first request waits for the compiler. `-march=native`: the build runs on
 the machine that serves, and the kernels' inner loops are what the vector units are for;
 no errno, reassociation and finite math let g++ vectorise expf (glibc's libmvec) and the
-reductions: softmax's scalar expf was decode attention's largest cost (layer_ops.cpp opts
+reductions: with a scalar expf, softmax is decode attention's largest cost (layer_ops.cpp opts
 out: it matches the torch references' roundings). Compile flags only:
 linked without -ffast-math, the module never changes the process's denormal handling.
 A machine that cannot build them gets the torch reference, with one warning.

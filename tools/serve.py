@@ -203,8 +203,8 @@ def wait_ready(
     """Block until ``/v2/health/ready`` answers 200, and ``/metrics`` too when ``metrics_port``
     is given; raise if ``proc`` exits or time runs out.
 
-    tritonserver starts its metrics service after the HTTP service: a scrape right after
-    "ready" was refused once on a loaded machine."""
+    tritonserver starts its metrics service after the HTTP service, so on a loaded machine a
+    scrape right after "ready" can be refused."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:

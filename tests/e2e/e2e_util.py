@@ -239,8 +239,8 @@ def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
     model's series read the same on two scrapes in a row; returns the last scrape.
 
     The engine sets its gauges one at a time while the endpoint may be read, so one scrape
-    can catch the update that emptied the engine half done (seen once: KV blocks used 0,
-    the KV fraction, set later in the same update, still the busy value)."""
+    can catch the update that empties the engine half done (e.g. KV blocks used 0, and the
+    KV fraction, set later in the same update, still the busy value)."""
     last: dict = {}
     previous: list = []
 

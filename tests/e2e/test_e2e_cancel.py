@@ -9,7 +9,7 @@ with two models:
   cancelling while queued and during prefill, and for the full queue (UNAVAILABLE).
 
 Blocks in use come from `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"}`
-on /metrics. A client that cancels no longer hears from the server, so "one final response
+on /metrics. A client that cancels hears nothing more from the server, so "one final response
 per request" is checked on the server's side: the engine ends each request exactly once
 (`inflight_requests_finished_total` moves by the number of requests), no response fails
 to send (a send after the final one would), and the server stops cleanly at the end
@@ -56,9 +56,9 @@ pytestmark = pytest.mark.e2e
 
 TINY, SEQ1 = "tiny", "tiny_seq1"
 # max_tokens of a request that must still be running whenever the test gets to cancel it:
-# 8-25 s of work at this model's 1-3 ms a token (within max_model_len's 8192 cap). 1000
-# took ~2.4 s beside two busy loops on 2 cores, and a client starved that long cancelled
-# two streams after they had ended on their own.
+# 8-25 s of work at this model's 1-3 ms a token (within max_model_len's 8192 cap). A client
+# beside two busy loops on 2 cores can be starved for seconds, longer than 1000 tokens take
+# there (~2.4 s), and would then cancel streams that had already ended on their own.
 LONG_TOKENS = 8000
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # What a failed send logs in backend/model.py: a response after the final one would.

@@ -437,7 +437,7 @@ def test_multibyte_utf8_streams_without_replacement_characters(server, prompt, s
     # prompt of a full KV block or more (the sampled one is 18 tokens) reads that block from
     # the prefix cache. With batch_invariant on (the server's default here) a prefill that
     # starts from cached blocks is bitwise the one that computes them; without it the logits
-    # were ~1e-5 apart, which at temperature 0.9 flipped a sampled token for 2 of 480 seeds.
+    # can be ~1e-5 apart, enough at temperature 0.9 to flip a sampled token for ~2 seeds in 480.
     # One request first puts the prompt's full blocks in the cache, so that both runs below
     # start from the same blocks either way.
     warm = generate(server.grpc_url, server.model, inputs_for(prompt, {"temperature": 0, "max_tokens": 1}, stream=False))

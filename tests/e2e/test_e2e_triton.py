@@ -261,7 +261,7 @@ def test_server_shutdown_ends_live_requests(tritonserver, tmp_path):
     Triton keeps a decoupled model loaded while any response sender is open, so without
     the backend noticing the unload, shutdown would wait for the exit timeout and crash.
     The backend asks the server's HTTP endpoint, found on its command line, not
-    `pb_utils.is_model_ready`, whose error path crashed the stub in one shutdown of ten.
+    `pb_utils.is_model_ready`, whose error path can crash the stub (backend/readiness.py).
     """
     import time
 

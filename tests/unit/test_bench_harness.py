@@ -39,8 +39,9 @@ def tokenizer():
 # ---------------------------------------------------------------------------- workloads
 
 
-def test_default_prompt_source_draws_as_before():
-    """The prompt-source refactor keeps every synthetic workload (and saved result) as it was."""
+def test_default_prompt_source_draws_output_length_prompt_length_then_ids():
+    """A synthetic workload draws from its seed in this fixed order, so the workload of every
+    saved result can be drawn again."""
     rng = np.random.default_rng(5)
     out = int(min(512, max(1, round(rng.exponential(64)))))
     ids = rng.integers(workloads.TOKEN_LOW, workloads.TOKEN_HIGH, size=int(rng.integers(32, 129))).tolist()

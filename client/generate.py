@@ -18,14 +18,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from backend.protocol import (
-    FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS,
+    FINISH_REASON,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    RETURN_FINISH_REASON,
+    RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
 )
 from client.triton import is_final, make_inputs, output_value, stream_generate, text_of
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TOKENIZER = ".models/SmolLM2-135M-Instruct"
 
 
 def build_sampling_parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] | None = None
     parser.add_argument("prompt", help="the prompt ('-' reads it from standard input)")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     parser.add_argument("--system", default=None, help="system message for --chat")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="checkpoint folder with the chat template")
+    parser.add_argument("--tokenizer", default=str(DEFAULT_CHECKPOINT), help="checkpoint folder with the chat template")
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default %(default)s)")
     parser.add_argument("--model", default="llm", help="model name (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the server's default_max_tokens")

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
-from .linear import PackedWeight, linear, pack_linear_weight
 from .kv_store import store_kv_reference, store_kv_triton
+from .linear import PackedWeight, linear, pack_linear_weight
 from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu

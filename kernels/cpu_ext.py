@@ -5,7 +5,7 @@ torch's extension builder compiles them with g++ and ninja into `.build/cpu_kern
 Triton backend's first request waits for the compiler. `-march=native`: the build runs on
 the machine that serves, and the kernels' inner loops are what the vector units are for;
 no errno, reassociation and finite math let g++ vectorise expf (glibc's libmvec) and the
-reductions: softmax's scalar expf was decode attention's largest cost (layer_ops.cpp opts
+reductions: with a scalar expf, softmax is decode attention's largest cost (layer_ops.cpp opts
 out: it matches the torch references' roundings). Compile flags only:
 linked without -ffast-math, the module never changes the process's denormal handling.
 A machine that cannot build them gets the torch reference, with one warning.
@@ -25,8 +25,9 @@ import os
 log = logging.getLogger("inflight")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(HERE)
-BUILD_DIR = os.path.join(REPO_ROOT, ".build", "cpu_kernels")
+# .build/ at the repository root (git-ignored). kernels/ imports nothing of the project, so
+# it finds the root from its own place rather than from backend.paths.
+BUILD_DIR = os.path.join(os.path.dirname(HERE), ".build", "cpu_kernels")
 SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
 
@@ -64,7 +65,7 @@ def load():
         os.makedirs(BUILD_DIR, exist_ok=True)
         return load_extension(name="inflight_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=BUILD_DIR, verbose=False)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no headers: serve with the reference instead
+    except Exception as exc:  # no compiler, no headers: serve with the reference instead
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", exc)
         return None
 

@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from . import cpu_ext
 from .cpu_ext import Isa
 
-
 # The GEMM libraries choose their blocking from an expected row count; any row count is
 # correct, and measured speed varied little between hints of 1 and 256.
 _BATCH_HINT = 64

@@ -1,6 +1,6 @@
 """Test helpers: random paged batches and naive loop implementations to check against.
 
-Used by tests/test_kernels*.py; handy for engine tests that need a filled KV cache.
+Used by tests/kernels/test_kernels*.py; handy for engine tests that need a filled KV cache.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ arrays, which is how the `*_triton` functions are tested on a machine without a 
 `triton.jit` picks "interpreted" or "compiled" once, when a function is decorated, and
 that includes triton.language's own jit helpers (`tl.max`, `tl.sum`, `tl.cdiv`, ...),
 decorated when triton is imported. Setting `TRITON_INTERPRET=1` before triton is
-imported makes everything interpreted; when it was not (say another test module imported
+imported makes everything interpreted; when it is not (say another test module imported
 the engine first), a CPU launch wraps the kernel in the interpreter itself and, for the
 duration of that launch only, swaps triton.language's jit helpers for interpreted ones.
 CUDA launches never take that path.

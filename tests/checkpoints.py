@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 import transformers
 
-from tools.random_checkpoint import DEFAULT_CHECKPOINT, FAMILIES, TINY_SHAPE, copy_tokenizer, make_tiny_checkpoint  # noqa: F401
+from tools.random_checkpoint import make_tiny_checkpoint
+
+__all__ = ["hf_greedy", "make_tiny_checkpoint"]
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,

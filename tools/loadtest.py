@@ -27,15 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from backend.protocol import RETURN_FLAGS
 from client.bench.records import git_commit, machine
 from client.bench.stats import format_ratio
 from client.bench.workloads import TOKEN_HIGH, TOKEN_LOW
 from client.triton import request_values
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = REPO_ROOT / ".triton" / "bin" / "perf_analyzer"
-DEFAULT_TOKENIZER = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
 GENAI_ENDPOINTS = ("kserve", "openai")
 
 
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("tool", choices=["perf-analyzer", "genai-perf"])
     parser.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address")
     parser.add_argument("--model", default="llm")
-    parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="checkpoint folder with the tokenizer")
+    parser.add_argument("--tokenizer", default=str(DEFAULT_CHECKPOINT), help="checkpoint folder with the tokenizer")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrencies, one profile each")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per concurrency")
     parser.add_argument("--input-tokens", type=int, default=128)

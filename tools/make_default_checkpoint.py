@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / ".models" / "SmolLM2-135M-Instruct"
+from backend.paths import DEFAULT_CHECKPOINT
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".inflight-complete"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -126,7 +126,7 @@ def verify(out: Path, max_new_tokens: int = 32) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder to write")
+    parser.add_argument("--out", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint folder to write")
     parser.add_argument("--force", action="store_true", help="convert again even if complete")
     parser.add_argument("--verify", action="store_true", help="verify an existing checkpoint again")
     args = parser.parse_args(argv)

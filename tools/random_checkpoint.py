@@ -18,8 +18,8 @@ import shutil
 import torch
 import transformers
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CHECKPOINT = os.path.join(REPO_ROOT, ".models", "SmolLM2-135M-Instruct")
+from backend.paths import DEFAULT_CHECKPOINT
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 # Small enough to run a forward pass in milliseconds, big enough to have GQA and
@@ -48,7 +48,7 @@ FAMILIES = {
 }
 
 
-def copy_tokenizer(dest: str, source: str = DEFAULT_CHECKPOINT) -> None:
+def copy_tokenizer(dest: str, source: str | os.PathLike = DEFAULT_CHECKPOINT) -> None:
     if not os.path.isdir(source):
         raise FileNotFoundError(f"{source} is missing: run `make setup` first (it makes the default checkpoint)")
     for name in TOKENIZER_FILES:

@@ -39,7 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 # Where tools.setup_triton put the server; INFLIGHT_TRITON_DIR points elsewhere (e.g. an image).
 TRITON_DIR = Path(os.environ.get("INFLIGHT_TRITON_DIR", REPO_ROOT / ".triton"))
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -202,8 +203,8 @@ def wait_ready(
     """Block until ``/v2/health/ready`` answers 200, and ``/metrics`` too when ``metrics_port``
     is given; raise if ``proc`` exits or time runs out.
 
-    tritonserver starts its metrics service after the HTTP service: a scrape right after
-    "ready" was refused once on a loaded machine."""
+    tritonserver starts its metrics service after the HTTP service, so on a loaded machine a
+    scrape right after "ready" can be refused."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:

@@ -25,7 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from backend.paths import REPO_ROOT
+
 DEFAULT_TRITON_DIR = REPO_ROOT / ".triton"
 STAMP_NAME = ".inflight-setup"
 

@@ -31,16 +31,15 @@ import transformers
 from transformers import AutoTokenizer
 
 from backend.config import EngineConfig
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from client.bench.flops import add_flop_bound
 from client.bench.plot import plot_path, plot_report
-from client.bench.records import REPO_ROOT, git_commit, machine
+from client.bench.records import git_commit, machine
 from client.bench.stats import DEFAULT_SLO, rate_label, ratios, summarize
 from client.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, RunContext, engine_dtype_name, target_runner
 from client.bench.table import print_table
 from client.bench.targets import parse_target
 from client.bench.workloads import BUILTIN_PROMPTS, WORKLOADS, TextPrompts, attach_text
-
-DEFAULT_MODEL = os.path.join(REPO_ROOT, ".models", "SmolLM2-135M-Instruct")
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running server, repeatable: grpc:// (Triton gRPC streaming, system triton-grpc), "
                              "http:// (Triton generate_stream, triton-http), openai:// (/v1/completions, openai)")
     parser.add_argument("--model-name", default="llm", help="the model name servers know (default %(default)s)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face checkpoint folder (and the tokenizer)")
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="Hugging Face checkpoint folder (and the tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
     parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W3, W4, W5); 0 = all at once")
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_params = dict(item.split("=", 1) for item in args.engine)
     common = {}
     if engine_params:
-        parsed = EngineConfig.from_parameters({**engine_params, "model_path": args.model}, REPO_ROOT)
+        parsed = EngineConfig.from_parameters({**engine_params, "model_path": args.model}, str(REPO_ROOT))
         common = {k: getattr(parsed, k) for k in engine_params}
     tokenizer = _load_tokenizer(args.model) if targets or args.text or args.text_prompts else None
     source = None
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
-        "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(REPO_ROOT) else args.model,
+        "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(str(REPO_ROOT)) else args.model,
         "workload": summary,
         "concurrency": args.concurrency,  # None: open loop at the workload's arrival times
         "engine_parameters": common,

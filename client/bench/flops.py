@@ -11,6 +11,7 @@ import torch
 
 import kernels
 
+
 def model_flops(model_path: str) -> tuple[float, float]:
     """Matmul FLOPs (per token through the layers' projections, per output token through the
     output head). Every prompt and output token goes through the layers; the head runs

@@ -28,11 +28,12 @@ from tqdm import tqdm
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.paths import MODELS_DIR
 from backend.request import SamplingParams
-from client.bench.records import REPO_ROOT, git_commit, machine
+from client.bench.records import git_commit, machine
 from tools.random_checkpoint import SMALL_SHAPE, make_tiny_checkpoint
 
-DEFAULT_CHECKPOINT = os.path.join(REPO_ROOT, ".models", "random-llama-small")
+SMALL_CHECKPOINT = str(MODELS_DIR / "random-llama-small")
 PHASES = ("schedule", "prepare", "forward", "update")
 TARGET_MS = 1.0  # schedule + prepare, per iteration
 
@@ -105,15 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--warmup-iterations", type=int, default=20)
-    parser.add_argument("--model", default=DEFAULT_CHECKPOINT,
+    parser.add_argument("--model", default=SMALL_CHECKPOINT,
                         help="checkpoint for the tokenizer, shapes and KV layout (made when missing)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    if args.model == DEFAULT_CHECKPOINT:
-        make_tiny_checkpoint(DEFAULT_CHECKPOINT, "llama", **SMALL_SHAPE)
+    if args.model == SMALL_CHECKPOINT:
+        make_tiny_checkpoint(SMALL_CHECKPOINT, "llama", **SMALL_SHAPE)
     results = [measure(args.model, int(n), args.prompt_len, args.iterations, args.warmup_iterations,
                        progress=not args.no_progress) for n in args.running.split(",")]
     print(f"{'running':>8} " + " ".join(f"{p + ' p50/p99 ms':>24}" for p in (*PHASES, "schedule+prepare")))

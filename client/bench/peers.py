@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-from client.bench.records import REPO_ROOT, RequestRecord, SystemRun
+from backend.paths import REPO_ROOT
+from client.bench.records import RequestRecord, SystemRun
 from client.bench.workloads import Workload
 from client.vllm_offline import check_requests, make_request
 

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from client.bench.records import REPO_ROOT
+from backend.paths import REPO_ROOT
 from client.bench.stats import load_label, run_label
 
 

@@ -14,7 +14,7 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from backend.paths import REPO_ROOT
 
 
 @dataclass

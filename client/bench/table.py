@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from client.bench.records import REPO_ROOT
+from backend.paths import REPO_ROOT
 from client.bench.stats import DEFAULT_SLO, format_ratio, load_label, run_label
 
 

@@ -35,7 +35,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from backend.protocol import FINISH_REASON, NUM_OUTPUT_TOKENS, RETURN_FINISH_REASON, RETURN_NUM_OUTPUT_TOKENS, TEXT_OUTPUT
+from backend.protocol import (
+    FINISH_REASON,
+    NUM_OUTPUT_TOKENS,
+    RETURN_FINISH_REASON,
+    RETURN_NUM_OUTPUT_TOKENS,
+    TEXT_OUTPUT,
+)
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.workloads import BenchRequest, Workload
 from client.triton import is_final, make_inputs, output_value, request_values
@@ -244,7 +250,7 @@ async def _run(target: Target, workload: Workload, concurrency: int | None, prog
         warm = RequestRecord(arrival=0.0)
         try:
             await client.send("warmup", "Hello", {"max_tokens": 4, "temperature": 0, "ignore_eos": True}, warm)
-        except Exception as exc:  # noqa: BLE001 - unreachable server, refused connection, ...
+        except Exception as exc:  # unreachable server, refused connection, ...
             warm.error = _describe(exc)
         if warm.error or warm.finish_reason is None:
             raise RuntimeError(f"warm-up request to {target.url} (model {target.model_name!r}) failed: "
@@ -257,7 +263,7 @@ async def _run(target: Target, workload: Workload, concurrency: int | None, prog
             try:
                 # Seeds as the in-process engine numbers them: by position in arrival order.
                 await client.send(str(index), spec.prompt_text, sampling_of(spec, position + 1), records[index])
-            except Exception as exc:  # noqa: BLE001 - recorded: one failed request does not end the run
+            except Exception as exc:  # recorded: one failed request does not end the run
                 records[index].error = _describe(exc)
                 records[index].finish_reason = None
             bar.update(1)

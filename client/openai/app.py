@@ -52,7 +52,7 @@ async def _unless_disconnected(request, coro, generation: Generation):
     generation.cancel()
     try:
         await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
+    except (asyncio.CancelledError, Exception):
         pass
     raise ClientGone()
 
@@ -129,7 +129,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def health():
         try:
             live = await state["client"].is_server_live(client_timeout=5)
-        except Exception:  # noqa: BLE001
+        except Exception:
             live = False
         if not live:
             return error_response(ApiError(503, f"Triton at {settings.triton_url} is not live",

@@ -148,7 +148,7 @@ class Catalog:
                 try:
                     if await self.client.is_model_ready(name):
                         ready[name] = []
-                except Exception:  # noqa: BLE001 - unknown to Triton: not served
+                except Exception:
                     pass
         else:
             index = await self._call(self.client.get_model_repository_index(as_json=True))

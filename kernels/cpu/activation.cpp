@@ -1,11 +1,11 @@
 // SiLU-and-mul of a gated MLP, out = silu(gate) * up, one pass over [T, 2I] -> [T, I].
 //
-// As torch ops (F.silu on the gate half, then a multiply) it was two passes and a
+// As torch ops (F.silu on the gate half, then a multiply) it is two passes and a
 // temporary: 220 us at 144 rows on a 2-core EPYC, 150 here; 21 us at one row, 5 here.
 // Numerics are torch's, bit for bit in float32 (the unit tests compare with ==), because
 // the engine's greedy output must equal HF's token for token: g / (1 + exp(-g)) with
-// SLEEF's expf (the one torch's AVX2 kernel calls; glibc's vector expf was 1.4x faster
-// but differed in the last bit for 1 in 5 values), then times `up`, each step rounded.
+// SLEEF's expf (the one torch's AVX2 kernel calls; glibc's vector expf is 1.4x faster
+// but differs in the last bit for 1 in 5 values), then times `up`, each step rounded.
 // Other dtypes: silu in float32, rounded to the dtype, times `up`, rounded, as torch does.
 // No reassociation, reciprocal or contraction here, whatever cpu_ext.py's flags allow.
 #pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")

@@ -1,6 +1,6 @@
 // The small per-layer operations of a decoder layer, one pass each over a few KB of
 // activations: RMSNorm (with the residual add) and RoPE plus the KV-cache store. As torch
-// operations they were ~25 separate ops per layer (a temporary and a dispatch each, ~10 us
+// operations they are ~25 separate ops per layer (a temporary and a dispatch each, ~10 us
 // apiece at batch 32), more time than their arithmetic.
 //
 // Numerics follow the torch references (kernels/rms_norm.py, rotary.py, kv_store.py), which
@@ -35,9 +35,9 @@ using inflight_cpu::round_to;
 
 // sum(h[i]^2) added up exactly as torch's CPU sum adds up a contiguous row of floats (its
 // cascade sum, aten/src/ATen/native/cpu/SumKernel.cpp), so that RMSNorm's mean of squares is
-// HF's to the bit. It is also fast: the sequential sum it replaces, one chain of dependent
-// adds, rounded differently now and then and made RMSNorm with the residual add 3x slower
-// (2-core AVX2 EPYC, width 576: 241 against 75 us at 512 rows, 21 against 8.5 at 32).
+// HF's to the bit. It is also fast: a sequential sum, one chain of dependent adds, rounds
+// differently now and then and makes RMSNorm with the residual add 3x slower (2-core AVX2
+// EPYC, width 576: 241 against 75 us at 512 rows, 21 against 8.5 at 32).
 // The order: the row as vectors of kLanes floats (single floats when the row is shorter than
 // one vector); the vectors as rows of 4, four running sums (one per column); the rows in
 // chunks of 2^p (p = max(4, ceil(log2(rows)) / 4)), each chunk's sums passed up a ladder of

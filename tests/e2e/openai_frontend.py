@@ -1,0 +1,115 @@
+"""Test helpers: run the OpenAI frontend (client/openai/) as a real process.
+
+    with run_frontend(triton_server.grpc_url) as frontend:
+        client = frontend.openai()          # the official `openai` client, no retries
+        client.completions.create(model="llm", prompt="Hi", max_tokens=8)
+
+Also `metric(port, name, **labels)`: one sample from Triton's Prometheus /metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import requests
+
+from backend.paths import REPO_ROOT
+from tests.e2e.server import free_ports
+
+READY_TIMEOUT_S = 60
+
+
+@dataclass
+class Frontend:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def openai(self, api_key: str = "unused", **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+@contextlib.contextmanager
+def run_frontend(triton_grpc_url: str, *args: str, wait_healthy: bool = True) -> Iterator[Frontend]:
+    """Start `python -m client.openai` on a free port; stop it (by PID) afterwards.
+
+    Waits until `/health` answers 200 (Triton reachable), or any answer with `wait_healthy` false.
+    """
+    (port,) = free_ports(1)
+    log_path = Path(tempfile.mkdtemp(prefix="openai-frontend-")) / "frontend.log"
+    cmd = [sys.executable, "-m", "client.openai", "--triton-url", triton_grpc_url, "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    frontend = Frontend(port, proc, log_path)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"openai frontend exited with {proc.returncode}:\n{frontend.log_tail()}")
+            try:
+                status = requests.get(f"{frontend.url}/health", timeout=2).status_code
+                if status == 200 or not wait_healthy:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"openai frontend not healthy after {READY_TIMEOUT_S}s:\n{frontend.log_tail()}")
+            time.sleep(0.2)
+        yield frontend
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def metrics_text(metrics_port: int) -> str:
+    return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+
+
+def metric(metrics_port: int, name: str, text: str | None = None, **labels: str) -> float | None:
+    """The value of the sample `name{labels...}` (labels matched as a subset), or None."""
+    text = metrics_text(metrics_port) if text is None else text
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        body = line[len(name) + 1:line.rindex("}")]
+        have = dict(re.findall(r'(\w+)="([^"]*)"', body))
+        if all(have.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
+    """Poll `predicate()` until it returns a truthy value; return it (or the last value on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,165 @@
+"""The one tritonserver launcher of the tests.
+
+`start_tritonserver` lays out a model repository of the test's own (each model a copy of
+model_repository/llm with its config.pbtxt parameters replaced) and starts tritonserver on
+it, on free ports, through the launcher `make serve` uses (`tools.serve.launch`), so the
+tests run the server exactly as users do. Tests reach it through the `tritonserver` factory
+fixture of tests/e2e/conftest.py, which also stops whatever a test leaves running.
+
+    with tritonserver({"tiny": {"model_path": path}}, env={...}, args=["--log-verbose=1"]) as server:
+        server.grpc_url, server.http_url, server.metrics_url, server.log_tail()
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+
+READY_TIMEOUT_S = 300.0
+
+# Engine parameters of the session's default server (on top of model_repository/llm's):
+# a batch small enough that 16 streams queue, and a KV pool that fits beside the tests.
+E2E_PARAMETERS = {
+    "model_path": str(DEFAULT_CHECKPOINT),
+    "max_num_seqs": "8",
+    "kv_cache_memory_mb": "128",
+}
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free a moment ago (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def set_parameters(config_text: str, parameters: Mapping[str, str]) -> str:
+    """Replace (or add) `parameters` entries of a config.pbtxt."""
+    for key, value in parameters.items():
+        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}')
+        if pattern.search(config_text):
+            config_text = pattern.sub(lambda _m: entry, config_text)
+        else:
+            config_text += f"\nparameters [ {entry} ]\n"
+    return config_text
+
+
+def set_instance_count(config_text: str, count: int) -> str:
+    """`count` CPU instances of the model, each an engine of its own in a stub process."""
+    new, n = re.subn(r"instance_group\s*\[[^\]]*\]", f"instance_group [ {{ kind: KIND_CPU, count: {count} }} ]",
+                     config_text)
+    assert n == 1, "instance_group not found in model_repository/llm/config.pbtxt"
+    return new
+
+
+def make_model_repository(root: Path, parameters: Mapping[str, str], name: str = "llm",
+                          instances: int | None = None) -> Path:
+    """Copy model_repository/llm into `root`/`name` with `parameters` set (and `instances`
+    CPU instances when given); returns `root`."""
+    dst = root / name
+    shutil.copytree(REPO_ROOT / "model_repository" / "llm", dst)
+    config = (dst / "config.pbtxt").read_text()
+    config = re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', config, flags=re.M)
+    config = set_parameters(config, parameters)
+    if instances is not None:
+        config = set_instance_count(config, instances)
+    (dst / "config.pbtxt").write_text(config)
+    return root
+
+
+@dataclass
+class TritonServer:
+    """A started tritonserver. `stop()` (or leaving its `with` block) ends it and whatever
+    its process group left behind; stopping twice is harmless."""
+
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    proc: subprocess.Popen
+    log_path: Path
+    models: tuple[str, ...]
+    exit_code: int | None = None  # set by stop()
+
+    @property
+    def model(self) -> str:
+        """The first model's name: the only one of a one-model server."""
+        return self.models[0]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after the server's exit timeout; returns the exit code. Only
+        the first call signals: the process group's id may belong to another group by then."""
+        from tools import serve
+
+        if self.exit_code is None:
+            self.exit_code = serve.stop(self.proc)
+        return self.exit_code
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_tritonserver(root: Path, models: Mapping[str, Mapping[str, str]], env: Mapping[str, str] | None = None,
+                       args: Sequence[str] = (), *, instances: Mapping[str, int] | None = None, log_verbose: int = 0,
+                       ready_timeout: float = READY_TIMEOUT_S) -> TritonServer:
+    """tritonserver on free ports serving one inflight model per entry of `models` (name ->
+    config.pbtxt parameters), with `env` added to this process's environment and `args`
+    after the launcher's own options; returns once it and its /metrics answer, or raises
+    RuntimeError with the log's tail."""
+    from tools import serve
+
+    repository = root / "model_repository"
+    for name, parameters in models.items():
+        make_model_repository(repository, parameters, name=name, instances=(instances or {}).get(name))
+    http_port, grpc_port, metrics_port = free_ports(3)
+    log_path = root / "tritonserver.log"
+    with open(log_path, "wb") as log:
+        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, log_verbose=log_verbose,
+                            extra_args=tuple(args), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    server = TritonServer(http_port, grpc_port, metrics_port, proc, log_path, tuple(models))
+    try:
+        serve.wait_ready(http_port, ready_timeout, proc=proc, metrics_port=metrics_port)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        raise RuntimeError(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}") from None
+    return server

@@ -1,0 +1,439 @@
+"""Model families from local Hugging Face checkpoints, against `transformers` as the oracle.
+
+Every supported family (Llama 2/3, Mistral, Qwen2, Qwen3) in tiny random-weight
+checkpoints made here: the engine's greedy output on a batch of prompts is token-identical
+to `transformers` `generate()`, and its logits match a `transformers` forward pass. Then
+loading: sharded checkpoints, checkpoint and configured dtypes, and load errors that name
+what is wrong (missing / extra / misshapen tensors, unsupported architectures and config
+fields, pickle-only weights). Then EOS ids from generation_config.json. One non-Llama
+checkpoint served through tritonserver is tests/e2e/test_e2e_model_families.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.models.llama import AttentionMetadata
+from backend.models.loader import CheckpointError, checkpoint_dtype, load_arch, load_model
+from backend.request import SamplingParams
+from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+
+PROMPTS = [
+    "The capital of France is",
+    # Longer than one KV block (16 tokens), so prefill spans blocks and chunks.
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old "
+    "clockmaker who had never once been late",
+    "def fibonacci(n):",
+    "Hi",
+]
+MAX_TOKENS = 20  # decode crosses block boundaries too
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    # Far below max_position_embeddings, so the scaling changes even the short prompts here.
+    original_max_position_embeddings=64,
+)
+
+# id -> (family, config overrides, engine overrides). Tied and untied embeddings, GQA and
+# MHA, head sizes 16, 32, 64 and 128 (all but 16 with num_heads * head_dim != hidden_size),
+# every optional bias. hidden_size stays 64: the 49152-token lm_head is most of the cost.
+CASES = {
+    "llama2-tied-gqa-hd16": ("llama", {}, {}),
+    "llama-untied-mha-hd64-biases": (
+        "llama",
+        dict(num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+             attention_bias=True, mlp_bias=True),
+        dict(max_num_batched_tokens=24),  # chunked prefill mixed with decodes
+    ),
+    "llama3-rope-scaling-hd128": (
+        "llama", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_parameters=LLAMA3_ROPE), {},
+    ),
+    "llama2-linear-rope-untied-gqa4": (
+        "llama", dict(num_key_value_heads=1, tie_word_embeddings=False,
+                      rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)), {},
+    ),
+    "mistral-untied-gqa-hd32": ("mistral", dict(head_dim=32, sliding_window=4096), {}),
+    "qwen2-untied-qkv-bias-gqa": ("qwen2", {}, dict(max_num_batched_tokens=24)),
+    "qwen2-tied-mha-hd64": ("qwen2", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
+                                          head_dim=64), {}),
+    "qwen3-tied-qk-norm-hd16": ("qwen3", {}, {}),
+    "qwen3-untied-bias-hd64-gqa4": ("qwen3", dict(head_dim=64, num_key_value_heads=1, attention_bias=True,
+                                                  tie_word_embeddings=False), {}),
+}
+
+
+def make_engine(path: str, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"model_path": path, "num_kv_blocks": 64, "max_model_len": 256, **overrides}))
+
+
+def prompt_ids(path: str) -> list[list[int]]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def engine_greedy(engine: LLMEngine, prompts=PROMPTS, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [r.output_token_ids for r in engine.generate(list(prompts), params)]
+
+
+def our_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one sequence through our model (prefill, contiguous blocks)."""
+    arch, n, block = model.arch, len(ids), 16
+    num_blocks = -(-n // block)
+    dtype = model.embed_tokens.weight.dtype
+    shape = (num_blocks, block, arch.num_kv_heads, arch.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+        max_seqlen_q=n, max_seqlen_k=n,
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def hf_logits(path: str, ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def case_checkpoint(root, case: str) -> str:
+    family, overrides, _ = CASES[case]
+    return make_tiny_checkpoint(str(root / case), family=family, **overrides)
+
+
+# ---- every family, token-identical ------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_greedy_matches_transformers(ckpt_root, case):
+    _, _, engine_overrides = CASES[case]
+    path = case_checkpoint(ckpt_root, case)
+    ids = prompt_ids(path)
+    expected = hf_greedy(path, ids, MAX_TOKENS)
+    engine = make_engine(path, **engine_overrides)
+    arch = engine.arch
+    assert arch.architecture == transformers.AutoConfig.from_pretrained(path).architectures[0]
+
+    # Logits of the longest prompt plus its continuation, all positions at once.
+    sequence = ids[1] + expected[1]
+    ours = our_logits(engine.model, sequence)
+    theirs = hf_logits(path, sequence)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+    got = engine_greedy(engine)
+    assert got == expected, f"{case}: engine output differs from transformers"
+    # Random weights can collapse to one repeated token, which would prove little.
+    assert len({t for out in expected for t in out}) > MAX_TOKENS // 2
+
+
+@pytest.mark.parametrize("case, rope_type, theta", [
+    ("llama3-rope-scaling-hd128", "llama3", 500000.0), ("llama2-linear-rope-untied-gqa4", "linear", 10000.0),
+])
+def test_rope_scaling_is_applied(ckpt_root, tmp_path, case, rope_type, theta):
+    """The scaled cases would pass vacuously if the scaling did not change the logits."""
+    path = case_checkpoint(ckpt_root, case)
+    arch, _ = load_arch(path)
+    assert arch.rope_scaling["rope_type"] == rope_type and arch.rope_theta == theta
+    unscaled = str(tmp_path / "unscaled")
+    shutil.copytree(path, unscaled)
+    config = json.load(open(os.path.join(unscaled, "config.json")))
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    json.dump(config, open(os.path.join(unscaled, "config.json"), "w"))
+    assert load_arch(unscaled)[0].rope_scaling is None
+    ids = prompt_ids(path)[1]
+    assert (hf_logits(path, ids) - hf_logits(unscaled, ids)).abs().max() > 1e-3
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def _state(path: str, dtype=torch.float32):
+    model, _ = load_model(path, dtype, torch.device("cpu"), 64, pack_weights=False)
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def test_sharded_checkpoint_with_index(ckpt_root, tmp_path):
+    single = case_checkpoint(ckpt_root, "qwen2-untied-qkv-bias-gqa")
+    family, overrides, _ = CASES["qwen2-untied-qkv-bias-gqa"]
+    sharded = make_tiny_checkpoint(str(tmp_path / "sharded"), family=family, max_shard_size="1MB", **overrides)
+    shards = [n for n in os.listdir(sharded) if n.endswith(".safetensors")]
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json")) and len(shards) >= 3
+    a, b = _state(single), _state(sharded)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # A shard the index names but that is gone is a load error naming the shard.
+    os.remove(os.path.join(sharded, shards[0]))
+    with pytest.raises(CheckpointError, match=shards[0]):
+        load_model(sharded, torch.float32, torch.device("cpu"), 64)
+
+
+def test_bf16_checkpoint_loads_in_its_dtype_or_the_configured_one(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "bf16"), family="qwen3", dtype=torch.bfloat16)
+    assert checkpoint_dtype(path) == torch.bfloat16
+    ids = prompt_ids(path)
+    # dtype auto on CPU computes in float32: the same as transformers upcasting the weights.
+    engine = make_engine(path)
+    assert engine.model.embed_tokens.weight.dtype == torch.float32
+    assert engine_greedy(engine) == hf_greedy(path, ids, MAX_TOKENS)
+    # dtype bfloat16: weights and KV cache in bf16; logits close to transformers in bf16.
+    engine = make_engine(path, dtype="bfloat16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    # bf16 rounding differs op by op; ours may stray from the float32 truth about as far
+    # as transformers' own bf16 forward does.
+    ours = our_logits(engine.model, ids[1])
+    truth = hf_logits(path, ids[1])
+    theirs = hf_logits(path, ids[1], dtype=torch.bfloat16)
+    assert (ours - truth).abs().max() <= 2 * (theirs - truth).abs().max() + 1e-2
+    assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() > 0.9
+    outputs = engine_greedy(engine)
+    assert [len(o) for o in outputs] == [MAX_TOKENS] * len(PROMPTS)
+
+
+def _rewrite_weights(path: str, edit) -> None:
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _copy(ckpt_root, tmp_path, case="llama2-tied-gqa-hd16") -> str:
+    dest = str(tmp_path / "ckpt")
+    shutil.copytree(case_checkpoint(ckpt_root, case), dest)
+    return dest
+
+
+def test_missing_tensor_is_named(ckpt_root, tmp_path):
+    path = _copy(ckpt_root, tmp_path)
+    _rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_extra_tensor_is_named(ckpt_root, tmp_path):
+    path = _copy(ckpt_root, tmp_path)
+    _rewrite_weights(path, lambda t: t.update({"model.layers.0.self_attn.extra_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\).*model\.layers\.0\.self_attn\.extra_proj\.weight"):
+        load_model(path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_misshapen_tensor_is_named(ckpt_root, tmp_path):
+    path = _copy(ckpt_root, tmp_path)
+
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
+
+    _rewrite_weights(path, shrink)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight .*shape \(127, 64\).*\(128, 64\)"):
+        load_model(path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_engine_refuses_a_checkpoint_with_a_missing_tensor(ckpt_root, tmp_path):
+    path = _copy(ckpt_root, tmp_path)
+    _rewrite_weights(path, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
+        make_engine(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_arch(str(tmp_path))
+
+
+def test_remote_code_architecture_is_refused_without_running_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["FancyForCausalLM"], "model_type": "fancy",
+        "auto_map": {"AutoModelForCausalLM": "modeling_fancy.FancyForCausalLM"},
+    }))
+    with pytest.raises(CheckpointError, match="unsupported architecture 'FancyForCausalLM'.*LlamaForCausalLM"):
+        load_arch(str(tmp_path))
+
+
+def _config_only(tmp_path, family: str, **overrides) -> str:
+    config_cls, model_cls, defaults = {
+        "llama": (transformers.LlamaConfig, "LlamaForCausalLM", {}),
+        "mistral": (transformers.MistralConfig, "MistralForCausalLM", {}),
+        "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM", {}),
+        "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM", {}),
+    }[family]
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = config_cls(**{**shape, **defaults, **overrides})
+    config.architectures = [model_cls]
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                        original_max_position_embeddings=256)), r"rope_scaling\.rope_type='yarn'"),
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)), r"rope_scaling\.rope_type='dynamic'"),
+    ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu'"),
+    ("qwen3", dict(hidden_act="relu"), r"hidden_act='relu'"),
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=3), r"num_key_value_heads=3"),
+])
+def test_unsupported_config_field_is_named(tmp_path, family, overrides, message):
+    path = _config_only(tmp_path, family, **overrides)
+    with pytest.raises(CheckpointError, match="unsupported config field " + message):
+        load_arch(path)
+
+
+def test_quantized_checkpoint_is_refused(tmp_path):
+    path = _config_only(tmp_path, "llama")
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="quantization_config='awq'"):
+        load_arch(path)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", dict(sliding_window=64)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+])
+def test_sliding_window_beyond_max_model_len_is_refused(tmp_path, family, overrides):
+    path = _config_only(tmp_path, family, **overrides)
+    assert load_arch(path)[0].sliding_window == 64
+    with pytest.raises(CheckpointError, match=r"sliding_window=64.*max_model_len <= 64"):
+        load_model(path, torch.float32, torch.device("cpu"), 256)
+
+
+def test_sliding_window_never_reached_is_full_attention(tmp_path):
+    # Qwen's default sliding_window only matters with use_sliding_window; Mistral's only
+    # when shorter than max_position_embeddings.
+    assert load_arch(_config_only(tmp_path / "q", "qwen2", sliding_window=64))[0].sliding_window is None
+    assert load_arch(_config_only(tmp_path / "m", "mistral", sliding_window=4096))[0].sliding_window is None
+
+
+def test_sliding_window_model_within_its_window_matches_transformers(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "mistral-window"), family="mistral", sliding_window=64)
+    ids = prompt_ids(path)
+    engine = make_engine(path, max_model_len=64)
+    assert engine.arch.sliding_window == 64
+    assert engine_greedy(engine) == hf_greedy(path, ids, MAX_TOKENS)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path):
+    path = _config_only(tmp_path, "llama")
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(CheckpointError, match=r"only pickle weights \(pytorch_model\.bin\)"):
+        load_model(path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_checkpoint_without_weights_is_refused(tmp_path):
+    path = _config_only(tmp_path, "llama")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_model(path, torch.float32, torch.device("cpu"), 64)
+
+
+# ---- EOS from generation_config.json ------------------------------------------------------
+
+
+def test_several_eos_ids_from_generation_config(ckpt_root, tmp_path):
+    path = _copy(ckpt_root, tmp_path, "qwen3-tied-qk-norm-hd16")
+    ids = prompt_ids(path)
+    free = hf_greedy(path, ids, MAX_TOKENS)
+
+    # Pick a (from prompt 0's continuation) and b (from prompt 1's) so that prompt 0 stops
+    # at a and prompt 1 stops at b, both after a few tokens.
+    def pick():
+        for i, a in enumerate(free[0][2:], start=2):
+            for j, b in enumerate(free[1][2:], start=2):
+                if a != b and b not in free[0][:i + 1] and a not in free[1][:j + 1] and a not in free[0][:i]:
+                    if b not in free[1][:j]:
+                        return a, b
+        pytest.fail(f"no pair of EOS candidates in {free[:2]}")
+
+    a, b = pick()
+    generation = json.load(open(os.path.join(path, "generation_config.json")))
+    generation["eos_token_id"] = [a, b]
+    json.dump(generation, open(os.path.join(path, "generation_config.json"), "w"))
+
+    engine = make_engine(path)
+    assert engine.eos_token_ids == frozenset({a, b})
+    requests = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    got = [r.output_token_ids for r in requests]
+    assert got == hf_greedy(path, ids, MAX_TOKENS, ignore_eos=False)
+    assert got[0][-1] == a and got[1][-1] == b
+    assert requests[0].finish_reason.value == requests[1].finish_reason.value == "stop"
+    for r, out in zip(requests[2:], got[2:]):
+        assert r.finish_reason.value == ("stop" if out[-1] in (a, b) else "length")
+
+
+def test_config_without_architectures_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="unsupported architecture \\(none listed; model_type 'gpt2'\\)"):
+        load_arch(str(tmp_path))
+
+
+def test_progress_bar_for_large_checkpoints(ckpt_root, monkeypatch, capsys):
+    from backend.models import loader
+
+    path = case_checkpoint(ckpt_root, "llama2-tied-gqa-hd16")
+    load_model(path, torch.float32, torch.device("cpu"), 64)
+    assert "loading weights" not in capsys.readouterr().err  # small: quiet
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
+    load_model(path, torch.float32, torch.device("cpu"), 64)
+    assert "loading weights" in capsys.readouterr().err
+
+
+# ---- config.json as released checkpoints write it (transformers 4 field names) ---------------
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=2, rms_norm_eps=1e-5, vocab_size=1000, hidden_act="silu")
+
+
+@pytest.mark.parametrize("raw, want", [
+    # Llama 3.1: rope_scaling + top-level rope_theta, several EOS ids, bf16.
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=131072,
+          rope_theta=500000.0, rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=8192, rope_type="llama3"),
+          eos_token_id=[128001, 128008, 128009], torch_dtype="bfloat16", tie_word_embeddings=False),
+     dict(rope_theta=500000.0, rope_type="llama3", sliding_window=None, dtype=torch.bfloat16)),
+    # Mistral 7B v0.1: a 4096 window under a 32768 context.
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", max_position_embeddings=32768,
+          rope_theta=10000.0, sliding_window=4096, torch_dtype="bfloat16"),
+     dict(rope_theta=10000.0, rope_type=None, sliding_window=4096, dtype=torch.bfloat16)),
+    # Qwen2.5: a window that use_sliding_window switches off.
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
+          rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False, sliding_window=131072,
+          max_window_layers=21, tie_word_embeddings=True, torch_dtype="bfloat16"),
+     dict(rope_theta=1000000.0, rope_type=None, sliding_window=None, dtype=torch.bfloat16)),
+    # Qwen3: explicit head_dim, attention_bias false.
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960, head_dim=128,
+          rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False, sliding_window=None,
+          attention_bias=False, torch_dtype="float16"),
+     dict(rope_theta=1000000.0, rope_type=None, sliding_window=None, dtype=torch.float16)),
+])
+def test_released_config_json_is_read(tmp_path, raw, want):
+    (tmp_path / "config.json").write_text(json.dumps({**_SMALL, **raw}))
+    arch, _ = load_arch(str(tmp_path))
+    assert arch.architecture == raw["architectures"][0]
+    assert arch.rope_theta == want["rope_theta"]
+    assert (arch.rope_scaling or {}).get("rope_type") == want["rope_type"]
+    assert arch.sliding_window == want["sliding_window"]
+    assert arch.head_dim == raw.get("head_dim", 16)
+    assert checkpoint_dtype(str(tmp_path)) == want["dtype"]

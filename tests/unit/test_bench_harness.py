@@ -1,0 +1,309 @@
+"""The benchmark harness (client/bench/: workloads, stats, runners, targets, plot, table, overhead, cli).
+
+Fast tests run the in-process engine on a tiny random-weight checkpoint: closed-loop
+concurrency, the W3 rate sweep's report, goodput arithmetic, text prompts, the plot.
+The same harness against a real tritonserver is tests/e2e/test_bench_targets.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
+from client.bench.records import RequestRecord, SystemRun
+from client.bench.stats import summarize
+from client.bench.targets import parse_target
+from tests.checkpoints import make_tiny_checkpoint
+
+# A small KV pool: the default 1 GiB is needless for a few tiny requests.
+ENGINE = {"kv_cache_memory_mb": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("bench") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DEFAULT_CHECKPOINT))
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def test_default_prompt_source_draws_output_length_prompt_length_then_ids():
+    """A synthetic workload draws from its seed in this fixed order, so the workload of every
+    saved result can be drawn again."""
+    rng = np.random.default_rng(5)
+    out = int(min(512, max(1, round(rng.exponential(64)))))
+    ids = rng.integers(workloads.TOKEN_LOW, workloads.TOKEN_HIGH, size=int(rng.integers(32, 129))).tolist()
+    first = workloads.w1_variance(seed=5, num_requests=3).requests[0]
+    assert (first.prompt_token_ids, first.max_tokens) == (ids, out)
+
+
+def test_w3_rates_stretch_one_arrival_pattern_over_the_same_prompts():
+    slow, fast = workloads.w3_online(seed=1, num_requests=200, rate_per_s=2.0), workloads.w3_online(seed=1, num_requests=200, rate_per_s=8.0)
+    assert [r.prompt_token_ids for r in slow.requests] == [r.prompt_token_ids for r in fast.requests]
+    assert all(len(r.prompt_token_ids) == 128 and r.max_tokens == 128 for r in slow.requests)
+    assert np.allclose([r.arrival_s * 2 for r in slow.requests], [r.arrival_s * 8 for r in fast.requests])
+    gaps = np.diff([0.0] + [r.arrival_s for r in slow.requests])
+    assert 0.4 < gaps.mean() < 0.6  # Poisson at 2/s: mean gap 0.5 s
+    assert all(r.arrival_s == 0 for r in workloads.w3_online(num_requests=5, rate_per_s=0).requests)
+
+
+def test_attach_text_encodes_to_exactly_the_workload_tokens(tokenizer):
+    w = workloads.attach_text(workloads.w3_online(num_requests=16, input_len=64), tokenizer)
+    for r in w.requests:
+        assert tokenizer.encode(r.prompt_text) == r.prompt_token_ids and len(r.prompt_token_ids) == 64
+    # A shared prefix stays shared.
+    w4 = workloads.attach_text(workloads.w4_shared_prefix(num_requests=4, prefix_len=64, tail_len=16), tokenizer)
+    assert len({tuple(r.prompt_token_ids[:48]) for r in w4.requests}) == 1
+    assert all(len(r.prompt_token_ids) == 80 for r in w4.requests)
+
+
+def test_text_prompts_come_from_the_file_at_the_workload_lengths(tmp_path, tokenizer):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Tell me about the ocean.\n\nWhy is grass green?\nName three rivers in Africa.\n")
+    source = workloads.TextPrompts.from_file(str(path), tokenizer)
+    w = workloads.w3_online(num_requests=6, input_len=24, output_len=4, source=source)
+    assert w.summary()["prompts"] == f"text:{path}"
+    workloads.attach_text(w, tokenizer, source)
+    for r in w.requests:
+        assert len(r.prompt_token_ids) == 24 and tokenizer.encode(r.prompt_text) == r.prompt_token_ids
+        assert any(p in r.prompt_text for p in ("ocean", "grass", "rivers"))
+    builtin = workloads.TextPrompts(workloads.BUILTIN_PROMPTS, tokenizer)
+    text = tokenizer.decode(workloads.w3_online(num_requests=1, input_len=40, source=builtin).requests[0].prompt_token_ids)
+    assert any(p[:20] in text for p in workloads.BUILTIN_PROMPTS)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def test_goodput_and_latency_arithmetic():
+    w = workloads.Workload("T", "test", [workloads.BenchRequest([1, 2, 3], n) for n in (5, 5, 1, 5, 5)],
+                           params={"rate_per_s": 2.0})
+    records = [
+        # TTFT 0.5 s, E2EL 0.8 s, 5 tokens in 3 pieces -> TPOT (0.8 - 0.5) / 4 = 75 ms: meets both.
+        RequestRecord(arrival=10.0, token_times=[10.5, 10.7, 10.8], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length"),
+        # TTFT 1.2 s: misses TTFT.
+        RequestRecord(arrival=10.0, token_times=[11.2, 11.3], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length", end_time=11.4),
+        # One token: no TPOT, TTFT 0.1 s: meets.
+        RequestRecord(arrival=10.0, token_times=[10.1], num_output_tokens=1, expected_output_tokens=1,
+                      finish_reason="length"),
+        # TPOT (2.5 - 0.5) / 4 = 500 ms: misses TPOT.
+        RequestRecord(arrival=10.0, token_times=[10.5, 12.5], num_output_tokens=5, expected_output_tokens=5,
+                      finish_reason="length"),
+        # Failed: counts nowhere but num_failed.
+        RequestRecord(arrival=10.0, expected_output_tokens=5, error="boom"),
+    ]
+    result = summarize(SystemRun("s", records, duration_s=4.0), w)
+    assert result["num_completed"] == 4 and result["num_failed"] == 1 and result["errors"] == ["boom"]
+    assert result["slo_met"] == 2
+    assert result["goodput_requests_per_s"] == pytest.approx(2 / 4.0)
+    assert result["requests_per_s"] == pytest.approx(4 / 4.0)
+    assert result["output_tokens"] == 16 and not result["all_token_counts_right"]
+    assert result["ttft_ms"]["p50"] == pytest.approx(500.0)
+    assert result["e2el_ms"]["mean"] == pytest.approx(1e3 * (0.8 + 1.4 + 0.1 + 2.5) / 4)
+    assert result["tpot_ms"]["p50"] == pytest.approx(75.0)
+    assert result["tpot_ms"]["mean"] == pytest.approx(1e3 * (0.075 + 0.05 + 0.5) / 3)
+    assert result["itl_ms"]["mean"] == pytest.approx(1e3 * (0.2 + 0.1 + 0.1 + 2.0) / 4)
+    assert result["rate_per_s"] == 2.0 and result["concurrency"] is None
+    # A stricter SLO from the command line.
+    strict = summarize(SystemRun("s", records, duration_s=4.0), w, {"ttft_ms": 200.0, "tpot_ms": 1000.0})
+    assert strict["slo_met"] == 1 and strict["slo"] == {"ttft_ms": 200.0, "tpot_ms": 1000.0}
+
+
+# ---------------------------------------------------------------------------- engine runs
+
+
+def test_closed_loop_keeps_n_requests_in_flight(tiny):
+    w = workloads.w3_online(num_requests=6, input_len=16, output_len=6, rate_per_s=0.01)  # arrivals ~100 s apart
+    run = runners.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fcfs"}, "continuous", progress=False,
+                             concurrency=2)
+    assert run.duration_s < 60  # the arrival times were ignored
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 6 for r in run.records)
+    for r in run.records:  # how many were in flight when this one was sent: itself and at most one other
+        in_flight = sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1])
+        assert in_flight <= 2
+    assert max(sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1]) for r in run.records) == 2
+    result = summarize(run, w)
+    assert result["concurrency"] == 2 and result["rate_per_s"] is None and result["all_token_counts_right"]
+
+
+def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
+    out = tmp_path / "results" / "w3_sweep.json"
+    code = cli.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
+                     "--input-len", "16", "--output-len", "4", "--engine", "kv_cache_memory_mb=64",
+                     "--slo-ttft-ms", "5000", "--json", str(out), "--plot", "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["rate_per_s"]) for r in report["results"]] == [("continuous", 20.0), ("continuous", 0.0)]
+    assert report["workload"]["rates_per_s"] == [20.0, 0.0] and report["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 100.0}
+    for r in report["results"]:
+        assert r["num_completed"] == 4 and r["all_token_counts_right"]
+        assert 0 <= r["goodput_requests_per_s"] <= r["requests_per_s"]
+        assert r["goodput_requests_per_s"] == pytest.approx(r["slo_met"] / r["duration_s"])
+    png = tmp_path / "w3_sweep.png"  # bench/results/X.json -> bench/X.png
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.is_rate_sweep(report)
+    redrawn = tmp_path / "again.png"
+    assert plot.main([str(out), "-o", str(redrawn)]) == 0
+    assert redrawn.stat().st_size > 10_000
+    assert "continuous  20/s" in capsys.readouterr().out
+
+
+def test_bar_plot_of_a_single_load_report(tmp_path):
+    result = {"system": "a", "rate_per_s": None, "concurrency": 4, "output_tokens_per_s": 10.0,
+              "ttft_ms": {"p99": 5.0}, "tpot_ms": {"p99": 1.0}}
+    report = {"workload": {"name": "W1", "description": "d"}, "machine": {"cpu": "x", "cores": 2},
+              "results": [result, {**result, "system": "b", "output_tokens_per_s": 7.0}]}
+    assert not plot.is_rate_sweep(report)
+    path = plot.plot_report(report, str(tmp_path / "bars.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
+    assert plot.plot_path(str(tmp_path / "results" / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert plot.plot_path(str(tmp_path / "x.json"), "W1") == str(tmp_path / "x.png")
+    assert plot.plot_path(str(tmp_path / "results" / "avx2" / "x.json"), "W1") == str(tmp_path / "avx2" / "x.png")
+
+
+def _result(system: str, tokens_per_s: float, ttft_p99: float, run: int) -> dict:
+    return {"system": system, "rate_per_s": None, "run": run, "output_tokens_per_s": tokens_per_s,
+            "ttft_ms": {"mean": ttft_p99 / 2, "p99": ttft_p99}}
+
+
+def test_repeated_runs_give_the_median_of_each_runs_ratio():
+    # Run 2 is fast for both systems: pooling the runs' throughputs first would give
+    # (100 + 300 + 110) / (50 + 100 + 100) = 2.04x; the runs' own ratios are 2.0, 3.0 and 1.1x.
+    results = [
+        _result("continuous", 100.0, 10.0, 1), _result("vllm-offline", 50.0, 40.0, 1),
+        _result("continuous", 300.0, 10.0, 2), _result("vllm-offline", 100.0, 20.0, 2),
+        _result("continuous", 110.0, 10.0, 3), _result("vllm-offline", 100.0, 10.0, 3),
+    ]
+    entry = stats.ratios("W1", results)["continuous/vllm-offline"]
+    assert entry["output_tokens_per_s"] == pytest.approx(2.0)
+    assert entry["runs"] == pytest.approx([2.0, 3.0, 1.1])
+    assert entry["ttft_p99"] == pytest.approx(0.5)  # median of 0.25, 0.5 and 1.0
+    text = stats.format_ratio(entry)
+    assert "output tokens per s 2.00x" in text and text.endswith("per run 2.00x, 3.00x, 1.10x")
+    # One run: no per-run list, the ratio of that run.
+    single = stats.ratios("W1", [{**r, "run": None} for r in results[:2]])["continuous/vllm-offline"]
+    assert single["output_tokens_per_s"] == pytest.approx(2.0) and "runs" not in single
+
+
+def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):
+    out = tmp_path / "results" / "w2_repeat.json"
+    code = cli.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",
+                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["run"]) for r in report["results"]] == [
+        ("continuous", 1), ("static", 1), ("continuous", 2), ("static", 2)]
+    assert all(r["num_completed"] == 3 and r["all_token_counts_right"] for r in report["results"])
+    entry = report["ratios"]["continuous/static"]
+    per_run = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+               for a, b in zip(report["results"][0::2], report["results"][1::2])]
+    assert entry["runs"] == pytest.approx(per_run)
+    assert entry["output_tokens_per_s"] == pytest.approx(float(np.median(per_run)))
+    printed = capsys.readouterr().out
+    assert "run" in printed.splitlines()[2].split() and "per run" in printed
+    assert (tmp_path / "w2_repeat.png").read_bytes()[:4] == b"\x89PNG"
+    rows = table.table([str(out)])
+    assert "| continuous @ run 2 |" in rows and "per run" in rows
+
+
+def test_cli_refuses_what_does_not_apply():
+    for argv in (["W1", "--rates", "1,2"], ["W3", "--rates", "1", "--concurrency", "2"], ["W1", "--input-len", "8"],
+                 ["W3", "--target", "ftp://h:1"], ["W3", "--systems", "nope"],
+                 ["W3", "--target", "grpc://h:1", "--target", "grpc://h:2"], ["W1", "--repeat", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2, argv
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def test_parse_target():
+    t = parse_target("grpc://127.0.0.1:8001")
+    assert (t.name, t.scheme, t.address, t.model_name) == ("triton-grpc", "grpc", "127.0.0.1:8001", "llm")
+    assert parse_target("http://h:8000/", "m").name == "triton-http"
+    t = parse_target("vllm=openai://h:9000/v1", "Qwen")
+    assert (t.name, t.address, t.model_name, t.url) == ("vllm", "h:9000/v1", "Qwen", "openai://h:9000/v1")
+    for bad in ("h:8001", "tcp://h:1", "grpc://"):
+        with pytest.raises(ValueError):
+            parse_target(bad)
+
+
+def test_openai_frontend_passes_ignore_eos_to_the_backend():
+    """vLLM's `ignore_eos` extension reaches the backend's sampling parameters (the openai target relies on it)."""
+    from client.openai.schema import CompletionRequest
+    from client.openai.translation import sampling_parameters, validate_sampling
+
+    req = CompletionRequest.model_validate({"model": "llm", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True,
+                                            "seed": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert req.check() == "Hi"
+    sampling = sampling_parameters(req)
+    assert sampling["ignore_eos"] is True and sampling["max_tokens"] == 8 and sampling["seed"] == 3
+    validate_sampling(sampling)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_flops_count_every_projection_per_token_and_the_head_per_output_token(tmp_path, family):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_checkpoint(str(tmp_path / family), family=family)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    projections = sum(m.weight.numel() for name, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    output_head = model.config.vocab_size * model.config.hidden_size  # tied or not, one matmul per output token
+    assert flops.model_flops(path) == (2 * projections, 2 * output_head)
+
+
+def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
+    results = [{"total_tokens_per_s": 1000.0, "output_tokens_per_s": 400.0, "duration_s": 2.0}]
+    bound = flops.add_flop_bound(results, tiny, "float32")
+    assert bound["matmul_peak_gflops_at_256_rows"] > 0
+    per_token, per_output_token = flops.model_flops(tiny)
+    expected = (1000.0 * per_token + 400.0 * per_output_token) / 1e9
+    assert results[0]["model_gflops_per_s"] == pytest.approx(expected)
+    assert results[0]["fraction_of_flop_bound"] == pytest.approx(expected / bound["matmul_peak_gflops_at_256_rows"])
+
+
+# ---------------------------------------------------------------------------- host overhead
+
+
+def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_path):
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--model", tiny, "--running", "4,16", "--prompt-len", "40", "--iterations", "6",
+                          "--warmup-iterations", "2", "--json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+    assert [r["running"] for r in report["results"]] == [4, 16]
+    for result in report["results"]:
+        phases = result["phases_ms"]
+        assert set(phases) == {*overhead.PHASES, "schedule+prepare"}
+        for phase in overhead.PHASES:
+            assert 0 < phases[phase]["p50"] <= phases[phase]["p99"], (phase, phases[phase])
+        assert phases["schedule+prepare"]["mean"] == pytest.approx(
+            phases["schedule"]["mean"] + phases["prepare"]["mean"])
+    assert report["meets_target"] == all(
+        r["phases_ms"]["schedule+prepare"]["p50"] <= report["target_ms"]["schedule+prepare"] for r in report["results"])
+
+
+def test_results_are_tabled_by_machine_kind_and_never_mixed():
+    avx2 = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    amx = avx2.parent.parent / "amx" / "w1_vs_vllm_fp32.json"
+    text = table.tables([str(avx2), str(amx), str(avx2.parent / "w2_vs_peers_fp32.json")])
+    sections = text.split("#### Machine kind: ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
+    assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
+    assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]

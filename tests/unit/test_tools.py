@@ -1,0 +1,44 @@
+"""The launcher's command line and environment, and the shipped model repository's config."""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from pathlib import Path
+
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from tools import serve
+
+
+def test_command_binds_host_and_ports():
+    cmd = serve.build_command("model_repository", "0.0.0.0", 9000, 9001, 9002, log_verbose=1, extra_args=["--foo=1"])
+    assert cmd[0].endswith("bin/tritonserver")
+    args = set(cmd[1:])
+    assert f"--model-repository={Path('model_repository').resolve()}" in args
+    assert f"--backend-directory={serve.TRITON_DIR.resolve() / 'backends'}" in args
+    for expected in ("--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--http-port=9000", "--grpc-port=9001",
+                     "--metrics-port=9002", "--allow-metrics=true", "--model-control-mode=none", "--log-verbose=1"):
+        assert expected in args
+    assert cmd[-1] == "--foo=1"
+
+
+def test_environment_puts_venv_and_libpython_first():
+    env = serve.server_env({"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/x", "PYTHONHOME": "/nope"})
+    assert env["PATH"].split(":")[0] == str(serve.venv_dir() / "bin")
+    libs = env["LD_LIBRARY_PATH"].split(":")
+    assert libs[0] == sysconfig.get_config_var("LIBDIR")
+    assert any(p.endswith("nvidia_pytriton.libs") for p in libs[1:])
+    assert libs[-1] == "/opt/x"
+    assert "PYTHONHOME" not in env
+
+
+def test_shipped_config_parameters_are_engine_parameters():
+    from backend.config import EngineConfig
+
+    config = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
+    assert re.search(r'^backend:\s*"inflight"', config, re.M)
+    assert re.search(r"decoupled:\s*true", config)
+    params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config))
+    version_dir = REPO_ROOT / "model_repository" / "llm" / "1"
+    engine_config = EngineConfig.from_parameters(params, str(version_dir))
+    assert Path(engine_config.model_path) == DEFAULT_CHECKPOINT

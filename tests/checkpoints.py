@@ -1,6 +1,6 @@
 """The tests' checkpoints and their oracle.
 
-Random-weight checkpoints come from tools/random_checkpoint.py (made on the spot, no
+Random-weight checkpoints come from backend/models/random_checkpoint.py (made on the spot, no
 download); `hf_greedy` is the correctness oracle, transformers' own `generate()`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from tools.random_checkpoint import make_tiny_checkpoint
+from backend.models.random_checkpoint import make_tiny_checkpoint
 
 __all__ = ["hf_greedy", "make_tiny_checkpoint"]
 

@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.models.random_checkpoint import SMALL_SHAPE, make_tiny_checkpoint
 from backend.paths import MODELS_DIR
 from backend.request import SamplingParams
 from client.bench.records import git_commit, machine
-from tools.random_checkpoint import SMALL_SHAPE, make_tiny_checkpoint
 
 SMALL_CHECKPOINT = str(MODELS_DIR / "random-llama-small")
 PHASES = ("schedule", "prepare", "forward", "update")

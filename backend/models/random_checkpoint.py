@@ -1,0 +1,88 @@
+"""Random-weight Hugging Face checkpoints of the supported families, made on the spot.
+
+Each is a real `transformers` model saved with safetensors and the default model's
+tokenizer, so the engine, `transformers` and vLLM all load it. Tests use the tiny shape
+(a forward pass in milliseconds); the benchmarks use the small shape, a Llama of a few
+million parameters where the per-step overhead of a serving engine, not the matmuls,
+sets the speed (BENCHMARKS.md). `python -m tools.random_checkpoint` writes one from the
+command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import transformers
+
+from backend.paths import DEFAULT_CHECKPOINT
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# Small enough to run a forward pass in milliseconds, big enough to have GQA and
+# several layers; vocabulary shared with the default tokenizer. initializer_range is
+# ~1/sqrt(hidden_size) rather than transformers' 0.02: with tiny weights every layer is
+# a small perturbation of the residual stream, so greedy decoding of a tied-embedding
+# model collapses to repeating one token and compares nothing; at 0.2 it is diverse.
+TINY_SHAPE = dict(
+    initializer_range=0.2,
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False, use_sliding_window=False)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16, use_sliding_window=False)),
+}
+
+
+def copy_tokenizer(dest: str, source: str | os.PathLike = DEFAULT_CHECKPOINT) -> None:
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"{source} is missing: run `make setup` first (it makes the default checkpoint)")
+    for name in TOKENIZER_FILES:
+        path = os.path.join(source, name)
+        if os.path.exists(path):
+            shutil.copy(path, dest)
+
+
+def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_shard_size: str | None = None,
+                         dtype: torch.dtype = torch.float32, **overrides) -> str:
+    """Write a random-weight checkpoint of `family` to `dest` (idempotent) and return it.
+
+    `overrides` go to the family's `transformers` config (e.g. head_dim=64,
+    attention_bias=True, rope_parameters={...}); `max_shard_size` (e.g. "1MB") saves
+    shards with an index; `dtype` is the dtype the weights are stored in.
+    """
+    if os.path.exists(os.path.join(dest, "config.json")):
+        return dest
+    config_cls, model_cls, family_defaults = FAMILIES[family]
+    config = config_cls(**{**TINY_SHAPE, **family_defaults, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    # Random init leaves norms at 1 and biases at 0; perturb them so those code paths matter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    os.makedirs(dest, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(dest, safe_serialization=True, **kwargs)
+    copy_tokenizer(dest)
+    return dest
+
+
+# A few million parameters, most of them the embedding (49152 x 128): per-token matmul
+# work is ~1/20 of the default model's, so per-iteration overhead dominates.
+SMALL_SHAPE = dict(TINY_SHAPE, initializer_range=0.1, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE}

@@ -26,9 +26,8 @@ can be overridden by setting it before the run:
   once to apply it. Set LD_PRELOAD (even empty) to keep your own.
   (Same run: 79 tokens/s with it, 68 without; one noisy run each on a shared machine.)
 
-This module runs in .venv-peers, not the project venv: at module level it imports only the
-standard library, so `client.bench.peers` (project venv) can share its request-file helpers, and
-it imports nothing else from the project. vLLM starts worker processes, hence the
+This module runs in .venv-peers, not the project venv: it imports from the project only
+client/vllm_peer.py (standard library only), which client/bench/peers.py shares. vLLM starts worker processes, hence the
 `__main__` guard.
 """
 
@@ -40,60 +39,11 @@ import os
 import sys
 import time
 
-DEFAULT_KVCACHE_SPACE_GIB = 2
-REQUEST_KEYS = ("prompt_token_ids", "max_tokens", "temperature")
+from client.vllm_peer import cpu_environment, load_requests, preload_environment
+
 # Same warm-up as client.bench.runners' engine warm-up: 40 prompt tokens, 4 output tokens.
 WARMUP_PROMPT = list(range(1000, 1040))
 WARMUP_TOKENS = 4
-
-
-def make_request(prompt_token_ids, max_tokens: int, temperature: float) -> dict:
-    """One entry of requests.json (plain ints and floats, so json can write numpy values too)."""
-    return {"prompt_token_ids": [int(t) for t in prompt_token_ids], "max_tokens": int(max_tokens),
-            "temperature": float(temperature)}
-
-
-def load_requests(path: str) -> list[dict]:
-    with open(path) as f:
-        requests = json.load(f)
-    check_requests(requests)
-    return requests
-
-
-def check_requests(requests) -> None:
-    """Fail before vLLM's minute-long start-up rather than in the middle of it."""
-    if not isinstance(requests, list) or not requests:
-        raise ValueError("requests file must hold a non-empty JSON list")
-    for i, r in enumerate(requests):
-        if not isinstance(r, dict) or set(r) != set(REQUEST_KEYS):
-            raise ValueError(f"request {i}: expected exactly the keys {REQUEST_KEYS}, got {r!r:.200}")
-        ids = r["prompt_token_ids"]
-        if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(f"request {i}: prompt_token_ids must be a non-empty list of token ids")
-        if not isinstance(r["max_tokens"], int) or r["max_tokens"] < 1:
-            raise ValueError(f"request {i}: max_tokens must be an int >= 1, got {r['max_tokens']!r}")
-        if not isinstance(r["temperature"], (int, float)) or r["temperature"] < 0:
-            raise ValueError(f"request {i}: temperature must be >= 0, got {r['temperature']!r}")
-
-
-def cpu_environment(environ: dict | None = None) -> dict:
-    """The vLLM CPU variables this peer sets when the caller has not (see the module docstring)."""
-    environ = os.environ if environ is None else environ
-    out = {}
-    if "VLLM_CPU_KVCACHE_SPACE" not in environ:
-        out["VLLM_CPU_KVCACHE_SPACE"] = str(DEFAULT_KVCACHE_SPACE_GIB)
-    if "VLLM_CPU_OMP_THREADS_BIND" not in environ:
-        out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    return out
-
-
-def preload_environment(environ: dict | None = None) -> dict:
-    """LD_PRELOAD of this venv's Intel OpenMP, unless the caller set LD_PRELOAD (see above)."""
-    environ = os.environ if environ is None else environ
-    library = os.path.join(sys.prefix, "lib", "libiomp5.so")
-    if "LD_PRELOAD" in environ or not os.path.exists(library):
-        return {}
-    return {"LD_PRELOAD": library}
 
 
 def run(requests: list[dict], model: str, dtype: str, max_num_seqs: int, seed: int = 0, progress: bool = False) -> dict:

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server, the W3 online peer, with the CPU settings of client/vllm_offline.py
+"""vLLM's OpenAI server, the W3 online peer, with the CPU settings of client/vllm_peer.py
 (KV cache space, every core bound, Intel OpenMP preloaded), run in the venv `make peers` makes:
 
     .venv-peers/bin/python -m client.vllm_server --model .models/SmolLM2-135M-Instruct \\
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from client.vllm_offline import cpu_environment, preload_environment
+from client.vllm_peer import cpu_environment, preload_environment
 
 
 def main() -> None:

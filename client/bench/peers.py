@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 from backend.paths import REPO_ROOT
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.workloads import Workload
-from client.vllm_offline import check_requests, make_request
+from client.vllm_peer import check_requests, make_request
 
 PEERS_VENV = os.path.join(REPO_ROOT, ".venv-peers")
 PEERS_PYTHON = os.path.join(PEERS_VENV, "bin", "python")

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from client import vllm_offline
+from client import vllm_peer
 from client.bench import peers
 from client.bench.records import SystemRun
 from client.bench.stats import summarize
@@ -54,7 +54,7 @@ def test_vllm_requests_round_trip(tmp_path):
     requests = peers.vllm_requests(workload)
     path = tmp_path / "requests.json"
     path.write_text(json.dumps(requests))
-    loaded = vllm_offline.load_requests(str(path))
+    loaded = vllm_peer.load_requests(str(path))
     assert loaded == [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0.6}
                       for r in workload.requests]
 
@@ -69,7 +69,7 @@ def test_vllm_requests_round_trip(tmp_path):
 ])
 def test_vllm_requests_rejected(bad):
     with pytest.raises(ValueError):
-        vllm_offline.check_requests(bad)
+        vllm_peer.check_requests(bad)
 
 
 def test_vllm_records_from_result():
@@ -85,19 +85,19 @@ def test_vllm_records_from_result():
 
 
 def test_vllm_cpu_environment():
-    env = vllm_offline.cpu_environment({})
+    env = vllm_peer.cpu_environment({})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"]  # every CPU this process may use, e.g. "0,1"
-    assert vllm_offline.cpu_environment({"VLLM_CPU_KVCACHE_SPACE": "8", "VLLM_CPU_OMP_THREADS_BIND": "auto"}) == {}
+    assert vllm_peer.cpu_environment({"VLLM_CPU_KVCACHE_SPACE": "8", "VLLM_CPU_OMP_THREADS_BIND": "auto"}) == {}
 
 
 def test_vllm_preload_environment(monkeypatch, tmp_path):
     (tmp_path / "lib").mkdir()
-    monkeypatch.setattr(vllm_offline.sys, "prefix", str(tmp_path))
-    assert vllm_offline.preload_environment({}) == {}  # no Intel OpenMP in this venv
+    monkeypatch.setattr(vllm_peer.sys, "prefix", str(tmp_path))
+    assert vllm_peer.preload_environment({}) == {}  # no Intel OpenMP in this venv
     (tmp_path / "lib" / "libiomp5.so").write_text("")
-    assert vllm_offline.preload_environment({}) == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so")}
-    assert vllm_offline.preload_environment({"LD_PRELOAD": ""}) == {}  # the caller's choice stands
+    assert vllm_peer.preload_environment({}) == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so")}
+    assert vllm_peer.preload_environment({"LD_PRELOAD": ""}) == {}  # the caller's choice stands
 
 
 def test_run_vllm_offline_needs_peers_venv(monkeypatch, tmp_path):
@@ -116,7 +116,7 @@ def test_run_vllm_offline_plumbing(monkeypatch, tmp_path):
     def fake_run(command, cwd, env, **kwargs):
         seen.update(command=command, cwd=cwd, env=env)
         args = dict(zip(command[3::2], command[4::2]))
-        requests = vllm_offline.load_requests(args["--requests"])
+        requests = vllm_peer.load_requests(args["--requests"])
         with open(args["--out"], "w") as f:
             json.dump({"duration_s": 0.25, "num_output_tokens": [r["max_tokens"] for r in requests],
                        "vllm_version": "0.32.0", "dtype": args["--dtype"],
@@ -191,5 +191,5 @@ def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch
     vllm_server.main()
     [(path, argv, env)] = calls
     assert argv[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9100"]
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_offline.DEFAULT_KVCACHE_SPACE_GIB)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.DEFAULT_KVCACHE_SPACE_GIB)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] and env["LD_PRELOAD"] == ""

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from backend.paths import DEFAULT_CHECKPOINT
+from tests.e2e.e2e_util import scrape
 from tests.e2e.server import E2E_PARAMETERS, TritonServer, start_tritonserver
 
 
@@ -53,3 +54,10 @@ def triton_server(tritonserver) -> TritonServer:
         code = server.stop()
         if os.environ.get("INFLIGHT_SHOW_SERVER_LOG"):
             print(f"\n--- tritonserver exited with {code}; log tail ---\n{server.log_tail()}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def kv_blocks(triton_server) -> int:
+    """Size of the session server's KV pool in blocks (from /metrics: it follows the dtype)."""
+    return int(scrape(triton_server.metrics_port).get("nv_trt_llm_kv_cache_block_metrics", model=triton_server.model,
+                                                      kv_cache_block_type="max"))

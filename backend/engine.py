@@ -320,6 +320,9 @@ class LLMEngine:
             ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
             num_generated_tokens=num_generated, num_preempted=len(plan.preempted),
             prefix_query_tokens=plan.prefix_query_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
+            prefilled_prompt_tokens=plan.prefilled_prompt_tokens,
+            first_token_latencies_s=tuple(plan.first_token_latencies_s),
+            inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
             schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_s, forward_time_s=forward_s,
             update_time_s=update_s,
         )

@@ -179,6 +179,7 @@ class Request:
     needs_logprobs: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:

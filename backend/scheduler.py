@@ -42,6 +42,11 @@ class SchedulerOutput:
     # tokens looked up, and of those, tokens found cached.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Filled by `update`, per request that received a token: its prompt length and time to
+    # first token when the token was its first, else the time since its previous token.
+    prefilled_prompt_tokens: int = 0
+    first_token_latencies_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -243,8 +248,9 @@ class Scheduler:
         return True
 
     def update(self, plan: SchedulerOutput, sampled: dict[Request, int]) -> None:
-        """Account for a finished forward pass: advance computed tokens, append samples.
-        Whether a sample ends its request is the caller's question (`check_stop`)."""
+        """Account for a finished forward pass: advance computed tokens, append samples and
+        time them (into `plan`, for the step's stats). Whether a sample ends its request is
+        the caller's question (`check_stop`)."""
         now = time.monotonic()
         for request, num_new in plan.scheduled:
             if request.is_finished:
@@ -257,6 +263,13 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
+                plan.first_token_latencies_s.append(now - request.arrival_time)
+                plan.prefilled_prompt_tokens += request.num_prompt_tokens
+            else:
+                # Preemption and recompute happen between two tokens, so their time is in
+                # the interval, as a client sees it.
+                plan.inter_token_latencies_s.append(now - request.last_token_time)
+            request.last_token_time = now
 
     def check_invariants(self) -> None:
         cfg = self.config

@@ -31,6 +31,14 @@ class StepStats:
     # tokens looked up, and of those, tokens found cached.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # The requests that received their first token this step: their prompt tokens (prefix-cache
+    # hits included) and, one each, the time from arrival to that token. One interval per
+    # later token: the time since the same request's previous token (a step samples at most
+    # one token per request). vLLM's prompt_tokens_total, time_to_first_token_seconds and
+    # time_per_output_token_seconds count the same things.
+    prefilled_prompt_tokens: int = 0
+    first_token_latencies_s: tuple[float, ...] = ()
+    inter_token_latencies_s: tuple[float, ...] = ()
     # Host time per phase: scheduling, input preparation (metadata and copies to the
     # device), forward pass plus sampling, and the update after it (scheduler state,
     # stop checks, detokenization, outputs).
@@ -49,6 +57,7 @@ class Totals:
 
     steps: int = 0
     prompt_tokens: int = 0  # of the requests enqueued
+    prefilled_prompt_tokens: int = 0  # of the requests that received their first token
     generation_tokens: int = 0
     preemptions: int = 0
     aborts: int = 0  # cancelled by a client or ended by shutdown
@@ -75,7 +84,8 @@ class Totals:
                           prefix_hit_tokens=step.prefix_hit_tokens)
         if step.ran:
             increments.update(
-                steps=1, generation_tokens=step.num_generated_tokens, sum_running=step.num_running,
+                steps=1, generation_tokens=step.num_generated_tokens,
+                prefilled_prompt_tokens=step.prefilled_prompt_tokens, sum_running=step.num_running,
                 sum_scheduled_tokens=step.num_scheduled_tokens, sum_schedule_time_s=step.schedule_time_s,
                 sum_prepare_time_s=step.prepare_time_s, sum_forward_time_s=step.forward_time_s,
                 sum_update_time_s=step.update_time_s,

@@ -98,3 +98,30 @@ def test_totals_count_preemptions_and_lookups_of_every_step_but_iterations_only_
     assert (totals.sum_schedule_time_s, totals.sum_forward_time_s) == (0.5, 2.0)
     assert totals.prefix_hit_rate == 0.25 and Totals().prefix_hit_rate == 0.0
     assert totals.since(totals) == Totals()
+
+
+def test_the_snapshot_times_each_first_token_and_each_interval_after_it(tiny_model):
+    """A step lists, per request that received a token, the time from arrival to it when it
+    was the first (with that request's prompt tokens), else the time since its previous one."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", block_size=16,
+                                    num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
+                                    long_prefill_token_threshold=32))
+    engine.add_request("a", PROMPT_A, PARAMS)
+    engine.step()  # A's first chunk: no token yet
+    assert engine.stats.step.first_token_latencies_s == () and engine.stats.step.prefilled_prompt_tokens == 0
+    engine.add_request("b", PROMPT_B, PARAMS)
+    engine.step()  # both prompts complete: two first tokens
+    step = engine.stats.step
+    assert len(step.first_token_latencies_s) == 2 and all(t > 0 for t in step.first_token_latencies_s)
+    assert step.inter_token_latencies_s == () and step.prefilled_prompt_tokens == 80
+    for _ in range(2):  # one token each per step
+        engine.step()
+        step = engine.stats.step
+        assert step.first_token_latencies_s == () and step.prefilled_prompt_tokens == 0
+        assert len(step.inter_token_latencies_s) == 2 and all(t > 0 for t in step.inter_token_latencies_s)
+    assert engine.stats.totals.prefilled_prompt_tokens == 80 and engine.stats.totals.generation_tokens == 6
+    # A request cancelled before its first token never counts as prefilled.
+    engine.add_request("c", PROMPT_A, PARAMS)
+    engine.abort("c")
+    engine.step()
+    assert engine.stats.totals.prefilled_prompt_tokens == 80 and engine.stats.totals.prompt_tokens == 120

@@ -60,7 +60,8 @@ class EngineMetrics:
         self.vllm_waiting = vllm_waiting.Metric(labels=labels)
         self.vllm_kv = vllm_kv.Metric(labels=labels)
         success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
-        self.success = {reason: success.Metric(labels={**labels, "finished_reason": reason}) for reason in ("stop", "length", "abort")}
+        self.success = {reason: success.Metric(labels={**labels, "finished_reason": reason})
+                        for reason in ("stop", "length", "abort", "error")}
 
         # TensorRT-LLM backend
         requests = gauge_family("nv_trt_llm_request_metrics", "TRT LLM request metrics")
@@ -93,7 +94,7 @@ class EngineMetrics:
             reason: finished.Metric(labels={**labels, "finish_reason": reason})
             for reason in ("stop", "length", "abort", "error")
         }
-        self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+        self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
         self._published: dict[int, float] = {}
@@ -119,7 +120,12 @@ class EngineMetrics:
         totals = stats.totals
         config = self.engine.config
         updates: Updates = []
-        for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+        # Each iteration's latency samples are in its own snapshot only; on_step runs after
+        # every step, and a snapshot seen twice (no step in between) adds nothing.
+        if totals.steps > self._last["steps"]:
+            updates += [(self.ttft.observe, s) for s in stats.step.first_token_latencies_s]
+            updates += [(self.tpot.observe, s) for s in stats.step.inter_token_latencies_s]
+        for name, metric in (("prefilled_prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
             value = getattr(totals, name)
             if value > self._last[name]:
@@ -147,7 +153,10 @@ class EngineMetrics:
             self._publish(updates)
 
     def on_finished(self, output) -> None:
-        """Per-request latencies, from the final output of a request."""
+        """Once per ended request, from its final output: one count in request_success and
+        one sample in each per-request histogram, whatever ended it, so that these families
+        all count the same requests. (Time to first token and between tokens are observed as
+        the tokens come, by on_step.)"""
         reason = output.finish_reason or "abort"
         updates: Updates = []
         if reason in self.finished:
@@ -158,12 +167,8 @@ class EngineMetrics:
         updates.append((self.generation_hist.observe, output.num_output_tokens))
         if output.first_scheduled_time is not None:
             updates.append((self.queue_time.observe, max(0.0, output.first_scheduled_time - output.arrival_time)))
-        if output.first_token_time is not None and output.finish_time is not None:
-            updates.append((self.ttft.observe, output.first_token_time - output.arrival_time))
+        if output.finish_time is not None:
             updates.append((self.e2e.observe, output.finish_time - output.arrival_time))
-            if output.num_output_tokens > 1:
-                updates.append((self.tpot.observe,
-                                (output.finish_time - output.first_token_time) / (output.num_output_tokens - 1)))
         self._publish(updates)
 
 

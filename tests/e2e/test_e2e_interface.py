@@ -389,14 +389,22 @@ def test_metrics_move_with_traffic_and_return_to_idle(server, kv_blocks):
     assert delta("vllm:prompt_tokens_total") == prompt_tokens
     assert delta("vllm:generation_tokens_total") == sum(lengths)
     assert delta("vllm:request_success_total", finished_reason="length") == 3
+    for reason in ("stop", "abort", "error"):
+        assert delta("vllm:request_success_total", finished_reason=reason) == 0, reason
     assert delta("inflight_requests_finished_total", finish_reason="length") == 3
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:time_per_output_token_seconds", "vllm:request_prompt_tokens",
-                 "vllm:request_generation_tokens", "inflight_queue_time_seconds"):
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "inflight_queue_time_seconds"):
         assert delta(f"{name}_count") == 3, name
+    # vLLM's time per output token: one sample per token after each request's first, the
+    # time since that request's previous token.
+    assert delta("vllm:time_per_output_token_seconds_count") == sum(n - 1 for n in lengths)
     assert delta("vllm:request_generation_tokens_sum") == sum(lengths)
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
     assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    # Per request, its first token's latency plus its intervals reach its last token, which
+    # comes no later than its end.
+    ttft_and_intervals = delta("vllm:time_to_first_token_seconds_sum") + delta("vllm:time_per_output_token_seconds_sum")
+    assert 0 < ttft_and_intervals <= delta("vllm:e2e_request_latency_seconds_sum") + 1e-6
     # At least one step per generated token of the longest request.
     assert delta("inflight_iterations_total") >= max(lengths)
     assert delta("inflight_cancellations_total") == 0 and delta("inflight_preemptions_total") == 0

@@ -4,6 +4,7 @@ endpoint is exercised by the end-to-end tests)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -62,11 +63,11 @@ def value(name, **labels):
     return matches[0]
 
 
-def tiny_engine(tmp_path_factory) -> LLMEngine:
-    """A fresh fake registry and an engine on a tiny checkpoint (max_num_seqs 4, 64 blocks)."""
+def tiny_engine(tmp_path_factory, max_num_seqs: int = 4) -> LLMEngine:
+    """A fresh fake registry and an engine on a tiny checkpoint (max_num_seqs 4 unless told, 64 blocks)."""
     FakeMetricFamily.registry = {}
     model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    return LLMEngine(EngineConfig(model_path=model, max_num_seqs=4, num_kv_blocks=64))
+    return LLMEngine(EngineConfig(model_path=model, max_num_seqs=max_num_seqs, num_kv_blocks=64))
 
 
 @pytest.fixture
@@ -173,3 +174,119 @@ def test_updates_go_through_publish_and_only_apply_there(tmp_path_factory):
     assert value("inflight_iterations_total").value == engine.stats.totals.steps
     assert value("vllm:request_generation_tokens").observations == [2]
     assert value("vllm:request_success_total", finished_reason="length").value == 1
+
+
+# ------------------------------------------------------------- vLLM's semantics, counted exactly
+
+class StepClock:
+    """`time` for the engine and the scheduler: monotonic() is the step number the test sets,
+    so every latency the metrics see is a whole number of steps."""
+
+    perf_counter = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def stepped(tmp_path_factory, monkeypatch):
+    """An engine on a tiny checkpoint with two seats, its metrics, a step clock, and `run`,
+    which drives it as the loop does (final outputs to on_finished, then on_step), one
+    clock tick per step."""
+    import backend.engine
+    import backend.scheduler
+
+    clock = StepClock()
+    monkeypatch.setattr(backend.engine, "time", clock)
+    monkeypatch.setattr(backend.scheduler, "time", clock)
+    engine = tiny_engine(tmp_path_factory, max_num_seqs=2)
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+
+    def run(steps=None):
+        done = 0
+        while engine.has_unfinished() and (steps is None or done < steps):
+            clock.now += 1
+            for output in engine.step():
+                if output.finished:
+                    metrics.on_finished(output)
+            metrics.on_step()
+            done += 1
+
+    return engine, metrics, run
+
+
+def params(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def observations(name):
+    return value(name).observations
+
+
+def test_known_workload_gives_vllms_exact_counts_and_sums(stepped):
+    """Three requests arrive at t=0 for two seats: prompts of 5, 17 and 40 tokens, 1, 4 and 9
+    output tokens. Step 1 prefills the first two (first tokens at t=1; the 1-token request
+    ends), step 2 admits the third (first token at t=2) beside a decode, then one token per
+    request per step. vLLM's semantics: one time-to-first-token sample per request, one
+    time-per-output-token sample per token after each request's first (0 + 3 + 8), each the
+    time since that request's previous token; the per-request families once per request."""
+    engine, metrics, run = stepped
+    prompts, lengths = [5, 17, 40], [1, 4, 9]
+    for i, (n, max_tokens) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"r{i}", list(range(100, 100 + n)), params(max_tokens), arrival_time=0.0)
+    # Nothing is observed before the tokens come.
+    assert observations("vllm:time_to_first_token_seconds") == []
+    run()
+
+    assert observations("vllm:time_to_first_token_seconds") == [1.0, 1.0, 2.0]
+    assert observations("vllm:time_per_output_token_seconds") == [1.0] * sum(n - 1 for n in lengths)
+    assert observations("vllm:e2e_request_latency_seconds") == [1.0, 4.0, 10.0]
+    # A request's first token plus its intervals is its last token: its end here.
+    assert (sum(observations("vllm:time_to_first_token_seconds")) + sum(observations("vllm:time_per_output_token_seconds"))
+            == sum(observations("vllm:e2e_request_latency_seconds")))
+    assert observations("vllm:request_prompt_tokens") == prompts
+    assert observations("vllm:request_generation_tokens") == lengths
+    assert value("vllm:prompt_tokens_total").value == sum(prompts)
+    assert value("vllm:generation_tokens_total").value == sum(lengths)
+    assert {reason: value("vllm:request_success_total", finished_reason=reason).value
+            for reason in ("stop", "length", "abort", "error")} == {"stop": 0, "length": 3, "abort": 0, "error": 0}
+    # A snapshot published twice adds no sample.
+    metrics.on_step()
+    assert len(observations("vllm:time_per_output_token_seconds")) == 11
+
+
+def test_latencies_are_observed_when_the_tokens_come(stepped):
+    engine, metrics, run = stepped
+    engine.add_request("long", list(range(100, 120)), params(8), arrival_time=0.0)
+    run(steps=3)
+    assert observations("vllm:time_to_first_token_seconds") == [1.0]
+    assert observations("vllm:time_per_output_token_seconds") == [1.0, 1.0]
+    assert observations("vllm:e2e_request_latency_seconds") == []  # still running
+    assert value("vllm:prompt_tokens_total").value == 20 and value("vllm:generation_tokens_total").value == 3
+
+
+def test_aborted_requests_count_once_and_only_what_they_did(stepped):
+    """One request cancelled after three tokens, one cancelled before its first: each is one
+    request_success{abort} and one sample of every per-request histogram; the tokens and
+    intervals are those produced; prompt_tokens_total counts the prompt only of the request
+    whose prefill completed (vLLM counts a prompt when it yields its first token)."""
+    engine, metrics, run = stepped
+    engine.add_request("started", list(range(100, 130)), params(10), arrival_time=0.0)
+    run(steps=3)
+    engine.add_request("queued", list(range(200, 212)), params(10), arrival_time=3.0)
+    assert engine.abort("started") and engine.abort("queued")
+    run()
+
+    assert value("vllm:request_success_total", finished_reason="abort").value == 2
+    assert value("vllm:request_success_total", finished_reason="length").value == 0
+    assert len(observations("vllm:e2e_request_latency_seconds")) == 2
+    assert sorted(observations("vllm:request_prompt_tokens")) == [12, 30]
+    assert sorted(observations("vllm:request_generation_tokens")) == [0, 3]
+    assert observations("vllm:time_to_first_token_seconds") == [1.0]
+    assert observations("vllm:time_per_output_token_seconds") == [1.0, 1.0]
+    assert value("vllm:prompt_tokens_total").value == 30
+    assert value("vllm:generation_tokens_total").value == 3
+    assert engine.stats.totals.prompt_tokens == 42  # the engine's own total counts every enqueued prompt

@@ -290,3 +290,15 @@ def test_aborted_requests_count_once_and_only_what_they_did(stepped):
     assert value("vllm:prompt_tokens_total").value == 30
     assert value("vllm:generation_tokens_total").value == 3
     assert engine.stats.totals.prompt_tokens == 42  # the engine's own total counts every enqueued prompt
+
+
+def test_a_failed_forward_pass_counts_as_error(stepped):
+    engine, metrics, run = stepped
+    engine._fail_at_batch = 1  # what INFLIGHT_FAULT_INJECT_AT_BATCH=1 sets
+    engine.add_request("r", list(range(100, 110)), params(4), arrival_time=0.0)
+    run()
+    assert value("vllm:request_success_total", finished_reason="error").value == 1
+    assert observations("vllm:e2e_request_latency_seconds") == [1.0]
+    assert observations("vllm:request_generation_tokens") == [0]
+    assert observations("vllm:time_to_first_token_seconds") == []
+    assert value("vllm:prompt_tokens_total").value == 0 and value("vllm:generation_tokens_total").value == 0

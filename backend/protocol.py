@@ -228,10 +228,9 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str
     stream = switches.get(STREAM, False)
     exclude = switches.get(EXCLUDE_INPUT, stream)
     if stream and not exclude:
-        # As Triton's vLLM backend: streamed responses carry only new text, never the prompt.
-        raise BadRequest(
-            f"{EXCLUDE_INPUT} must be true when {STREAM} is true: streamed responses carry only the new text"
-        )
+        # Streamed responses carry only new text, never the prompt. The text is Triton's vLLM
+        # backend's, word for word: clients and tests written against it match on it.
+        raise BadRequest(f"Error generating stream: When streaming, `{EXCLUDE_INPUT}` = False is not allowed.")
     return ParsedRequest(
         prompt=prompt,
         sampling=sampling,

@@ -199,9 +199,9 @@ def test_bad_switches_name_the_switch():
         "exclude_input_in_output must be a boolean, got 2"
 
 
-def test_stream_without_exclude_input_is_refused():
-    assert bad("must be true", text_input=text("p"), stream=flag(True), exclude_input_in_output=flag(False)) == (
-        "exclude_input_in_output must be true when stream is true: streamed responses carry only the new text")
+def test_stream_without_exclude_input_is_refused_in_the_vllm_backends_words():
+    assert bad("not allowed", text_input=text("p"), stream=flag(True), exclude_input_in_output=flag(False)) == (
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.")
 
 
 # ---------------------------------------------------------------------------- responses

@@ -17,8 +17,9 @@
 //   chain), folded into 8 scores by one transposing reduction (hadd: 9 instructions for 8
 //   rows, where a horizontal sum per row costs ~6 each);
 // - the query heads of a GQA group share each K and V row load (and its bf16 widening): up to
-//   3 heads per pass with AVX-512 (1.4x faster bf16 attention at batch 32 on a 2-core
-//   AVX512-BF16 EPYC), one with AVX2's 16 registers;
+//   3 heads per pass with AVX-512, one with AVX2's 16 registers (2-core AVX512-BF16 EPYC, bf16,
+//   batch 32: 1.4x faster than one head per pass with the cache in L2/L3, ~9% over a W1 run,
+//   where reading the cache from memory takes most of the time);
 // - the V pass keeps the heads' outputs in registers across a block's rows;
 // - vectors of 8 floats (AVX2) or 16 (AVX-512; kernels/paged_attention.py picks the machine's
 //   widest, `lanes`), the 16-lane sums folded to 8 before the reduction.
@@ -251,6 +252,7 @@ inline void accumulate_values(const T* values, int64_t row_width, int64_t count,
 // up to kMax heads.
 template <int kMax, typename Body>
 inline void for_head_passes(int64_t group, Body&& body) {
+  static_assert(kMax >= 1 && kMax <= 3, "the remainder below is one pass of 1 or 2 heads");
   int64_t g = 0;
   for (; g + kMax <= group; g += kMax) body(std::integral_constant<int, kMax>{}, g);
   if constexpr (kMax > 1) {

@@ -10,6 +10,7 @@ output, pasted as is.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -114,8 +115,13 @@ def table(paths: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = (argv if argv is not None else sys.argv[1:]) or sorted(
-        glob.glob(os.path.join(REPO_ROOT, "bench", "results", "*", "*.json")))
+    parser = argparse.ArgumentParser(
+        prog="python -m client.bench.table",
+        description="Markdown tables of benchmark reports, one section per machine kind.")
+    parser.add_argument("reports", nargs="*", metavar="REPORT.json",
+                        help="reports to table (default: every bench/results/*/*.json)")
+    args = parser.parse_args(argv)
+    paths = args.reports or sorted(glob.glob(os.path.join(REPO_ROOT, "bench", "results", "*", "*.json")))
     print(tables(paths))
     return 0
 

@@ -307,3 +307,13 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
+
+
+def test_the_table_command_takes_help_and_report_paths(capsys):
+    with pytest.raises(SystemExit) as exited:
+        table.main(["--help"])
+    assert exited.value.code == 0 and "REPORT.json" in capsys.readouterr().out
+    report = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    assert table.main([str(report)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("#### Machine kind: ") == 1 and "results/avx2/w1_vs_vllm_fp32.json" in printed

@@ -16,16 +16,20 @@ CONTEXT_TOKENS = 6
 INCOMPLETE = "\ufffd"
 
 
-def raw_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+def raw_decoder(tokenizer, spaces_between_special_tokens: bool = True) -> Callable[[list[int], bool], str]:
     """`tokenizer.decode(ids, skip_special_tokens=...)`, straight from the Rust tokenizer
     where that gives the same text: a fast tokenizer that does not clean up tokenization
     spaces. transformers' wrapper converts and checks its input on every call, three
     quarters of the cost of decoding a few ids, and the engine decodes twice per token of
-    every running request."""
+    every running request. `spaces_between_special_tokens` reaches slow tokenizers only:
+    transformers' fast decode has no such option."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return backend.decode
-    return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if backend is not None:
+        return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids, skip_special_tokens: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
 
 
 class IncrementalDetokenizer:

@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -94,13 +95,9 @@ class LLMEngine:
         # Fast tokenizers are not safe to call from two threads at once; the loop decodes
         # while Triton's thread encodes new prompts.
         self.tokenizer_lock = threading.Lock()
-        raw_decode = raw_decoder(self.tokenizer)
-
-        def locked_decode(ids: list[int], skip_special_tokens: bool) -> str:
-            with self.tokenizer_lock:
-                return raw_decode(ids, skip_special_tokens)
-
-        self.decode = locked_decode
+        # By spaces_between_special_tokens (SamplingParams).
+        self._decoders = {spaces: self._locked_decoder(spaces) for spaces in (True, False)}
+        self.decode = self._decoders[True]
         arch, _ = load_arch(config.model_path)  # refuses unsupported checkpoints first, by name
         self.max_model_len = self._resolve_max_model_len(arch)
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
@@ -182,6 +179,15 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
+    def _locked_decoder(self, spaces_between_special_tokens: bool) -> Callable[[list[int], bool], str]:
+        raw_decode = raw_decoder(self.tokenizer, spaces_between_special_tokens)
+
+        def locked_decode(ids: list[int], skip_special_tokens: bool) -> str:
+            with self.tokenizer_lock:
+                return raw_decode(ids, skip_special_tokens)
+
+        return locked_decode
+
     def tokenize(self, prompt: str) -> list[int]:
         with self.tokenizer_lock:
             return self.tokenizer.encode(prompt)
@@ -204,6 +210,7 @@ class LLMEngine:
         bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_ids:
             raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
                                         max_model_len=self.max_model_len, kv=self.kv)
         request = Request(
@@ -216,10 +223,27 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prompt_text=prompt_text,
             needs_logprobs=needs_logprobs or params.logprobs is not None,
+            bad_words_token_ids=bad_words_token_ids,
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
         return request
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences the sampler keeps out of a request's output, as vLLM derives
+        them: each word as text starts it and, where the tokenizer gives a different first
+        token of the same length for it, as a word after a space."""
+        sequences: list[tuple[int, ...]] = []
+        for word in bad_words:
+            with self.tokenizer_lock:
+                alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+                spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise RequestError.invalid("bad_words", f"{word!r} tokenizes to zero tokens")
+            sequences.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        return tuple(dict.fromkeys(sequences))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     needs_logprobs: bool = False, arrival_time: float | None = None) -> Request:
@@ -243,7 +267,7 @@ class LLMEngine:
         params = request.params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output, decode=self.decode,
+            params.include_stop_str_in_output, decode=self._decoders[params.spaces_between_special_tokens],
         )
         self.scheduler.add_request(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)

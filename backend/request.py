@@ -56,9 +56,13 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # As in vLLM and transformers: only a slow (Python) tokenizer puts spaces between special
+    # tokens; a fast tokenizer's decode has no such option and ignores it.
+    spaces_between_special_tokens: bool = True
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
@@ -80,14 +84,14 @@ class SamplingParams(BaseModel):
             return [value] if value else []
         return value
 
-    @field_validator("stop")
+    @field_validator("stop", "bad_words")
     @classmethod
-    def _stop_strings_bounded(cls, value: list[str]) -> list[str]:
+    def _strings_bounded(cls, value: list[str]) -> list[str]:
         for s in value:
             if not s:
-                raise ValueError("stop strings must not be empty")
+                raise ValueError("entries must not be empty strings")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
+                raise ValueError(f"each entry must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
 
     @field_validator("stop_token_ids")
@@ -177,6 +181,8 @@ class Request:
     generator: object = None
     # Compute the sampled token's logprob each step (logprobs or cumulative_logprob asked).
     needs_logprobs: bool = False
+    # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

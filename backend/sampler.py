@@ -1,6 +1,6 @@
 """Turns a step's logits into one token per request, vectorised across the batch.
 
-Order of operations (as vLLM): penalties, min_tokens masking, then greedy rows take the
+Order of operations (as vLLM): penalties, min_tokens and bad_words masking, then greedy rows take the
 argmax; the others go through temperature, top-k, top-p and min-p and are sampled by
 inverse CDF: one uniform u in [0, 1) per row, a float32 running sum of the row's
 probabilities, and the first token whose running sum exceeds u times the row's total (a
@@ -46,6 +46,23 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     return values.argmax(dim=-1)
 
 
+def banned_token_ids(request: Request) -> list[int]:
+    """Tokens a request may not sample next: its stop and EOS tokens until it has
+    `min_tokens`, and the last token of each of its bad words whose other tokens end its
+    output (as vLLM: a bad word is a token sequence, matched against output tokens only)."""
+    banned: list[int] = []
+    output = request.output_token_ids
+    if len(output) < request.params.min_tokens:
+        banned.extend(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            banned.extend(request.eos_token_ids)
+    for word in request.bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len <= len(output) and (prefix_len == 0 or output[-prefix_len:] == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -70,14 +87,11 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._apply_penalties(logits, requests)
         for row, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_tokens:
-                banned = list(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    banned.extend(r.eos_token_ids)
-                if banned:
-                    if logits is source:
-                        logits = logits.clone()  # never write into the caller's tensor
-                    logits[row, banned] = float("-inf")
+            banned = banned_token_ids(r)
+            if banned:
+                if logits is source:
+                    logits = logits.clone()  # never write into the caller's tensor
+                logits[row, banned] = float("-inf")
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:

@@ -65,6 +65,8 @@ class _Common(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    bad_words: Optional[list[str]] = None
     priority: Optional[int] = None
 
     def check_common(self) -> None:

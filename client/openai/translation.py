@@ -23,7 +23,8 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 # Fields of both endpoints that the backend's sampling_parameters takes under the same name.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output", "priority")
+                    "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
+                    "bad_words", "priority")
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's

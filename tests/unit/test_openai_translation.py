@@ -119,6 +119,10 @@ def test_completion_stop_max_tokens_and_logprobs():
     assert job.sampling == {"max_tokens": 5, "stop": ".", "logprobs": 2, "seed": 7, "ignore_eos": True}
     assert job.logprobs == 2 and inputs_of(job)["return_logprobs"] is True
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x"}).sampling == {}
+    # vLLM's extras (extra_body) travel under their own names.
+    extras = {"bad_words": ["Paris"], "spaces_between_special_tokens": False, "skip_special_tokens": False,
+              "include_stop_str_in_output": True}
+    assert translate(CompletionRequest, {"model": "llm", "prompt": "x", **extras}).sampling == extras
 
 
 # ---------------------------------------------------------------------------- refusals

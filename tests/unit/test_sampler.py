@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.request import Request, SamplingParams
-from backend.sampler import Sampler, argmax_rows, sample_from_probs
+from backend.sampler import Sampler, argmax_rows, banned_token_ids, sample_from_probs
 
 EOS = 2
 
@@ -368,6 +368,22 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     assert Sampler()(logits, [ignore]).token_ids == [EOS]
     logits[0, EOS] = -1.0
     assert Sampler()(logits, [ignore]).token_ids == [4]
+
+
+def test_bad_words_block_the_last_token_once_the_rest_ends_the_output():
+    r = req(temperature=0.0, output=(5, 8))
+    r.bad_words_token_ids = ((4,), (8, 6), (7, 8, 9), (1, 2, 3, 9))
+    # (4,) always; (8, 6) because the output ends with 8; (7, 8, 9) does not match (5, 8);
+    # (1, 2, 3, 9) is longer than the output plus one.
+    assert sorted(banned_token_ids(r)) == [4, 6]
+    logits = torch.zeros((1, 10))
+    logits[0, 4], logits[0, 6], logits[0, 9] = 9.0, 8.0, 7.0
+    assert Sampler()(logits, [r]).token_ids == [9]
+    fresh = req(temperature=0.0)
+    fresh.bad_words_token_ids = ((8, 6),)
+    assert banned_token_ids(fresh) == [] and Sampler()(logits, [fresh]).token_ids == [4]
+    drawn = set(Sampler(seed=0)(logits.expand(300, -1).contiguous(), [r] * 300).token_ids)
+    assert 4 not in drawn and 6 not in drawn
 
 
 def test_min_tokens_masks_every_eos_id():

@@ -29,6 +29,7 @@ from backend.request import FinishReason, Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals
+from backend.trace import RequestTrace
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
@@ -57,6 +58,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # The request's trace (backend/trace.py), on its final output when it asked for one.
+    trace: dict | None = None
 
     @classmethod
     def of(cls, request: Request, text_delta: str, token_ids_delta: list[int], logprobs_delta: list[dict] | None = None,
@@ -83,6 +86,7 @@ class RequestOutput:
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=time.monotonic() if finished else None,
+            trace=request.trace.to_json() if finished and request.trace is not None else None,
         )
 
 
@@ -122,6 +126,8 @@ class LLMEngine:
         self.stats = self._snapshot(StepStats())
         self._pending: list[RequestOutput] = []
         self._arrival_seq = itertools.count()
+        self._step_index = 0  # iterations so far: the step numbers of request traces
+        self._num_traced = 0  # unfinished requests with a trace: none, and tracing costs nothing
         # Test-only fault injection: the forward pass raises once, in the first step whose batch
         # holds at least this many requests (then the engine serves again, as after a transient
         # fault). A batch size, not a step count, so that a test knows which requests it fails:
@@ -193,7 +199,7 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     needs_logprobs: bool = False, arrival_time: float | None = None) -> Request:
+                     needs_logprobs: bool = False, arrival_time: float | None = None, trace: bool = False) -> Request:
         """Tokenize and run every admission check that depends on the model; raise RequestError."""
         if isinstance(prompt, str):
             if not prompt:
@@ -227,6 +233,8 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
+        if trace:
+            request.trace = RequestTrace(request.arrival_time)
         return request
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -246,8 +254,8 @@ class LLMEngine:
         return tuple(dict.fromkeys(sequences))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    needs_logprobs: bool = False, arrival_time: float | None = None) -> Request:
-        request = self.make_request(request_id, prompt, params or SamplingParams(), needs_logprobs, arrival_time)
+                    needs_logprobs: bool = False, arrival_time: float | None = None, trace: bool = False) -> Request:
+        request = self.make_request(request_id, prompt, params or SamplingParams(), needs_logprobs, arrival_time, trace)
         self.enqueue(request)
         return request
 
@@ -269,6 +277,9 @@ class LLMEngine:
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output, decode=self._decoders[params.spaces_between_special_tokens],
         )
+        if request.trace is not None:
+            request.trace.queued(self._step_index, running=self.num_running, waiting_ahead=self.num_waiting)
+            self._num_traced += 1
         self.scheduler.add_request(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
 
@@ -288,6 +299,10 @@ class LLMEngine:
         (a request already finished keeps its reason); the engine counts it and returns its
         final output, the one with finished=True, carrying the last `token_ids`."""
         text = ""
+        if request.trace is not None and not request.is_finished:
+            self._num_traced -= 1
+            request.trace.finished(self._step_index, reason=reason.value,
+                                   output_tokens=request.num_output_tokens)
         if self.scheduler.finish_request(request, reason, stop_reason):
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
@@ -316,7 +331,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; its snapshot is `self.stats` when it returns."""
         outputs, self._pending = self._pending, []
+        self._step_index += 1
         plan = self.scheduler.schedule()
+        if self._num_traced:
+            self._trace_plan(plan)
         num_running, num_waiting = self.num_running, self.num_waiting
         ran, num_generated, prepare_s, forward_s, update_s = False, 0, 0.0, 0.0, 0.0
         if not plan.is_empty:
@@ -336,6 +354,8 @@ class LLMEngine:
                 forwarded = time.perf_counter()
                 tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
                 self.scheduler.update(plan, tokens)
+                if self._num_traced:
+                    self._trace_step(plan, forwarded - start)
                 for row, request in enumerate(sample_requests):
                     outputs.append(self._output_for(request, tokens[request], sampled, row))
                 ran, num_generated = True, len(tokens)
@@ -353,6 +373,45 @@ class LLMEngine:
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         return outputs
+
+    def _trace_plan(self, plan: SchedulerOutput) -> None:
+        """What this step's plan did to traced requests before it ran: preemptions and returns."""
+        step = self._step_index
+        for victim, (cause, computed) in zip(plan.preempted, plan.preemption_causes):
+            if victim.trace is not None:
+                mode = "swap" if victim.swapped_block_ids else "recompute"
+                victim.trace.preempted(step, mode=mode, reason=cause,
+                                       computed_tokens_lost=0 if mode == "swap" else computed)
+        for request, _ in plan.scheduled:
+            trace = request.trace
+            if trace is None:
+                continue
+            if not trace.scheduled_before:
+                queued_at = trace.events[0]["step"] if trace.events else step
+                trace.first_scheduled(step, request.first_scheduled_time, waiting_steps=step - queued_at)
+                if request.num_cached_prompt_tokens:
+                    trace.prefix_cache_hit(step, blocks=request.num_cached_prompt_tokens // self.kv.block_size,
+                                           tokens=request.num_cached_prompt_tokens)
+            if request.num_preemptions > trace.returns:
+                trace.returns += 1
+                trace.readmitted(step, swapped_in=request in plan.swapped_in)
+
+    def _trace_step(self, plan: SchedulerOutput, step_s: float) -> None:
+        """What this step computed for traced requests, in the batch it shared."""
+        step, now = self._step_index, time.monotonic()
+        batch_requests, batch_tokens = len(plan.scheduled), plan.num_scheduled_tokens
+        for request, num_new in plan.scheduled:
+            trace = request.trace
+            if trace is None or request.is_finished:
+                continue
+            computed_before = request.num_computed_tokens - num_new
+            trace.scheduled(step, now, tokens=num_new, prefill=computed_before < request.num_prompt_tokens,
+                            prompt_done=min(request.num_computed_tokens, request.num_prompt_tokens),
+                            prompt_tokens=request.num_prompt_tokens, batch_requests=batch_requests,
+                            batch_tokens=batch_tokens, step_ms=step_s * 1000.0)
+            if request.first_token_time is not None and not trace.first_token_seen:
+                trace.first_token_seen = True
+                trace.first_token(step, now)
 
     def _snapshot(self, step: StepStats) -> EngineStats:
         running = self.scheduler.running

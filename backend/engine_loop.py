@@ -91,11 +91,12 @@ class EngineLoop:
         self._run()
 
     def add_request(self, request_id: str, prompt: str, params: SamplingParams, on_output: OutputCallback,
-                    is_cancelled: CancelCheck | None = None, needs_logprobs: bool = False) -> Request:
+                    is_cancelled: CancelCheck | None = None, needs_logprobs: bool = False,
+                    trace: bool = False) -> Request:
         """Validate now (raising RequestError), then hand the request to the loop thread."""
         if self._stop.is_set():
             raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
-        request = self.engine.make_request(request_id, prompt, params, needs_logprobs)
+        request = self.engine.make_request(request_id, prompt, params, needs_logprobs, trace=trace)
         self.engine.check_queue_room(num_arriving=self._commands.qsize())
         self._commands.put(AddRequest(request, on_output, is_cancelled))
         return request

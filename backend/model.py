@@ -271,6 +271,7 @@ class TritonPythonModel:
                     on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
                     is_cancelled=lambda live=live: live.cancelled,
                     needs_logprobs=parsed.needs_logprobs,
+                    trace=parsed.trace,
                 )
             except RequestError as exc:
                 self._forget(request_id)

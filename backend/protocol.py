@@ -17,8 +17,8 @@ exactly one final response with the whole text, so HTTP ``/generate`` works; unl
 backend).
 
 Every response carries every output its request asks for: Triton's requested outputs,
-which are all six declared outputs unless the client names some. perf_analyzer 2.51
-names all six, and for an output a response lacks it exports whatever bytes its empty
+which are all seven declared outputs unless the client names some. perf_analyzer 2.51
+names all seven, and for an output a response lacks it exports whatever bytes its empty
 buffer points at: a float among them that reads as NaN stops its JSON writer before the
 first flush and leaves genai-perf a zero-length profile export. The ``return_*`` inputs of
 Triton's vLLM backend are accepted and validated but add nothing: an output a client
@@ -55,10 +55,12 @@ RETURN_FLAGS = (
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
 )
+# This backend's own: the final response carries the request's trace (backend/trace.py).
+RETURN_TRACE = "return_trace"
 # Request-level switches (BOOL[1] inputs). When a client sends no `sampling_parameters`
 # input, they may also arrive among the request's parameters (HTTP generate's
 # "parameters": {...}), as Triton's vLLM backend accepts them.
-REQUEST_SWITCHES = (STREAM, EXCLUDE_INPUT) + RETURN_FLAGS
+REQUEST_SWITCHES = (STREAM, EXCLUDE_INPUT) + RETURN_FLAGS + (RETURN_TRACE,)
 
 TEXT_OUTPUT = "text_output"
 FINISH_REASON = "finish_reason"
@@ -66,6 +68,7 @@ CUMULATIVE_LOGPROB = "cumulative_logprob"
 LOGPROBS = "logprobs"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+TRACE = "trace"
 
 # Triton's config data type -> (the datatype a client names on the wire, numpy dtype).
 _DATA_TYPES: dict[str, tuple[str, Any]] = {
@@ -115,6 +118,7 @@ INPUTS = _table(
     TensorSpec(SAMPLING_PARAMETERS, "TYPE_STRING", (1,), optional=True),
     TensorSpec(EXCLUDE_INPUT, "TYPE_BOOL", (1,), optional=True),
     *(TensorSpec(name, "TYPE_BOOL", (1,), optional=True) for name in RETURN_FLAGS),
+    TensorSpec(RETURN_TRACE, "TYPE_BOOL", (1,), optional=True),
 )
 OUTPUTS = _table(
     TensorSpec(TEXT_OUTPUT, "TYPE_STRING", (-1,)),
@@ -123,6 +127,7 @@ OUTPUTS = _table(
     TensorSpec(LOGPROBS, "TYPE_STRING", (-1,)),
     TensorSpec(NUM_INPUT_TOKENS, "TYPE_UINT32", (1,)),
     TensorSpec(NUM_OUTPUT_TOKENS, "TYPE_UINT32", (-1,)),
+    TensorSpec(TRACE, "TYPE_STRING", (-1,)),
 )
 OUTPUT_NAMES = frozenset(OUTPUTS)
 
@@ -171,6 +176,7 @@ class ParsedRequest:
     # The declared outputs this request asks for (Triton fills in all of them when a
     # client names none); each response carries exactly these.
     outputs: frozenset[str]
+    trace: bool = False
 
     @property
     def needs_logprobs(self) -> bool:
@@ -237,6 +243,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str
         stream=stream,
         prepend_prompt=not stream and not exclude,
         outputs=frozenset(requested_outputs) & OUTPUT_NAMES,
+        trace=switches.get(RETURN_TRACE, False),
     )
 
 
@@ -244,11 +251,11 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str
 
 def encode_response(outputs: Iterable[str], *, text: str, finish_reason: str | None,
                     cumulative_logprob: float | None, logprobs: list[dict] | None,
-                    num_input_tokens: int, num_output_tokens: int) -> dict[str, np.ndarray]:
+                    num_input_tokens: int, num_output_tokens: int, trace: dict | None = None) -> dict[str, np.ndarray]:
     """The arrays of one response, by output name, for each of `outputs`.
 
     `finish_reason` None (a response that is not the final one) is sent as "None";
-    `logprobs` None as JSON null; `cumulative_logprob` must be a number when asked for."""
+    `logprobs` and `trace` None as JSON null; `cumulative_logprob` must be a number when asked for."""
     outputs = frozenset(outputs)
     arrays: dict[str, np.ndarray] = {}
     if TEXT_OUTPUT in outputs:
@@ -268,6 +275,9 @@ def encode_response(outputs: Iterable[str], *, text: str, finish_reason: str | N
         arrays[NUM_INPUT_TOKENS] = np.array([num_input_tokens], dtype=np.uint32)
     if NUM_OUTPUT_TOKENS in outputs:
         arrays[NUM_OUTPUT_TOKENS] = np.array([num_output_tokens], dtype=np.uint32)
+    if TRACE in outputs:
+        # JSON null unless the request sent return_trace, and then on its final response only.
+        arrays[TRACE] = np.array([json.dumps(trace).encode()], dtype=np.object_)
     return arrays
 
 
@@ -309,6 +319,7 @@ class ResponseEncoder:
             logprobs=self.pending_logprobs or None,
             num_input_tokens=output.num_prompt_tokens,
             num_output_tokens=self.pending_tokens if self.request.stream else output.num_output_tokens,
+            trace=output.trace,
         )
         self.pending_tokens = 0
         self.pending_logprobs = []

@@ -14,6 +14,8 @@ from typing import Any, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backend.trace import RequestTrace
+
 
 class RequestError(Exception):
     """An error that ends one request; `code` maps onto Triton's error codes."""
@@ -183,6 +185,8 @@ class Request:
     needs_logprobs: bool = False
     # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Set for a request whose client asked for its trace (backend/trace.py).
+    trace: RequestTrace | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

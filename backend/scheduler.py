@@ -24,6 +24,10 @@ from backend.kv_cache import BlockTable, KVCacheManager, SwapSpace
 from backend.policies import Policy
 from backend.request import FinishReason, Request, RequestError, RequestStatus
 
+# Why a running request was preempted (SchedulerOutput.preemption_causes).
+PREEMPTED_FOR_BLOCKS = "kv_blocks_exhausted"  # a running request needed a block and none was free
+PREEMPTED_FOR_WAITING = "outranked_by_waiting_request"  # the policy let a waiting request take its place
+
 
 @dataclass
 class SchedulerOutput:
@@ -31,6 +35,11 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Per preempted request, in the same order: why (PREEMPTED_FOR_BLOCKS or
+    # PREEMPTED_FOR_WAITING) and how many tokens it had computed.
+    preemption_causes: list[tuple[str, int]] = field(default_factory=list)
+    # Preempted requests that rejoin this step from swap space.
+    swapped_in: list[Request] = field(default_factory=list)
     # Copies the model runner makes before the forward pass, swap-outs first.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -116,8 +125,9 @@ class Scheduler:
         candidates = [r for r in self.running if not self.is_protected(r)]
         return max(candidates, key=self.policy.victim_key) if candidates else None
 
-    def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int]) -> int:
+    def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int], cause: str) -> int:
         """Move `victim` back to the waiting queue; return the budget it gave back."""
+        plan.preemption_causes.append((cause, victim.num_computed_tokens))
         self.running.remove(victim)
         returned = granted.pop(victim, 0)
         use_swap = (
@@ -176,7 +186,7 @@ class Scheduler:
                 # Protected requests reserved their whole life's blocks, so an allocation
                 # that fails belongs to an unprotected request: a victim always exists.
                 assert victim is not None, "allocation failed for a protected request"
-                budget += self._preempt(victim, plan, granted)
+                budget += self._preempt(victim, plan, granted, PREEMPTED_FOR_BLOCKS)
                 if victim is request:
                     break
             if request.status is running_status:
@@ -225,6 +235,7 @@ class Scheduler:
             plan.swap_in.extend(zip(host_ids, request.block_ids[: len(host_ids)]))
             self._host_blocks_to_free.extend(host_ids)
             request.swapped_block_ids = []
+            plan.swapped_in.append(request)
             return num_new, True
         cached = self.kv.find_cached_prefix(request)
         num_computed = len(cached) * self.kv.block_size
@@ -244,7 +255,7 @@ class Scheduler:
         victim = self._pick_victim()
         if victim is None or not self.policy.outranks(request, victim):
             return False
-        self._preempt(victim, plan, granted)
+        self._preempt(victim, plan, granted, PREEMPTED_FOR_WAITING)
         return True
 
     def update(self, plan: SchedulerOutput, sampled: dict[Request, int]) -> None:

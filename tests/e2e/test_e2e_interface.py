@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from backend.paths import DEFAULT_CHECKPOINT
-from backend.protocol import RETURN_FLAGS
+from backend.protocol import RETURN_FLAGS, RETURN_TRACE
 from tests.e2e.e2e_util import (
     Stream,
     generate,
@@ -320,6 +320,29 @@ def test_return_outputs_and_logprobs_in_vllm_shape(server, tokenizer, reference)
     assert body["num_input_tokens"] == num_prompt and body["num_output_tokens"] == max_tokens
     assert body["cumulative_logprob"] == pytest.approx(cumulative, rel=1e-4, abs=1e-3)
     assert [sampled(e)[0] for e in json.loads(body["logprobs"])] == reference.token_ids[:max_tokens]
+
+
+def test_return_trace_over_a_grpc_stream_and_http_generate(server):
+    max_tokens = 6
+    streamed = generate(server.grpc_url, server.model, inputs_for(
+        PROMPT, {"temperature": 0, "max_tokens": max_tokens}, stream=True, exclude_input=True,
+        returns=(RETURN_TRACE,)))
+    assert streamed.error is None and len(streamed.responses) >= 2
+    assert all(output(r, "trace") == "null" for r in streamed.responses[:-1])
+    trace = json.loads(output(streamed.last, "trace"))
+    kinds = [e["event"] for e in trace["events"]]
+    assert kinds[:3] == ["queued", "first_scheduled", "prefill_chunk"] and kinds[-2:] == ["first_token", "finished"]
+    assert trace["events"][-1] == {**trace["events"][-1], "reason": "length", "output_tokens": max_tokens}
+    assert trace["decode"]["steps"] == max_tokens - 1
+
+    body = {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 3, "return_trace": True}}
+    answer = requests.post(f"{server.http_url}/v2/models/{server.model}/generate", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    trace = json.loads(answer.json()["trace"])
+    assert trace["events"][-1]["event"] == "finished" and trace["decode"]["steps"] == 2
+    body["parameters"].pop("return_trace")
+    untraced = requests.post(f"{server.http_url}/v2/models/{server.model}/generate", json=body, timeout=60)
+    assert untraced.status_code == 200 and untraced.json()["trace"] == "null"
 
 
 def test_seeded_sampling_is_reproducible_under_concurrent_load(server):

@@ -87,7 +87,7 @@ def run_profile(triton_server, genai_perf, tmp_path, return_inputs: bool) -> tup
 
 
 def assert_every_output_real(responses: list[dict]) -> None:
-    """perf_analyzer 2.51 records all six declared outputs of every response; one a response
+    """perf_analyzer 2.51 records all seven declared outputs of every response; one a response
     lacks reads as stray memory (tools/loadtest.py). Every one must be the real value."""
     assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
     assert sum(r["num_output_tokens"] for r in responses) == OUTPUT_TOKENS
@@ -133,7 +133,7 @@ def test_genai_perf_profile_completes_without_errors(triton_server, genai_perf, 
 
 def test_plain_genai_perf_command_gets_a_complete_export(triton_server, genai_perf, tmp_path):
     """The command without the `return_*` inputs, as genai-perf users type it: perf_analyzer
-    still asks for all six outputs, and every response carries them (before, a response
+    still asks for all seven outputs, and every response carries them (before, a response
     carried only text_output, and a stray float that read as NaN left a zero-length export)."""
     model = triton_server.model
     before = wait_idle(triton_server.metrics_port, model)
@@ -146,6 +146,7 @@ def test_plain_genai_perf_command_gets_a_complete_export(triton_server, genai_pe
         responses = record["response_outputs"]
         assert len(responses) >= 2 and "".join(r["text_output"] for r in responses).strip(), record
         assert all(r["logprobs"] == "null" for r in responses), responses  # no "logprobs" sampling value asked
+        assert all(r["trace"] == "null" for r in responses), responses  # no return_trace asked
         assert_every_output_real(responses)
 
     ended = finished_since(before, triton_server.metrics_port, model)

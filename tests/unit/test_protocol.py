@@ -23,10 +23,12 @@ from backend.protocol import (
     OUTPUTS,
     RETURN_FLAGS,
     RETURN_LOGPROBS,
+    RETURN_TRACE,
     SAMPLING_PARAMETERS,
     STREAM,
     TEXT_INPUT,
     TEXT_OUTPUT,
+    TRACE,
     BadRequest,
     ParsedRequest,
     ResponseEncoder,
@@ -67,17 +69,18 @@ def bad(match: str, parameters: str = "", **inputs: np.ndarray) -> str:
 
 # ---------------------------------------------------------------------------- the table
 
-def test_table_is_the_vllm_backend_interface():
-    assert list(INPUTS) == [TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT, *RETURN_FLAGS]
-    assert [INPUTS[n].optional for n in INPUTS] == [False] + [True] * 8
+def test_table_is_the_vllm_backend_interface_plus_the_trace():
+    assert list(INPUTS) == [TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT, *RETURN_FLAGS, RETURN_TRACE]
+    assert [INPUTS[n].optional for n in INPUTS] == [False] + [True] * 9
     assert {n: INPUTS[n].datatype for n in INPUTS} == {
         "text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL",
         "return_finish_reason": "BOOL", "return_cumulative_logprob": "BOOL", "return_logprobs": "BOOL",
-        "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL",
+        "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL", "return_trace": "BOOL",
     }
     assert {n: (OUTPUTS[n].datatype, OUTPUTS[n].dims) for n in OUTPUTS} == {
         "text_output": ("BYTES", (-1,)), "finish_reason": ("BYTES", (-1,)), "cumulative_logprob": ("FP32", (-1,)),
         "logprobs": ("BYTES", (-1,)), "num_input_tokens": ("UINT32", (1,)), "num_output_tokens": ("UINT32", (-1,)),
+        "trace": ("BYTES", (-1,)),
     }
     assert OUTPUT_NAMES == frozenset(OUTPUTS)
     # The model config entries auto_complete_config adds: "optional" only where it is true.
@@ -236,6 +239,7 @@ def test_encode_response_has_every_asked_output_with_its_dtype():
     assert value(arrays, CUMULATIVE_LOGPROB) == np.float32(-2.25)
     assert json.loads(value(arrays, LOGPROBS)) == [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]
     assert (value(arrays, NUM_INPUT_TOKENS), value(arrays, NUM_OUTPUT_TOKENS)) == (7, 3)
+    assert value(arrays, TRACE) == "null"  # no trace asked for
 
 
 def test_encode_response_only_asked_outputs_and_stand_ins():
@@ -267,6 +271,22 @@ def test_streamed_responses_carry_deltas_and_counts_since_the_last_response():
     assert value(final, TEXT_OUTPUT) == "" and value(final, FINISH_REASON) == "length"
     assert value(final, NUM_OUTPUT_TOKENS) == 0 and value(final, LOGPROBS) == "null"
     assert value(final, CUMULATIVE_LOGPROB) == np.float32(-4.0) and value(final, NUM_INPUT_TOKENS) == 7
+    assert value(final, TRACE) == "null"
+
+
+def test_return_trace_is_a_switch_and_the_trace_rides_on_the_final_response_only():
+    assert parse(text_input=text("p")).trace is False
+    assert parse(text_input=text("p"), return_trace=flag(True)).trace is True
+    assert parse('{"return_trace": "true", "max_tokens": 3}', text_input=text("p")).trace is True
+    bad("return_trace must be a boolean", text_input=text("p"), return_trace=text("maybe"))
+    encoder = ResponseEncoder(request(stream=True))
+    trace = {"events": [{"event": "queued", "step": 1, "t_ms": 0.0}], "decode": None}
+    middle = engine_output("a", tokens=1, num_output_tokens=1)
+    middle.trace = None
+    assert value(encoder.encode(middle), TRACE) == "null"
+    final = engine_output("", finished=True, reason="stop", num_output_tokens=1)
+    final.trace = trace
+    assert json.loads(value(encoder.encode(final), TRACE)) == trace
 
 
 def test_one_response_with_the_whole_text_when_not_streamed():

@@ -40,36 +40,38 @@ class EngineMetrics:
             self._families.append(made)
             return made
 
-        def counter(name, description, **extra):
-            return family(name, description, MF.COUNTER).Metric(labels={**labels, **extra})
+        def counter(name, description, base=labels, **extra):
+            return family(name, description, MF.COUNTER).Metric(labels={**base, **extra})
 
         def gauge_family(name, description):
             return family(name, description, MF.GAUGE)
 
-        def histogram(name, description, buckets):
-            return family(name, description, MF.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+        def histogram(name, description, buckets, base=labels):
+            return family(name, description, MF.HISTOGRAM).Metric(labels=base, buckets=buckets)
 
-        # vLLM
-        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS)
-        self.prompt_hist = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
-        self.generation_hist = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS)
+        # vLLM, with vLLM's own labels too (model_name, engine: what its dashboards and
+        # routers select on) beside Triton's.
+        vllm = {**labels, "model_name": labels["model"], "engine": "0"}
+        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", vllm)
+        self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.", vllm)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS, vllm)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LATENCY_BUCKETS, vllm)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS, vllm)
+        self.prompt_hist = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS, vllm)
+        self.generation_hist = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS, vllm)
         vllm_running = gauge_family("vllm:num_requests_running", "Number of requests currently running.")
         vllm_waiting = gauge_family("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         vllm_kv = gauge_family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.vllm_running = vllm_running.Metric(labels=labels)
-        self.vllm_waiting = vllm_waiting.Metric(labels=labels)
-        self.vllm_kv = vllm_kv.Metric(labels=labels)
+        self.vllm_running = vllm_running.Metric(labels=vllm)
+        self.vllm_waiting = vllm_waiting.Metric(labels=vllm)
+        self.vllm_kv = vllm_kv.Metric(labels=vllm)
         # What routers read besides the gauges above. The production-stack router still reads
         # vLLM's pre-v1 name of the KV usage. llm-d's endpoint picker parses two info gauges by
         # their labels: cache_config_info's block_size and num_gpu_blocks (vLLM labels it with
         # every CacheConfig field; these are the ones this engine has), and lora_requests_info,
         # whose value is the time of its last refresh (the picker keeps the newest sample).
         # This engine serves no LoRA adapters: max_lora 0, both adapter lists empty.
-        self.vllm_gpu_kv = gauge_family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.").Metric(labels=labels)
+        self.vllm_gpu_kv = gauge_family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.").Metric(labels=vllm)
         cache_info = gauge_family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")
         self.cache_info = cache_info.Metric(labels={**labels, **cache_config_labels(engine)})
         self.cache_info.set(1)
@@ -78,7 +80,7 @@ class EngineMetrics:
                                                   "waiting_lora_adapters": ""})
         self._lora_refreshed = 0.0
         success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
-        self.success = {reason: success.Metric(labels={**labels, "finished_reason": reason})
+        self.success = {reason: success.Metric(labels={**vllm, "finished_reason": reason})
                         for reason in ("stop", "length", "abort", "error")}
 
         # TensorRT-LLM backend

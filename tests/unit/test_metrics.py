@@ -110,6 +110,10 @@ def test_what_routers_read_follows_the_engine(tmp_path_factory, monkeypatch):
     assert {k: lora.labels[k] for k in ("max_lora", "running_lora_adapters", "waiting_lora_adapters")} == {
         "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert lora.value == 1000.0
+    # vLLM's own labels on its families, beside Triton's.
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds"):
+        assert value(name).labels == {"model": "llm", "version": "1", "model_name": "llm", "engine": "0"}, name
 
     engine.add_request("r", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     engine.step()

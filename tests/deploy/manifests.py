@@ -32,6 +32,7 @@ CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "serving.kserve.io_inferenceservice_v1beta1.json",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "serving.kserve.io_servingruntime_v1alpha1.json",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_httproute_v1.json",
 }
 
 

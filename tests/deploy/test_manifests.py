@@ -230,6 +230,23 @@ def test_inference_pool_routes_to_the_openai_port_and_its_picker():
         assert {p["pluginRef"] for p in profile["plugins"]} <= declared
 
 
+def test_httproute_sends_the_frontends_openai_paths_to_the_pool():
+    from client.openai.app import create_app
+    from client.openai.settings import Settings
+
+    objects = render("llm-d")
+    route, pool = find(objects, "HTTPRoute"), find(objects, "InferencePool")
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    (match,) = rule["matches"]
+    prefix = match["path"]["value"]
+    assert match["path"]["type"] == "PathPrefix"
+    served = {route.path for route in create_app(Settings()).routes}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+        assert path in served and path.startswith(prefix + "/")
+
+
 def test_epp_reads_the_metrics_the_model_server_protocol_names():
     """Gateway API Inference Extension's model server protocol: for a Triton server these
     specifications; the test in tests/e2e/test_deploy_server.py finds each on a live server."""

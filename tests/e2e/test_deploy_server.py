@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import requests
 
 from tests.deploy.manifests import adapter_rules, container, epp_args, find, metric_spec, render
 from tests.e2e.e2e_util import scrape
 from tests.e2e.openai_frontend import run_frontend
+
+pytestmark = pytest.mark.e2e
 
 # Read by llm-d's endpoint picker (vLLM's names and Triton's), vLLM's production-stack router
 # (gpu_cache_usage_perc) and the HPA: each with the labels they select on.

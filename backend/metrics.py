@@ -28,8 +28,10 @@ class EngineMetrics:
     update is an IPC call to the Triton process, and the Triton adapter makes all of its
     IPC calls from one thread (see model.py). Without `publish` they are applied at once."""
 
-    def __init__(self, pb_utils, labels: dict[str, str], engine, publish: Callable[[Updates], None] | None = None):
+    def __init__(self, pb_utils, labels: dict[str, str], engine, publish: Callable[[Updates], None] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.engine = engine
+        self._clock = clock  # wall time, the value of vllm:lora_requests_info
         MF = pb_utils.MetricFamily
         # Triton drops a family's metrics once its Python object is collected, so the
         # families live as long as this object (see `close`).
@@ -165,7 +167,7 @@ class EngineMetrics:
             ("max", stats.num_kv_blocks), ("free", stats.num_free_kv_blocks), ("used", stats.num_used_kv_blocks),
             ("tokens_per", config.block_size), ("reused", totals.prefix_hit_tokens // config.block_size),
             ("fraction", usage))]
-        now = time.time()
+        now = self._clock()
         if now - self._lora_refreshed >= LORA_INFO_REFRESH_S:
             gauges.append((self.lora_info, now))
             self._lora_refreshed = now

@@ -92,7 +92,7 @@ def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
     assert value("inflight_iterations_total").value == 0
 
 
-def test_what_routers_read_follows_the_engine(tmp_path_factory, monkeypatch):
+def test_what_routers_read_follows_the_engine(tmp_path_factory):
     """The families llm-d's endpoint picker and the production-stack router parse, with
     vLLM's labels: gpu_cache_usage_perc moves with kv_cache_usage_perc, cache_config_info
     holds the pool's geometry in its labels, lora_requests_info's value is a refresh time."""
@@ -100,8 +100,7 @@ def test_what_routers_read_follows_the_engine(tmp_path_factory, monkeypatch):
 
     engine = tiny_engine(tmp_path_factory)
     clock = [1000.0]
-    monkeypatch.setattr(metrics_module.time, "time", lambda: clock[0])
-    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, clock=lambda: clock[0])
     info = value("vllm:cache_config_info")
     assert info.value == 1
     assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "64"

@@ -41,7 +41,7 @@ CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | lint | clean | distclean"
+	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)

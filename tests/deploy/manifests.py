@@ -109,11 +109,12 @@ def validate(obj: dict) -> None:
 
 
 def metric_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """The endpoint picker's metric specification, `name` or `name{label=value,...}`."""
+    """The endpoint picker's metric specification, `name` or `name{label=value,...}`, read as
+    the picker reads it: values are taken literally, quotes and all."""
     match = re.fullmatch(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?", spec)
     assert match, spec
     labels = dict(pair.split("=", 1) for pair in match.group(2).split(",")) if match.group(2) else {}
-    return match.group(1), {k.strip(): v.strip().strip('"') for k, v in labels.items()}
+    return match.group(1), {k.strip(): v.strip() for k, v in labels.items()}
 
 
 def epp_args(objects) -> dict[str, str]:

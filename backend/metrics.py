@@ -202,12 +202,9 @@ def cache_config_labels(engine) -> dict[str, str]:
     """vLLM's cache_config_info labels that this engine has a value for, written as vLLM
     writes them (str() of the value: "True", "None")."""
     config = engine.config
-    stats = engine.stats
-    swap = engine.swap_space
     return {
         "block_size": str(config.block_size),
-        "num_gpu_blocks": str(stats.num_kv_blocks),
-        "num_cpu_blocks": str(swap.num_blocks if swap is not None else None),
+        "num_gpu_blocks": str(engine.stats.num_kv_blocks),
         "cache_dtype": "auto",
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),

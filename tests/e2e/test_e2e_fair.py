@@ -6,12 +6,17 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e.e2e_util import Stream, generate, inputs_for, scrape, wait_for, wait_idle, wait_until
+from tests.e2e.e2e_util import Stream, generate, inputs_for, output, scrape, wait_for, wait_idle, wait_until
 
 pytestmark = pytest.mark.e2e
 
 RETURNS = ("return_num_input_tokens", "return_num_output_tokens")
 MAX_TOKENS = 48
+
+
+def prompt_tokens(outcome) -> int:
+    """Every streamed response repeats the prompt's token count."""
+    return int(output(outcome.last, "num_input_tokens"))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def test_two_tenants_share_the_batch_and_the_metrics_count_each(fair_server):
     m = wait_idle(server.metrics_port, server.model)
 
     def service(outcomes):  # input tokens cost 1, output tokens 2 (the defaults)
-        return sum(o.total("num_input_tokens") + 2 * o.total("num_output_tokens") for o in outcomes)
+        return sum(prompt_tokens(o) + 2 * o.total("num_output_tokens") for o in outcomes)
 
     assert all(o.total("num_output_tokens") == MAX_TOKENS for o in flood + chats)
     assert m.get("inflight_tenant_service_tokens_total", model=server.model, tenant="alice") == service(flood)
@@ -71,7 +76,7 @@ def test_an_unlisted_tenant_is_counted_as_other_and_a_bad_one_refused(fair_serve
                   inputs_for("Hi", {"max_tokens": 4, "ignore_eos": True, "tenant": "carol"}, stream=True, returns=RETURNS))
     assert ok.error is None
     m = wait_idle(server.metrics_port, server.model)
-    expected = ok.total("num_input_tokens") + 2 * ok.total("num_output_tokens")
+    expected = prompt_tokens(ok) + 2 * ok.total("num_output_tokens")
     assert m.get("inflight_tenant_service_tokens_total", model=server.model, tenant="other") == before + expected
     assert not any(ls.get("tenant") == "carol" for _, ls, _ in m.samples)
 

@@ -89,7 +89,7 @@ def run_workload(w: dict) -> Harness:
             tokens = prompt(i, spec["length"], SHARED[shared] if shared is not None else ())
             rid = f"req{i}"
             request = h.add(rid, tokens, spec["max_tokens"], spec["priority"], spec["eos_at"], spec["min_tokens"],
-                            spec["tenant"])
+                            spec.get("tenant", "default"))
             if request is not None:
                 eos_at, max_tokens = spec["eos_at"], spec["max_tokens"]
                 # EOS cannot be sampled before min_tokens outputs exist.
@@ -178,7 +178,7 @@ def test_random_workloads_on_pools_that_force_preemption(w):
     run_workload(w)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "static"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "static", "fair"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_pool_forces_preemption_and_everything_still_finishes(policy, mode):
     """Each policy x mode under a pool that fits ~2 requests: preemption must happen."""
@@ -187,7 +187,7 @@ def test_small_pool_forces_preemption_and_everything_still_finishes(policy, mode
         max_num_batched_tokens=64, threshold=16, max_preemptions=2, prefix_caching=True,
         requests=[
             dict(arrival=i % 3, length=10 + 7 * i, shared=(0 if i % 2 else None), max_tokens=12 + i,
-                 priority=i % 3, eos_at=None, min_tokens=0)
+                 priority=i % 3, eos_at=None, min_tokens=0, tenant=("a", "b")[i // 3 % 2])
             for i in range(9)
         ],
     )

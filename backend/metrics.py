@@ -15,6 +15,11 @@ from backend.config import DEFAULT_TENANT
 # One step's metric updates: (metric method, value) pairs, applied in order.
 Updates = list[tuple[Callable[[float], None], float]]
 
+# Per step, the recent service behind the fairness index keeps this much of itself (a
+# half-life of ~69 steps): recent enough to show a tenant starved now, long enough to
+# span many requests.
+FAIRNESS_DECAY = 0.99
+
 # The per-tenant label of a tenant neither in tenant_weights nor "default": clients name
 # tenants freely, and a label per name would let them grow the metrics without bound.
 OTHER_TENANTS = "other"
@@ -109,6 +114,11 @@ class EngineMetrics:
         self.tenant_service, self.tenant_running, self.tenant_waiting = ({
             tenant: fam.Metric(labels={**labels, "tenant": tenant}) for tenant in tenant_labels
         } for fam in (service, tenant_running, tenant_waiting))
+        self.fairness = our_gauge(
+            "inflight_tenant_fairness_index",
+            "Jain's index of recent weighted service over the tenant labels with waiting requests (1: even).")
+        self._weights = {label: engine.config.tenant_weights.get(label, 1.0) for label in tenant_labels}
+        self._recent_service = dict.fromkeys(tenant_labels, 0.0)
         self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
@@ -148,6 +158,8 @@ class EngineMetrics:
                 label = self.tenant_label(tenant)
                 service[label] = service.get(label, 0.0) + value
             updates += [(self.tenant_service[label].increment, value) for label, value in service.items() if value > 0]
+            for label in self._recent_service:
+                self._recent_service[label] = self._recent_service[label] * FAIRNESS_DECAY + service.get(label, 0.0)
         for name, metric in (("prefilled_prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
             value = getattr(totals, name)
@@ -175,6 +187,9 @@ class EngineMetrics:
             counts[1] += waiting_n
         for label, (running_n, waiting_n) in by_label.items():
             gauges += [(self.tenant_running[label], running_n), (self.tenant_waiting[label], waiting_n)]
+        shares = [self._recent_service[label] / self._weights[label] for label, (_, waiting_n) in by_label.items()
+                  if waiting_n]
+        gauges.append((self.fairness, jain_index(shares)))
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
                 updates.append((metric.set, value))
@@ -200,6 +215,15 @@ class EngineMetrics:
         if output.finish_time is not None:
             updates.append((self.e2e.observe, output.finish_time - output.arrival_time))
         self._publish(updates)
+
+
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one
+    has everything; 1 for fewer than two values or none served."""
+    squares = sum(v * v for v in values)
+    if len(values) < 2 or squares == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * squares)
 
 
 def apply(updates: Updates) -> None:

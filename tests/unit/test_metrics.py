@@ -341,3 +341,32 @@ def test_per_tenant_service_and_requests_with_a_bounded_label_set(tmp_path_facto
                    "inflight_tenant_requests_waiting"):
         assert sorted(m.labels["tenant"] for m in FakeMetricFamily.registry[family].metrics) == ["default", "gold", "other"]
     assert all(value("inflight_tenant_requests_running", tenant=t).value == 0 for t in expected)
+
+
+def test_jain_index():
+    from backend.metrics import jain_index
+
+    assert jain_index([]) == jain_index([5.0]) == jain_index([0.0, 0.0]) == 1.0
+    assert jain_index([3.0, 3.0, 3.0]) == pytest.approx(1.0)
+    assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
+    assert jain_index([2.0, 1.0]) == pytest.approx(9 / 10)
+
+
+@pytest.mark.parametrize("policy, fair", [("fcfs", False), ("fair", True)])
+def test_fairness_index_over_backlogged_tenants(tmp_path_factory, policy, fair):
+    """Two tenants backlogged on one seat: fcfs serves the first flood only (index 1/2),
+    fair alternates them (index near 1)."""
+    FakeMetricFamily.registry = {}
+    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy,
+                                    tenant_weights={"a": 1.0, "b": 1.0}, enable_prefix_caching=False))
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    for tenant in ("a", "b"):
+        for i in range(8):  # more than 12 steps serve: both stay backlogged
+            engine.add_request(f"{tenant}{i}", list(range(100 + i, 104 + i)),
+                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, tenant=tenant))
+    for _ in range(12):
+        engine.step()
+        metrics.on_step()
+    index = value("inflight_tenant_fairness_index").value
+    assert index > 0.95 if fair else index == pytest.approx(0.5)

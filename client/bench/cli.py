@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", action="store_true", help="draw the report (PNG; bench/<json stem>.png)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="measure every system N times, interleaved (A B A B ...); ratios are the median of the runs'")
+    parser.add_argument("--note", help="free text kept in the report, e.g. how and why a run was scaled down")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(str(REPO_ROOT)) else args.model,
         "workload": summary,
+        **({"note": args.note} if args.note else {}),
         "concurrency": args.concurrency,  # None: open loop at the workload's arrival times
         "engine_parameters": common,
         "targets": {t.name: t.url for t in targets},

@@ -301,7 +301,7 @@ def w8a_flood(seed: int = 0, num_requests: int = 20, rate_per_s: float = 0.3, in
 
 
 def w8b_long_job(seed: int = 0, num_requests: int = 60, rate_per_s: float = 4.0, output_len: int = 2000,
-                 chat_output: int = 64, num_chat_tenants: int = 4, job_at: float = 2.0, prompt_len: int = 64,
+                 chat_output: int = 64, num_chat_tenants: int = 4, job_at: float = 10.0, prompt_len: int = 64,
                  max_num_seqs: int = 16, source: PromptSource | None = None) -> Workload:
     """The seeds' case: one long job (`output_len` tokens, tenant "novelist", arriving at
     `job_at` s) among a flood of `num_requests` short chats from `num_chat_tenants` other

@@ -215,7 +215,8 @@ class FairPolicy(Policy):
     under every policy, so no request starves. A waiting request preempts a running one
     only for a strictly better priority, never for fairness alone (that would thrash).
 
-    Costs: peek and pop are O(tenants waiting at the best priority); push O(1).
+    Costs: peek and pop are O(priorities + tenants waiting at the best priority); a tenant
+    that starts or stops waiting adds O(tenants waiting), to move the floor.
     """
 
     kind = SchedulingPolicy.FAIR

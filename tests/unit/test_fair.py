@@ -261,3 +261,22 @@ def test_fair_parameters_parse_from_config_pbtxt():
     policy = Policy.create(config.scheduling_policy, config)
     assert isinstance(policy, FairPolicy)
     assert policy.weights == {"gold": 2, "free": 0.5} and config.tenant_output_token_cost == 3.0
+
+
+@pytest.mark.parametrize("policy, victim_tenant", [("fcfs", "light"), ("fair", "hog")])
+def test_blocks_run_out_and_the_victim_is_the_tenant_furthest_above_its_share(policy, victim_tenant):
+    """Two requests of "hog" arrive before one of "light"; the pool runs out as they decode.
+    fcfs preempts the latest arrival (light's); fair preempts from hog, which has had twice
+    the service."""
+    h = Harness(fair_config(scheduling_policy=policy, max_num_seqs=4), 8, max_model_len=256)
+    rng = random.Random(2)
+    for i in range(2):
+        h.add(f"hog{i}", tokens(rng, 8), 40, tenant="hog")
+    h.add("light0", tokens(rng, 8), 40, tenant="light")
+    while not h.num_preemptions:
+        h.step()
+    first = next(r for r in h.records if r.plan.preempted).plan.preempted[0]
+    assert first.tenant == victim_tenant
+    h.run(h.step_bound())
+    assert len(h.finished) == 3
+    assert_all_free(h)

@@ -343,3 +343,14 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
+
+
+def test_servers_get_the_tenant_and_refuse_a_closed_loop_tenant():
+    from client.bench.targets import run_target, sampling_of
+
+    chat = workloads.BenchRequest([5, 6], 4, tenant="B")
+    assert sampling_of(chat, 1)["tenant"] == "B"
+    assert "tenant" not in sampling_of(workloads.BenchRequest([5, 6], 4), 1)
+    w = workloads.w8a_flood(num_requests=1, in_flight=2, long_output=4, chat_output=2, prompt_len=4)
+    with pytest.raises(ValueError, match="only the in-process engine runner"):
+        run_target(parse_target("grpc://127.0.0.1:1"), w, progress=False)

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,19 @@ class SchedulingPolicy(enum.StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"
     STATIC = "static"
+    FAIR = "fair"
 
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
+# printable, since it becomes a metric label.
+TENANT_PATTERN = r"[A-Za-z0-9_.:@-]{1,64}"
+TENANT_RULE = "must be a string of 1 to 64 characters among A-Z a-z 0-9 _ . : @ -"
+DEFAULT_TENANT = "default"
+MAX_TENANT_WEIGHTS = 256
+
 # Longest context we size for when the checkpoint does not say, or says something huge:
 # the KV pool on a 2-core CPU box would never hold 128k tokens anyway.
 MAX_MODEL_LEN_CAP = 8192
@@ -55,6 +64,12 @@ class EngineConfig:
     swap_space_mb: int = 256
     max_preemptions: int = 4
     max_queue_len: int = 1024
+    # Fair share (scheduling_policy "fair"): tenant -> weight (JSON in config.pbtxt; a tenant
+    # not listed weighs 1), and the service one input (prefill) and one output token cost.
+    # Only the listed tenants (and "default") get their own per-tenant metric label.
+    tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    tenant_input_token_cost: float = 1.0
+    tenant_output_token_cost: float = 2.0
     # Seed of the generator for requests that bring no seed of their own.
     seed: int = 0
     # Every reduction in an order fixed per row and per token, never chosen from the batch's
@@ -85,6 +100,17 @@ class EngineConfig:
         check(self.swap_space_mb >= 0, f"swap_space_mb={self.swap_space_mb} must be >= 0")
         check(self.max_preemptions >= 0, f"max_preemptions={self.max_preemptions} must be >= 0")
         check(self.max_queue_len >= 1, f"max_queue_len={self.max_queue_len} must be >= 1")
+        check(isinstance(self.tenant_weights, dict), f"tenant_weights={self.tenant_weights!r} must be a JSON object")
+        check(len(self.tenant_weights) <= MAX_TENANT_WEIGHTS,
+              f"tenant_weights has {len(self.tenant_weights)} tenants, at most {MAX_TENANT_WEIGHTS}")
+        for tenant, weight in self.tenant_weights.items():
+            check(isinstance(tenant, str) and re.fullmatch(TENANT_PATTERN, tenant) is not None,
+                  f"tenant_weights: tenant {tenant!r} {TENANT_RULE}")
+            check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight <= 1e6,
+                  f"tenant_weights: weight of {tenant!r} is {weight!r}, must be a number in (0, 1e6]")
+        for name in ("tenant_input_token_cost", "tenant_output_token_cost"):
+            cost = getattr(self, name)
+            check(0 < cost <= 1e6, f"{name}={cost} must be in (0, 1e6]")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":
@@ -130,6 +156,9 @@ def _parse(name: str, annotation: Any, raw: str) -> Any:
             return float(text)
         if kind in ("str", "SchedulingPolicy"):  # an enum is checked, with its choices, by EngineConfig
             return text
-        return json.loads(text)
+        value = json.loads(text)
+        if kind.startswith("dict") and not isinstance(value, dict):
+            raise ValueError(text)
+        return value
     except ValueError:
         raise ValueError(f"invalid engine parameter: {name}={text!r} is not a valid {kind}") from None

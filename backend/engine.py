@@ -25,7 +25,7 @@ from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
-from backend.request import FinishReason, Request, RequestError, SamplingParams
+from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals
@@ -367,6 +367,7 @@ class LLMEngine:
             prefilled_prompt_tokens=plan.prefilled_prompt_tokens,
             first_token_latencies_s=tuple(plan.first_token_latencies_s),
             inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
+            service_by_tenant=tuple(plan.service_by_tenant.items()),
             schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_s, forward_time_s=forward_s,
             update_time_s=update_s,
         )
@@ -416,10 +417,15 @@ class LLMEngine:
     def _snapshot(self, step: StepStats) -> EngineStats:
         running = self.scheduler.running
         pool = self.kv.pool
+        counts: dict[str, list[int]] = {}
+        for request in self.scheduler.requests.values():
+            counts.setdefault(request.tenant, [0, 0])[request.status is not RequestStatus.RUNNING] += 1
         return EngineStats(
             num_running=len(running), num_waiting=self.num_waiting,
             num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
-            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free, step=step, totals=self._totals,
+            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
+            requests_by_tenant=tuple((tenant, n[0], n[1]) for tenant, n in sorted(counts.items())),
+            step=step, totals=self._totals,
         )
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:

@@ -11,8 +11,19 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from backend.config import DEFAULT_TENANT
+
 # One step's metric updates: (metric method, value) pairs, applied in order.
 Updates = list[tuple[Callable[[float], None], float]]
+
+# Per step, the recent service behind the fairness index keeps this much of itself (a
+# half-life of ~69 steps): recent enough to show a tenant starved now, long enough to
+# span many requests.
+FAIRNESS_DECAY = 0.99
+
+# The per-tenant label of a tenant neither in tenant_weights nor "default": clients name
+# tenants freely, and a label per name would let them grow the metrics without bound.
+OTHER_TENANTS = "other"
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 # How often vllm:lora_requests_info's timestamp moves on (vLLM refreshes it at every stats
@@ -116,6 +127,20 @@ class EngineMetrics:
             reason: finished.Metric(labels={**labels, "finish_reason": reason})
             for reason in ("stop", "length", "abort", "error")
         }
+        # Per tenant: one label per tenant in tenant_weights, "default", and "other" for the rest.
+        tenant_labels = sorted({*engine.config.tenant_weights, DEFAULT_TENANT, OTHER_TENANTS})
+        service = family("inflight_tenant_service_tokens_total",
+                         "Service per tenant: input tokens computed x input cost + output tokens x output cost.", MF.COUNTER)
+        tenant_running = gauge_family("inflight_tenant_requests_running", "Running requests per tenant.")
+        tenant_waiting = gauge_family("inflight_tenant_requests_waiting", "Waiting requests per tenant.")
+        self.tenant_service, self.tenant_running, self.tenant_waiting = ({
+            tenant: fam.Metric(labels={**labels, "tenant": tenant}) for tenant in tenant_labels
+        } for fam in (service, tenant_running, tenant_waiting))
+        self.fairness = our_gauge(
+            "inflight_tenant_fairness_index",
+            "Jain's index of recent weighted service over the tenant labels with waiting requests (1: even).")
+        self._weights = {label: engine.config.tenant_weights.get(label, 1.0) for label in tenant_labels}
+        self._recent_service = dict.fromkeys(tenant_labels, 0.0)
         self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
@@ -135,6 +160,9 @@ class EngineMetrics:
         self.__dict__.clear()
         families.clear()
 
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self.tenant_service else OTHER_TENANTS
+
     def on_step(self) -> None:
         """Refresh gauges and counters from the engine's latest stats snapshot; called by the
         loop thread after each step."""
@@ -147,6 +175,13 @@ class EngineMetrics:
         if totals.steps > self._last["steps"]:
             updates += [(self.ttft.observe, s) for s in stats.step.first_token_latencies_s]
             updates += [(self.tpot.observe, s) for s in stats.step.inter_token_latencies_s]
+            service: dict[str, float] = {}
+            for tenant, value in stats.step.service_by_tenant:
+                label = self.tenant_label(tenant)
+                service[label] = service.get(label, 0.0) + value
+            updates += [(self.tenant_service[label].increment, value) for label, value in service.items() if value > 0]
+            for label in self._recent_service:
+                self._recent_service[label] = self._recent_service[label] * FAIRNESS_DECAY + service.get(label, 0.0)
         for name, metric in (("prefilled_prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
             value = getattr(totals, name)
@@ -171,6 +206,16 @@ class EngineMetrics:
         if now - self._lora_refreshed >= LORA_INFO_REFRESH_S:
             gauges.append((self.lora_info, now))
             self._lora_refreshed = now
+        by_label = {label: [0, 0] for label in self.tenant_running}
+        for tenant, running_n, waiting_n in stats.requests_by_tenant:
+            counts = by_label[self.tenant_label(tenant)]
+            counts[0] += running_n
+            counts[1] += waiting_n
+        for label, (running_n, waiting_n) in by_label.items():
+            gauges += [(self.tenant_running[label], running_n), (self.tenant_waiting[label], waiting_n)]
+        shares = [self._recent_service[label] / self._weights[label] for label, (_, waiting_n) in by_label.items()
+                  if waiting_n]
+        gauges.append((self.fairness, jain_index(shares)))
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
                 updates.append((metric.set, value))
@@ -210,6 +255,13 @@ def cache_config_labels(engine) -> dict[str, str]:
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "engine": "0",
     }
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one
+    has everything; 1 for fewer than two values or none served."""
+    squares = sum(v * v for v in values)
+    if len(values) < 2 or squares == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * squares)
 
 
 def apply(updates: Updates) -> None:

@@ -8,12 +8,14 @@ size, max_model_len) are checked by the engine at admission, which knows the mod
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backend.config import DEFAULT_TENANT, TENANT_PATTERN, TENANT_RULE
 from backend.trace import RequestTrace
 
 
@@ -67,6 +69,9 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # Who the request is for: the `fair` policy shares service between tenants, and every
+    # policy counts per-tenant metrics.
+    tenant: str = DEFAULT_TENANT
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -77,6 +82,14 @@ class SamplingParams(BaseModel):
         # pydantic's lax mode reads true as 1; a boolean where a number belongs is a client bug.
         if isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value)):
             raise ValueError("expected a number, got a boolean")
+        return value
+
+    @field_validator("tenant", mode="before")
+    @classmethod
+    def _tenant_is_a_short_name(cls, value: Any) -> Any:
+        # It becomes a metric label and a key the fair policy keeps: short and printable.
+        if not isinstance(value, str) or re.fullmatch(TENANT_PATTERN, value) is None:
+            raise ValueError(TENANT_RULE)
         return value
 
     @field_validator("stop", mode="before")
@@ -211,6 +224,10 @@ class Request:
     @property
     def priority(self) -> int:
         return self.params.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
 
     @property
     def max_total_tokens(self) -> int:

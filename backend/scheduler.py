@@ -7,10 +7,15 @@ requests are served first, then waiting ones. A long prompt is granted at most
 `long_prefill_token_threshold` tokens a step (chunked prefill), so its prefill shares
 steps with other requests' decodes.
 
-What differs between policies (`fcfs`, `priority`, `static`) is one class each in
+What differs between policies (`fcfs`, `priority`, `static`, `fair`) is one class each in
 backend/policies.py: the waiting queue's order, admission, the victim order. The rules
 every request lives by are here too: which requests can never fit (`resolve_max_tokens`),
 when one stops (`check_stop`), and `Scheduler.finish_request`, which ends it.
+
+Service is charged to a request's tenant as tokens are granted, under every policy (the
+per-tenant metrics read it; `fair` schedules by it): each input token computed costs
+`tenant_input_token_cost`, each output token `tenant_output_token_cost`. Prefix-cache
+hits and swapped-in blocks are not computed, so not charged; a recomputed prefix is.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class SchedulerOutput:
     # tokens looked up, and of those, tokens found cached.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Service granted this step per tenant (token-cost weighted, before tenant weights).
+    service_by_tenant: dict[str, float] = field(default_factory=dict)
     # Filled by `update`, per request that received a token: its prompt length and time to
     # first token when the token was its first, else the time since its previous token.
     prefilled_prompt_tokens: int = 0
@@ -71,7 +78,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.swap = swap
-        self.policy = Policy.create(config.scheduling_policy)
+        self.policy = Policy.create(config.scheduling_policy, config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Host blocks read by this step's swap-ins; freed only after the step's copies ran.
@@ -125,11 +132,25 @@ class Scheduler:
         candidates = [r for r in self.running if not self.is_protected(r)]
         return max(candidates, key=self.policy.victim_key) if candidates else None
 
+    def _charge(self, request: Request, num_new: int, plan: SchedulerOutput, sign: int = 1) -> None:
+        """Charge `request`'s tenant for a grant of `num_new` tokens (`sign` -1: take it back).
+        A grant that reaches the end of the request's tokens samples one output token; its
+        last token, when it was sampled, is that output's own input and not charged twice."""
+        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        fed_back = reaches_end and request.num_tokens > request.num_prompt_tokens
+        cfg = self.config
+        service = sign * (cfg.tenant_input_token_cost * (num_new - fed_back) + cfg.tenant_output_token_cost * reaches_end)
+        tenant = request.tenant
+        plan.service_by_tenant[tenant] = plan.service_by_tenant.get(tenant, 0.0) + service
+        self.policy.charge(tenant, service)
+
     def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int], cause: str) -> int:
         """Move `victim` back to the waiting queue; return the budget it gave back."""
         plan.preemption_causes.append((cause, victim.num_computed_tokens))
         self.running.remove(victim)
         returned = granted.pop(victim, 0)
+        if returned:
+            self._charge(victim, returned, plan, sign=-1)
         use_swap = (
             self.swap is not None
             and victim.num_computed_tokens > 0
@@ -192,6 +213,8 @@ class Scheduler:
             if request.status is running_status:
                 granted[request] = num_new
                 budget -= num_new
+                # Charged at once, so that this step's admission sees this step's service.
+                self._charge(request, num_new, plan)
 
         # Admitting while evicting would only thrash: wait for the pool to recover.
         admit = not plan.preempted and policy.may_admit(running_at_start)
@@ -216,6 +239,7 @@ class Scheduler:
             if num_new > 0:
                 granted[request] = num_new
                 budget -= num_new
+                self._charge(request, num_new, plan)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
 

@@ -39,6 +39,9 @@ class StepStats:
     prefilled_prompt_tokens: int = 0
     first_token_latencies_s: tuple[float, ...] = ()
     inter_token_latencies_s: tuple[float, ...] = ()
+    # (tenant, service) per tenant granted tokens this step: input tokens computed times
+    # tenant_input_token_cost plus output tokens times tenant_output_token_cost.
+    service_by_tenant: tuple[tuple[str, float], ...] = ()
     # Host time per phase: scheduling, input preparation (metadata and copies to the
     # device), forward pass plus sampling, and the update after it (scheduler state,
     # stop checks, detokenization, outputs).
@@ -106,6 +109,8 @@ class EngineStats:
     num_prefilling: int = 0
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0  # free ones, cached or not: what can be handed out now
+    # (tenant, running, waiting) per tenant with a request in the engine, by tenant name.
+    requests_by_tenant: tuple[tuple[str, int, int], ...] = ()
     step: StepStats = StepStats()
     totals: Totals = Totals()
 

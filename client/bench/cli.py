@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="Hugging Face checkpoint folder (and the tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, help="override the workload's request count")
-    parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W3, W4, W5); 0 = all at once")
+    parser.add_argument("--rate", type=float, help="Poisson arrival rate in requests/s (W3, W4, W5; W8a, W8b: the chats'); 0 = all at once")
     parser.add_argument("--rates", help="comma-separated rates (inf = all at once): one run per rate and system")
     parser.add_argument("--concurrency", type=int, help="closed loop: keep N requests in flight, ignoring arrivals")
     parser.add_argument("--input-len", type=int, help="prompt tokens (W3)")
-    parser.add_argument("--output-len", type=int, help="output tokens (W3, W4)")
+    parser.add_argument("--output-len", type=int, help="output tokens (W3, W4; W8b: the long job's)")
     parser.add_argument("--text", action="store_true", help="prompts from natural text (a built-in list)")
     parser.add_argument("--text-prompts", metavar="FILE", help="prompts from natural text, one prompt per line")
     parser.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO["ttft_ms"], help="goodput's TTFT bound")
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", action="store_true", help="draw the report (PNG; bench/<json stem>.png)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="measure every system N times, interleaved (A B A B ...); ratios are the median of the runs'")
+    parser.add_argument("--note", help="free text kept in the report, e.g. how and why a run was scaled down")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(str(REPO_ROOT)) else args.model,
         "workload": summary,
+        **({"note": args.note} if args.note else {}),
         "concurrency": args.concurrency,  # None: open loop at the workload's arrival times
         "engine_parameters": common,
         "targets": {t.name: t.url for t in targets},

@@ -3,8 +3,10 @@
 A rate sweep (several arrival rates) gives latency-throughput curves: TTFT p99 and TPOT
 p99 against the output tokens/s each rate achieved, one line per system; where a curve
 turns up is the system's capacity. Any other report gives bars: output tokens/s and TTFT
-p99 per system (per system and load when there are several). `python -m client.bench
---plot` draws the same as it writes the JSON.
+p99 per system (per system and load when there are several). A report whose results hold
+each tenant's service over time (W8) adds a row: per system, each tenant's cumulative
+service (input tokens x input cost + output tokens x output cost) against time. `python
+-m client.bench --plot` draws the same as it writes the JSON.
 """
 
 from __future__ import annotations
@@ -50,8 +52,20 @@ def plot_report(report: dict, path: str) -> str:
     matplotlib.use("Agg")  # files only: no display on a server
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     results = report["results"]
+    timelines = [r for r in results if len(r.get("service_timeline", {})) > 2]  # t_s and 2+ tenants
+    if timelines:
+        fig, axes = plt.subplots(2, max(2, len(timelines)), figsize=(max(12, 4.5 * len(timelines)), 9.6),
+                                 squeeze=False)
+        left, right = axes[0][0], axes[0][1]
+        for axis in axes[0][2:]:
+            axis.set_visible(False)
+        for axis, r in zip(axes[1], timelines):
+            _plot_service(axis, r)
+        for axis in axes[1][len(timelines):]:
+            axis.set_visible(False)
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     if is_rate_sweep(report):
         def curve(r: dict) -> str:  # one curve per system and run
             return " ".join(filter(None, [r["system"], run_label(r)]))
@@ -91,6 +105,18 @@ def plot_report(report: dict, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _plot_service(axis, result: dict) -> None:
+    timeline = result["service_timeline"]
+    for tenant, values in sorted(timeline.items()):
+        if tenant != "t_s":
+            axis.plot(timeline["t_s"], values, label=tenant)
+    axis.set_xlabel("time (s)")
+    axis.set_ylabel("cumulative service (weighted tokens)")
+    axis.set_title(f"{result['system']}: service per tenant")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

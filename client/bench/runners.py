@@ -4,6 +4,7 @@ Face `generate()` in static padded batches. Each returns a `SystemRun` with one
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -20,42 +21,63 @@ from client.bench.workloads import Workload
 
 def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
                concurrency: int | None = None) -> SystemRun:
-    """The workload through this engine in-process, open loop, or closed loop with `concurrency`."""
+    """The workload through this engine in-process, open loop, or closed loop with `concurrency`
+    (or per tenant, `workload.tenant_concurrency`). Records each tenant's cumulative service
+    over time (`service_timeline`)."""
     config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
     engine = LLMEngine(config)
     _warm_up(engine)
-    requests = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_s)
+    pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s)
     records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
     totals_before = engine.stats.totals
-    next_index = 0
     start = time.perf_counter()
-    bar = tqdm(total=len(requests), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
+    bar = tqdm(total=len(pending), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
     seeded = 0
     in_flight = 0
+    in_flight_by_tenant: collections.Counter[str] = collections.Counter()
+    service: dict[str, float] = {}
+    timeline: dict[str, list[float]] = {"t_s": []}
+    last_sample = -1.0
 
-    def due(now: float) -> bool:
+    def due(index: int, now: float) -> bool:
+        spec = workload.requests[index]
         if concurrency:
             return in_flight < concurrency
-        return requests[next_index][1].arrival_s <= now
+        limit = workload.tenant_concurrency.get(spec.tenant)
+        return spec.arrival_s <= now and (limit is None or in_flight_by_tenant[spec.tenant] < limit)
 
-    while next_index < len(requests) or engine.has_unfinished():
+    while pending or engine.has_unfinished():
         now = time.perf_counter() - start
-        while next_index < len(requests) and due(now):
-            index, spec = requests[next_index]
+        sent = []
+        for index in pending:
+            if not concurrency and workload.requests[index].arrival_s > now:
+                break  # in arrival order: the rest are later still
+            if not due(index, now):
+                continue
+            spec = workload.requests[index]
             seeded += 1
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
-                priority=spec.priority, seed=seeded if spec.temperature > 0 else None,
+                priority=spec.priority, seed=seeded if spec.temperature > 0 else None, tenant=spec.tenant,
             )
             engine.add_request(str(index), spec.prompt_token_ids, params)
             records[index].arrival = time.perf_counter()
-            next_index += 1
+            sent.append(index)
             in_flight += 1
+            in_flight_by_tenant[spec.tenant] += 1
+        if sent:
+            sent_set = set(sent)
+            pending = [i for i in pending if i not in sent_set]
         if not engine.has_unfinished():
-            time.sleep(max(0.0, min(0.01, requests[next_index][1].arrival_s - now)))
+            time.sleep(max(0.0, min(0.01, workload.requests[pending[0]].arrival_s - now)))
             continue
         outputs = engine.step()
         now_abs = time.perf_counter()
+        for tenant, value in engine.stats.step.service_by_tenant:
+            service[tenant] = service.get(tenant, 0.0) + value
+        if now_abs - start - last_sample >= 0.25 or not (pending or engine.has_unfinished()):
+            last_sample = now_abs - start
+            _sample(timeline, last_sample, service)
         for out in outputs:
             record = records[int(out.request_id)]
             if out.token_ids_delta:
@@ -63,6 +85,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             record.num_output_tokens = out.num_output_tokens
             if out.finished:
                 in_flight -= 1
+                in_flight_by_tenant[workload.requests[int(out.request_id)].tenant] -= 1
                 record.finish_reason = out.finish_reason
                 if out.error is not None:
                     record.error = str(out.error)
@@ -87,9 +110,21 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         "max_num_seqs": config.max_num_seqs,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
+        "service_by_tenant": service,
+        "service_timeline": timeline,
     }
     del engine
     return SystemRun(system, records, duration, kpis, concurrency=concurrency)
+
+
+def _sample(timeline: dict[str, list[float]], t: float, service: dict[str, float]) -> None:
+    """One point of each tenant's cumulative service; a tenant first seen now starts at 0 before."""
+    for tenant in service:
+        timeline.setdefault(tenant, [0.0] * len(timeline["t_s"]))
+    timeline["t_s"].append(round(t, 3))
+    for tenant, values in timeline.items():
+        if tenant != "t_s":
+            values.append(service.get(tenant, 0.0))
 
 
 def _warm_up(engine) -> None:

@@ -22,6 +22,8 @@ RATIOS = {
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
+    "W8a": [("fair", "fcfs")],
+    "W8b": [("fair", "fcfs"), ("priority", "fcfs")],
 }
 # Every workload: what serving through Triton (or a frontend) costs against the engine in-process.
 SERVER_RATIOS = [("triton-grpc", "continuous"), ("triton-http", "continuous"), ("openai", "continuous")]
@@ -106,10 +108,14 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
         result["preemptions_per_1000_requests"] = 1000 * result["preemptions"] / max(1, len(records))
     labels = sorted({r.label for r in records if r.label})
     if labels:
-        result["by_class"] = {
-            label: {"ttft_ms": _stats_ms([r.token_times[0] - r.arrival for r in completed if r.label == label and r.token_times])}
-            for label in labels
-        }
+        result["by_class"] = {}
+        for label in labels:
+            mine = [r for r in streamed if r.label == label]
+            tokens = sum(r.num_output_tokens for r in completed if r.label == label)
+            result["by_class"][label] = {
+                "ttft_ms": _stats_ms([_ttft(r) for r in mine]), "e2el_ms": _stats_ms([_e2el(r) for r in mine]),
+                "output_tokens": tokens, "output_token_share": safe_ratio(tokens, output_tokens),
+            }
     return result
 
 def rate_label(rate: float | None) -> str:
@@ -139,6 +145,10 @@ def _pair_ratios(a: dict, b: dict) -> dict:
             label: safe_ratio(a["by_class"][label]["ttft_ms"]["p99"] or 0, b["by_class"][label]["ttft_ms"]["p99"] or 0)
             for label in a["by_class"]
         }
+        entry["e2el_p99_by_class"] = {
+            label: safe_ratio(a["by_class"][label]["e2el_ms"]["p99"] or 0, b["by_class"][label]["e2el_ms"]["p99"] or 0)
+            for label in a["by_class"]
+        }
     return entry
 
 
@@ -163,12 +173,11 @@ def ratios(workload: str, results: list[dict]) -> dict:
                     per_run.append(_pair_ratios(by_name[a], by_name[b]))
             if not per_run:
                 continue
-            entry = {key: float(np.median([e[key] for e in per_run])) for key in per_run[0] if key != "ttft_p99_by_class"}
-            if "ttft_p99_by_class" in per_run[0]:
-                entry["ttft_p99_by_class"] = {
-                    label: float(np.median([e["ttft_p99_by_class"][label] for e in per_run]))
-                    for label in per_run[0]["ttft_p99_by_class"]
-                }
+            by_class = ("ttft_p99_by_class", "e2el_p99_by_class")
+            entry = {key: float(np.median([e[key] for e in per_run])) for key in per_run[0] if key not in by_class}
+            for key in by_class:
+                if key in per_run[0]:
+                    entry[key] = {label: float(np.median([e[key][label] for e in per_run])) for label in per_run[0][key]}
             if len(per_run) > 1:
                 entry["runs"] = [e["output_tokens_per_s"] for e in per_run]
             out[f"{a}/{b}{suffix}"] = entry
@@ -179,6 +188,7 @@ def format_ratio(values: dict) -> str:
     """One ratio entry as text: its ratios (medians over runs), then each run's output tokens/s ratio."""
     parts = [f"{k.replace('_', ' ')} {v:.2f}x" for k, v in values.items() if isinstance(v, float)]
     parts += [f"TTFT p99 of class {label} {v:.2f}x" for label, v in values.get("ttft_p99_by_class", {}).items()]
+    parts += [f"E2E p99 of class {label} {v:.2f}x" for label, v in values.get("e2el_p99_by_class", {}).items()]
     if "runs" in values:
         parts.append("per run " + ", ".join(f"{v:.2f}x" for v in values["runs"]))
     return ", ".join(parts)

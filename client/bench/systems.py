@@ -20,6 +20,7 @@ ENGINE_SYSTEMS = {
     "static": {"scheduling_policy": "static"},
     "priority": {"scheduling_policy": "priority"},
     "fcfs": {"scheduling_policy": "fcfs"},
+    "fair": {"scheduling_policy": "fair"},
     "prefix-cache": {"enable_prefix_caching": True},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "swap": {"preemption_mode": "swap"},
@@ -33,6 +34,8 @@ DEFAULT_SYSTEMS = {
     "W4": ["prefix-cache", "no-prefix-cache"],
     "W5": ["priority", "fcfs"],
     "W6": ["continuous"],
+    "W8a": ["fcfs", "fair"],
+    "W8b": ["fcfs", "priority", "fair"],
 }
 
 

@@ -80,6 +80,8 @@ def sampling_of(spec: BenchRequest, seed: int) -> dict[str, Any]:
     sampling = {"max_tokens": spec.max_tokens, "temperature": spec.temperature, "seed": seed, "ignore_eos": True}
     if spec.priority:
         sampling["priority"] = spec.priority
+    if spec.tenant != "default":
+        sampling["tenant"] = spec.tenant
     return sampling
 
 
@@ -201,6 +203,9 @@ class _OpenAI(_Http):
     async def send(self, request_id: str, prompt: str, sampling: dict, record: RequestRecord) -> None:
         base = f"http://{self.target.address}"
         url = (base if base.endswith("/v1") else base + "/v1") + "/completions"
+        sampling = dict(sampling)
+        if "tenant" in sampling:  # OpenAI's name for who a request is for
+            sampling["user"] = sampling.pop("tenant")
         body = {"model": self.target.model_name, "prompt": prompt, "stream": True,
                 "stream_options": {"include_usage": True}, **sampling}
         reason, usage = None, None
@@ -241,6 +246,9 @@ def _describe(exc: Exception) -> str:
 async def _run(target: Target, workload: Workload, concurrency: int | None, progress: bool,
                timeout_s: float) -> SystemRun:
     specs = workload.requests
+    if workload.tenant_concurrency:
+        raise ValueError(f"{workload.name} keeps a tenant's requests in flight (a closed loop per tenant), "
+                         "which only the in-process engine runner does")
     if any(spec.prompt_text is None for spec in specs):
         raise ValueError("the workload has no prompt text: call client.bench.workloads.attach_text first")
     records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in specs]

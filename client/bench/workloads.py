@@ -1,7 +1,10 @@
-"""Seeded benchmark workloads of BENCHMARKS.md (W1-W6), as plain request lists.
+"""Seeded benchmark workloads of BENCHMARKS.md (W1-W6) and of the fair policy (W8a, W8b),
+as plain request lists.
 
-A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset
-and priority. EOS is ignored so output lengths are exactly as drawn.
+A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset,
+priority and tenant. EOS is ignored so output lengths are exactly as drawn. A tenant named
+in `Workload.tenant_concurrency` is a closed loop: its requests go at their arrival time
+or later, when fewer than that many of its requests are in flight.
 
 Prompts come from a prompt source. The default, `SyntheticTokens`, draws random ids that
 avoid the tokenizer's special tokens, so no request stops early or changes meaning.
@@ -27,8 +30,9 @@ class BenchRequest:
     arrival_s: float = 0.0
     priority: int = 0
     temperature: float = 0.0
-    # Class label for per-class metrics (W5: "high" / "low").
+    # Class label for per-class metrics (W5: "high" / "low"; W8: the tenant).
     label: str = ""
+    tenant: str = "default"
     # The prompt as text, for servers; set by attach_text.
     prompt_text: str | None = None
 
@@ -42,6 +46,8 @@ class Workload:
     engine_overrides: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
     prompt_source: str = "synthetic"
+    # Tenant -> requests it keeps in flight (a closed loop); other tenants send at arrival times.
+    tenant_concurrency: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -52,6 +58,7 @@ class Workload:
             "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
             "total_output_tokens": sum(r.max_tokens for r in self.requests),
             "engine_overrides": self.engine_overrides,
+            **({"tenant_concurrency": self.tenant_concurrency} if self.tenant_concurrency else {}),
             **self.params,
         }
 
@@ -260,6 +267,63 @@ def w6_overload(seed: int = 0, num_requests: int = 1000, pool_for: int = 50, pro
     )
 
 
+def w8a_flood(seed: int = 0, num_requests: int = 20, rate_per_s: float = 0.3, in_flight: int = 24,
+              long_output: int = 512, chat_output: int = 64, prompt_len: int = 64, max_num_seqs: int = 16,
+              source: PromptSource | None = None) -> Workload:
+    """Tenant A floods: it keeps `in_flight` long requests (`long_output` tokens) in flight,
+    more than the batch has seats. Tenant B sends `num_requests` short chats (`chat_output`
+    tokens) as a Poisson stream at `rate_per_s`, meant as a tenth of the engine's capacity
+    (rate = capacity in output tokens/s / 10 / chat_output).
+
+    A's flood is under way when B starts: its first `in_flight` requests have 1/in_flight,
+    2/in_flight, ... of `long_output` tokens left, so its requests end one after another
+    as in a flood running for a while, not all together; each one A sends after them
+    (`num_requests` + 4 of them, enough to keep A in flight while B's stream lasts) has
+    `long_output` tokens.
+    """
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    requests = [BenchRequest(source.tokens(rng, prompt_len), max(1, long_output * (k + 1) // in_flight),
+                             label="A", tenant="A") for k in range(in_flight)]
+    requests += [BenchRequest(source.tokens(rng, prompt_len), long_output, label="A", tenant="A")
+                 for _ in range(num_requests + 4)]
+    arrivals = _poisson_arrivals(rng, num_requests, rate_per_s)
+    requests += [BenchRequest(source.tokens(rng, prompt_len), chat_output, arrival_s=t, label="B", tenant="B")
+                 for t in arrivals]
+    return Workload(
+        "W8a", f"tenant A keeps {in_flight} requests of {long_output} tokens in flight ({max_num_seqs} seats); "
+        f"tenant B: {num_requests} chats of {chat_output} tokens, Poisson {rate_per_s:g}/s; prompts {prompt_len}",
+        requests, {"max_num_seqs": max_num_seqs},
+        {"seed": seed, "rate_per_s": rate_per_s, "in_flight": in_flight, "long_output": long_output,
+         "chat_output": chat_output, "max_num_seqs": max_num_seqs},
+        prompt_source=source.name, tenant_concurrency={"A": in_flight},
+    )
+
+
+def w8b_long_job(seed: int = 0, num_requests: int = 60, rate_per_s: float = 4.0, output_len: int = 2000,
+                 chat_output: int = 64, num_chat_tenants: int = 4, job_at: float = 10.0, prompt_len: int = 64,
+                 max_num_seqs: int = 16, source: PromptSource | None = None) -> Workload:
+    """The seeds' case: one long job (`output_len` tokens, tenant "novelist", arriving at
+    `job_at` s) among a flood of `num_requests` short chats from `num_chat_tenants` other
+    tenants (Poisson at `rate_per_s`, meant to exceed capacity, so a queue builds). All at
+    one priority: the question is whether the scheduler's order starves the job."""
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    arrivals = _poisson_arrivals(rng, num_requests, rate_per_s)
+    requests = [BenchRequest(source.tokens(rng, prompt_len), chat_output, arrival_s=t, label="chat",
+                             tenant=f"chat{i % num_chat_tenants}") for i, t in enumerate(arrivals)]
+    requests.append(BenchRequest(source.tokens(rng, prompt_len), output_len, arrival_s=job_at, label="long",
+                                 tenant="novelist"))
+    return Workload(
+        "W8b", f"one {output_len}-token job at {job_at:g} s among {num_requests} chats of {chat_output} tokens "
+        f"from {num_chat_tenants} tenants, Poisson {rate_per_s:g}/s ({max_num_seqs} seats); prompts {prompt_len}",
+        requests, {"max_num_seqs": max_num_seqs},
+        {"seed": seed, "rate_per_s": rate_per_s, "job_output": output_len, "chat_output": chat_output,
+         "num_chat_tenants": num_chat_tenants, "job_at_s": job_at, "max_num_seqs": max_num_seqs},
+        prompt_source=source.name,
+    )
+
+
 def attach_text(workload: Workload, tokenizer, source: PromptSource | None = None, seed: int = 0) -> Workload:
     """Give every request a `prompt_text` that `tokenizer.encode` turns into exactly its ids.
 
@@ -304,4 +368,6 @@ WORKLOADS = {
     "W4": w4_shared_prefix,
     "W5": w5_priority,
     "W6": w6_overload,
+    "W8a": w8a_flood,
+    "W8b": w8b_long_job,
 }

@@ -55,7 +55,7 @@ class _Common(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None  # accepted, not used
+    user: Optional[str] = None  # the backend's `tenant`
     # vLLM extras (extra_body in the openai client)
     top_k: Optional[int] = None
     min_p: Optional[float] = None

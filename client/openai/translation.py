@@ -56,6 +56,8 @@ def classify_backend_error(message: str, model: str) -> ApiError:
 def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The backend's sampling_parameters: only what the client set, under the backend's names."""
     values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    if req.user is not None:
+        values["tenant"] = req.user  # OpenAI's end-user id is who the fair policy shares between
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs
@@ -70,8 +72,8 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
 def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
     """Backend parameter name -> the field this request set it with, for the ``param`` of errors."""
     if isinstance(req, CompletionRequest):
-        return {}
-    names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        return {"tenant": "user"}
+    names = {"logprobs": "top_logprobs", "prompt": "messages", "tenant": "user"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names

@@ -49,10 +49,12 @@ def free_ports(n: int) -> list[int]:
 
 
 def set_parameters(config_text: str, parameters: Mapping[str, str]) -> str:
-    """Replace (or add) `parameters` entries of a config.pbtxt."""
+    """Replace (or add) `parameters` entries of a config.pbtxt. A value may hold quotes (JSON,
+    e.g. tenant_weights): they are escaped as protobuf text wants them."""
     for key, value in parameters.items():
-        entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-        pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}')
+        quoted = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        entry = f'{{ key: "{key}", value: {{ string_value: "{quoted}" }} }}'
+        pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*"(?:[^"\\]|\\.)*"\s*\}\s*\}')
         if pattern.search(config_text):
             config_text = pattern.sub(lambda _m: entry, config_text)
         else:

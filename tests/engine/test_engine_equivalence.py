@@ -60,7 +60,7 @@ def oracle(tiny_llama) -> dict[tuple[int, ...], list[int]]:
 
 
 def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int], arrivals: list[int],
-               priorities: list[int] | None = None, on_engine=None, **config):
+               priorities: list[int] | None = None, on_engine=None, tenants: list[str] | None = None, **config):
     """Drive `engine.step()` with requests arriving at the given steps.
 
     Returns (engine, {request id: streamed token ids}, {request id: prompt}) and checks on
@@ -73,6 +73,7 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
     if on_engine is not None:
         on_engine(engine)
     priorities = priorities or [0] * len(prompts)
+    tenants = tenants or ["default"] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     streamed: dict[str, list[int]] = collections.defaultdict(list)
     finals: collections.Counter = collections.Counter()
@@ -82,7 +83,8 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
     while order or engine.has_unfinished():
         while order and arrivals[order[0]] <= step:
             i = order.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, priority=priorities[i])
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, priority=priorities[i],
+                                    tenant=tenants[i])
             requests[f"r{i}"] = engine.add_request(f"r{i}", prompts[i], params)
         for out in engine.step():
             assert finals[out.request_id] == 0, f"output after the final one for {out.request_id}"
@@ -216,6 +218,25 @@ def test_priority_policy(tiny_llama, oracle):
         scheduling_policy="priority", max_num_seqs=4, block_size=8, num_kv_blocks=20, long_prefill_token_threshold=16,
     )
     assert engine.stats.totals.preemptions > 0, "expected priority or block-pressure preemption"
+    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fair_policy(tiny_llama, oracle, mode):
+    """Three tenants (one weighted 3x) and two priorities on a pool small enough to preempt:
+    admission and victims follow the tenants' counters, the tokens stay transformers'."""
+    prompts = PROMPTS[:12] + SHARED_PROMPTS[:6]
+    max_tokens = MAX_TOKENS[: len(prompts)]
+    arrivals = spread_arrivals(len(prompts), every=1)
+    tenants = [("gold", "free", "free", "batch")[i % 4] for i in range(len(prompts))]
+    priorities = [1 if i % 5 == 4 else 0 for i in range(len(prompts))]
+    engine, streamed, by_id = run_engine(
+        tiny_llama, prompts, max_tokens, arrivals, priorities, tenants=tenants, scheduling_policy="fair",
+        tenant_weights={"gold": 3.0}, max_num_seqs=5, block_size=8, num_kv_blocks=18, long_prefill_token_threshold=13,
+        preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
+    )
+    assert engine.stats.totals.preemptions > 0
+    assert engine.scheduler.policy.kind == "fair"
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 

@@ -143,7 +143,7 @@ class Harness:
         return sum(record.plan.prefix_hit_tokens for record in self.records) / queries if queries else 0.0
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0,
-            eos_at: int | None = None, min_tokens: int = 0) -> Request | None:
+            eos_at: int | None = None, min_tokens: int = 0, tenant: str = "default") -> Request | None:
         """Admission as the engine does it: impossible requests are rejected at once."""
         try:
             resolve_max_tokens(len(prompt), max_tokens, default=self.config.default_max_tokens,
@@ -154,7 +154,8 @@ class Harness:
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
-            params=SamplingParams(priority=priority, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens)),
+            params=SamplingParams(priority=priority, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                                  tenant=tenant),
             max_tokens=max_tokens,
             arrival_time=0.0,
             arrival_seq=next(self._seq),

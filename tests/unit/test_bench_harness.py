@@ -140,6 +140,42 @@ def test_closed_loop_keeps_n_requests_in_flight(tiny):
     assert result["concurrency"] == 2 and result["rate_per_s"] is None and result["all_token_counts_right"]
 
 
+def test_a_closed_loop_tenant_keeps_its_requests_in_flight_beside_an_open_loop_one(tiny):
+    """W8a's shape, scaled down: tenant A a closed loop of 3, tenant B at arrival times."""
+    w = workloads.w8a_flood(num_requests=3, rate_per_s=50.0, in_flight=3, long_output=12, chat_output=4,
+                            prompt_len=8, max_num_seqs=2)
+    assert w.tenant_concurrency == {"A": 3} and [r.max_tokens for r in w.requests[:3]] == [4, 8, 12]
+    run = runners.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fair"}, "fair", progress=False)
+    assert all(r.finish_reason == "length" for r in run.records)
+    flood = [r for r, spec in zip(run.records, w.requests) if spec.tenant == "A"]
+    for r in flood:
+        assert sum(1 for o in flood if o.arrival <= r.arrival < o.token_times[-1]) <= 3
+    service = run.engine_kpis["service_by_tenant"]
+    expected = {t: sum(len(q.prompt_token_ids) + 2 * q.max_tokens for q in w.requests if q.tenant == t) for t in "AB"}
+    assert service == expected
+    timeline = run.engine_kpis["service_timeline"]
+    assert timeline["A"][-1] == expected["A"] and timeline["B"][-1] == expected["B"]
+    assert len(timeline["t_s"]) == len(timeline["A"]) == len(timeline["B"])
+    assert all(a <= b for a, b in zip(timeline["A"], timeline["A"][1:]))
+    result = summarize(run, w)
+    assert result["by_class"]["B"]["output_tokens"] == 3 * 4
+    assert result["by_class"]["A"]["output_token_share"] + result["by_class"]["B"]["output_token_share"] == \
+        pytest.approx(1.0)
+
+
+def test_w8b_report_has_the_ratios_and_a_service_plot(tiny, tmp_path):
+    out = tmp_path / "results" / "w8b.json"
+    code = cli.main(["W8b", "--model", tiny, "--num-requests", "6", "--rate", "40", "--output-len", "40",
+                     "--engine", "kv_cache_memory_mb=64",
+                     "--json", str(out), "--plot", "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["results"]] == ["fcfs", "priority", "fair"]
+    assert set(report["ratios"]) == {"fair/fcfs", "priority/fcfs"}
+    assert set(report["ratios"]["fair/fcfs"]["e2el_p99_by_class"]) == {"chat", "long"}
+    assert (tmp_path / "w8b.png").stat().st_size > 10_000
+
+
 def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
     out = tmp_path / "results" / "w3_sweep.json"
     code = cli.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
@@ -317,3 +353,12 @@ def test_the_table_command_takes_help_and_report_paths(capsys):
     assert table.main([str(report)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("#### Machine kind: ") == 1 and "results/avx2/w1_vs_vllm_fp32.json" in printed
+def test_servers_get_the_tenant_and_refuse_a_closed_loop_tenant():
+    from client.bench.targets import run_target, sampling_of
+
+    chat = workloads.BenchRequest([5, 6], 4, tenant="B")
+    assert sampling_of(chat, 1)["tenant"] == "B"
+    assert "tenant" not in sampling_of(workloads.BenchRequest([5, 6], 4), 1)
+    w = workloads.w8a_flood(num_requests=1, in_flight=2, long_output=4, chat_output=2, prompt_len=4)
+    with pytest.raises(ValueError, match="only the in-process engine runner"):
+        run_target(parse_target("grpc://127.0.0.1:1"), w, progress=False)

@@ -336,3 +336,71 @@ def test_a_failed_forward_pass_counts_as_error(stepped):
     assert observations("vllm:request_generation_tokens") == [0]
     assert observations("vllm:time_to_first_token_seconds") == []
     assert value("vllm:prompt_tokens_total").value == 0 and value("vllm:generation_tokens_total").value == 0
+
+
+# ------------------------------------------------------------- per tenant
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_per_tenant_service_and_requests_with_a_bounded_label_set(tmp_path_factory, policy):
+    """Tenants in tenant_weights and "default" have their own label; every other tenant is
+    counted under "other", however many there are."""
+    FakeMetricFamily.registry = {}
+    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=2, num_kv_blocks=64, scheduling_policy=policy,
+                                    tenant_weights={"gold": 2.0}, enable_prefix_caching=False))
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    tenants = ["gold", "gold", "default", "stranger-1", "stranger-2"]
+    prompts = {}
+    for i, tenant in enumerate(tenants):
+        prompts[i] = list(range(100 + 10 * i, 105 + 10 * i + i))  # 5 + i tokens
+        engine.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, tenant=tenant))
+    engine.step()
+    metrics.on_step()
+    running = {t: value("inflight_tenant_requests_running", tenant=t).value for t in ("gold", "default", "other")}
+    waiting = {t: value("inflight_tenant_requests_waiting", tenant=t).value for t in ("gold", "default", "other")}
+    assert sum(running.values()) == 2 and sum(waiting.values()) == 3
+    if policy == "fcfs":
+        assert running == {"gold": 2, "default": 0, "other": 0}
+    else:  # the second seat goes to a tenant with nothing served yet, not to gold again
+        assert running["gold"] == 1
+    while engine.has_unfinished():
+        engine.step()
+        metrics.on_step()
+    # Input tokens cost 1 and output tokens 2 (tenant weights do not scale the service).
+    expected = {"gold": 0.0, "default": 0.0, "other": 0.0}
+    for i, tenant in enumerate(tenants):
+        expected[tenant if tenant in expected else "other"] += len(prompts[i]) * 1.0 + 3 * 2.0
+    assert {t: value("inflight_tenant_service_tokens_total", tenant=t).value for t in expected} == expected
+    for family in ("inflight_tenant_service_tokens_total", "inflight_tenant_requests_running",
+                   "inflight_tenant_requests_waiting"):
+        assert sorted(m.labels["tenant"] for m in FakeMetricFamily.registry[family].metrics) == ["default", "gold", "other"]
+    assert all(value("inflight_tenant_requests_running", tenant=t).value == 0 for t in expected)
+
+
+def test_jain_index():
+    from backend.metrics import jain_index
+
+    assert jain_index([]) == jain_index([5.0]) == jain_index([0.0, 0.0]) == 1.0
+    assert jain_index([3.0, 3.0, 3.0]) == pytest.approx(1.0)
+    assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
+    assert jain_index([2.0, 1.0]) == pytest.approx(9 / 10)
+
+
+@pytest.mark.parametrize("policy, fair", [("fcfs", False), ("fair", True)])
+def test_fairness_index_over_backlogged_tenants(tmp_path_factory, policy, fair):
+    """Two tenants backlogged on one seat: fcfs serves the first flood only (index 1/2),
+    fair alternates them (index near 1)."""
+    FakeMetricFamily.registry = {}
+    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
+    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy,
+                                    tenant_weights={"a": 1.0, "b": 1.0}, enable_prefix_caching=False))
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    for tenant in ("a", "b"):
+        for i in range(8):  # more than 12 steps serve: both stay backlogged
+            engine.add_request(f"{tenant}{i}", list(range(100 + i, 104 + i)),
+                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, tenant=tenant))
+    for _ in range(12):
+        engine.step()
+        metrics.on_step()
+    index = value("inflight_tenant_fairness_index").value
+    assert index > 0.95 if fair else index == pytest.approx(0.5)

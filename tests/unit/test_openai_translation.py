@@ -112,6 +112,16 @@ def test_chat_without_logprobs_sends_only_what_the_client_set():
         {"logprobs": 0}
 
 
+def test_user_becomes_the_tenant_and_a_bad_one_is_refused_as_user():
+    for model_cls, body in ((ChatCompletionRequest, {"model": "llm", "messages": HI}),
+                            (CompletionRequest, {"model": "llm", "prompt": "x"})):
+        assert translate(model_cls, {**body, "user": "team-a@example.com"}).sampling == {"tenant": "team-a@example.com"}
+        assert "tenant" not in translate(model_cls, body).sampling
+        error = refusal(model_cls, {**body, "user": "no spaces please"})
+        assert (error.param, error.code) == ("user", "invalid_value")
+        assert error.message.startswith("user: "), error.message
+
+
 def test_completion_stop_max_tokens_and_logprobs():
     job = translate(CompletionRequest, {"model": "llm", "prompt": ["Once"], "max_tokens": 5, "stop": ".",
                                         "logprobs": 2, "seed": 7, "ignore_eos": True, "echo": False})

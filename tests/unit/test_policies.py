@@ -36,8 +36,8 @@ def test_every_policy_name_has_its_class_and_parses_from_config():
         assert Policy.create(kind.value).kind is kind
         assert EngineConfig(model_path="m", scheduling_policy=kind.value).scheduling_policy is kind
         assert EngineConfig.from_parameters({"scheduling_policy": kind.value}, "/m").scheduling_policy is kind
-    with pytest.raises(ValueError, match=r"scheduling_policy='fair', expected one of \('fcfs', 'priority', 'static'\)"):
-        EngineConfig(model_path="m", scheduling_policy="fair")
+    with pytest.raises(ValueError, match=r"scheduling_policy='lottery', expected one of \('fcfs', 'priority', 'static', 'fair'\)"):
+        EngineConfig(model_path="m", scheduling_policy="lottery")
 
 
 @pytest.mark.parametrize("kind, admission, victims", [
@@ -45,6 +45,8 @@ def test_every_policy_name_has_its_class_and_parses_from_config():
     ("static", [0, 1, 2, 3, 4], [4, 3, 2, 1, 0]),
     # Smaller number first, FCFS within a priority; victim: least important, then latest.
     ("priority", [1, 3, 2, 0, 4], [4, 0, 2, 3, 1]),
+    # One tenant: fairness has nothing to share, so fair orders as priority does.
+    ("fair", [1, 3, 2, 0, 4], [4, 0, 2, 3, 1]),
 ])
 def test_admission_and_victim_order(kind, admission, victims):
     policy, requests = filled(kind)
@@ -62,6 +64,8 @@ def test_admission_and_victim_order(kind, admission, victims):
     ("static", [1, 3, 2, 4]),
     # Priority: back where priority and arrival put them.
     ("priority", [1, 3, 2, 4]),
+    # Fair: to the front of its tenant's queue at its priority.
+    ("fair", [1, 3, 2, 4]),
 ])
 def test_a_preempted_request_goes_back_where_the_policy_says(kind, after):
     policy = Policy.create(kind)
@@ -85,7 +89,7 @@ def test_priority_puts_a_preempted_request_behind_more_important_waiting_ones():
     assert seqs(fcfs) == [1, 5]
 
 
-@pytest.mark.parametrize("kind", ["fcfs", "static", "priority"])
+@pytest.mark.parametrize("kind", ["fcfs", "static", "priority", "fair"])
 def test_remove_keeps_the_others_in_order(kind):
     policy, requests = filled(kind)
     order = seqs(policy)

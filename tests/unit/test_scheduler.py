@@ -51,12 +51,13 @@ request_spec = st.fixed_dictionaries(
         priority=st.integers(0, 3),
         eos_at=st.one_of(st.none(), st.integers(0, 20)),
         min_tokens=st.sampled_from([0, 0, 0, 3]),
+        tenant=st.sampled_from(["default", "a", "b"]),
     )
 )
 
 workload = st.fixed_dictionaries(
     dict(
-        policy=st.sampled_from(["fcfs", "priority", "static"]),
+        policy=st.sampled_from(["fcfs", "priority", "static", "fair"]),
         mode=st.sampled_from(["recompute", "swap"]),
         num_blocks=st.integers(4, 30),
         num_host_blocks=st.integers(1, 40),
@@ -87,7 +88,8 @@ def run_workload(w: dict) -> Harness:
             shared = spec["shared"]
             tokens = prompt(i, spec["length"], SHARED[shared] if shared is not None else ())
             rid = f"req{i}"
-            request = h.add(rid, tokens, spec["max_tokens"], spec["priority"], spec["eos_at"], spec["min_tokens"])
+            request = h.add(rid, tokens, spec["max_tokens"], spec["priority"], spec["eos_at"], spec["min_tokens"],
+                            spec.get("tenant", "default"))
             if request is not None:
                 eos_at, max_tokens = spec["eos_at"], spec["max_tokens"]
                 # EOS cannot be sampled before min_tokens outputs exist.
@@ -134,7 +136,7 @@ def check_step(h: Harness, record) -> None:
         assert victim not in requests
     if cfg.scheduling_policy == "static" and record.admitted:
         assert not record.running_before, "static policy admitted into a non-empty running set"
-    if cfg.scheduling_policy != "priority":
+    if cfg.scheduling_policy not in ("priority", "fair"):
         # Without priorities, nothing is preempted to admit: a step that preempts admits nothing.
         if plan.preempted:
             assert not record.admitted
@@ -148,7 +150,7 @@ def test_random_workloads_keep_every_invariant(w):
 
 tight_workload = st.fixed_dictionaries(
     dict(
-        policy=st.sampled_from(["fcfs", "priority", "static"]),
+        policy=st.sampled_from(["fcfs", "priority", "static", "fair"]),
         mode=st.sampled_from(["recompute", "swap", "swap"]),
         num_blocks=st.integers(6, 12),
         num_host_blocks=st.integers(1, 40),
@@ -162,6 +164,7 @@ tight_workload = st.fixed_dictionaries(
                 arrival=st.integers(0, 6), length=st.integers(8, 40), shared=st.sampled_from([None, 0, 1]),
                 max_tokens=st.integers(8, 20), priority=st.integers(0, 3),
                 eos_at=st.one_of(st.none(), st.integers(0, 20)), min_tokens=st.sampled_from([0, 3]),
+                tenant=st.sampled_from(["a", "b"]),
             )),
             min_size=3, max_size=10,
         ),
@@ -175,7 +178,7 @@ def test_random_workloads_on_pools_that_force_preemption(w):
     run_workload(w)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "static"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "static", "fair"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_pool_forces_preemption_and_everything_still_finishes(policy, mode):
     """Each policy x mode under a pool that fits ~2 requests: preemption must happen."""
@@ -184,7 +187,7 @@ def test_small_pool_forces_preemption_and_everything_still_finishes(policy, mode
         max_num_batched_tokens=64, threshold=16, max_preemptions=2, prefix_caching=True,
         requests=[
             dict(arrival=i % 3, length=10 + 7 * i, shared=(0 if i % 2 else None), max_tokens=12 + i,
-                 priority=i % 3, eos_at=None, min_tokens=0)
+                 priority=i % 3, eos_at=None, min_tokens=0, tenant=("a", "b")[i // 3 % 2])
             for i in range(9)
         ],
     )

@@ -130,6 +130,9 @@ class LLMEngine:
         # fault). A batch size, not a step count, so that a test knows which requests it fails:
         # all it sent, however long they took to arrive.
         self._fail_at_batch = int(os.environ.get("INFLIGHT_FAULT_INJECT_AT_BATCH", "0") or 0)
+        # Test-only: the first step whose batch holds at least this many requests never ends,
+        # as a hung kernel or device would not (the health check's case).
+        self._stall_at_batch = int(os.environ.get("INFLIGHT_FAULT_STALL_AT_BATCH", "0") or 0)
         log.info(
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
@@ -301,6 +304,9 @@ class LLMEngine:
                 if self._fail_at_batch and len(plan.scheduled) >= self._fail_at_batch:
                     self._fail_at_batch = 0
                     raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AT_BATCH)")
+                if self._stall_at_batch and len(plan.scheduled) >= self._stall_at_batch:
+                    log.error("injected stall (INFLIGHT_FAULT_STALL_AT_BATCH): this step never ends")
+                    threading.Event().wait()
                 inputs = self.runner.prepare(plan)
                 prepared = time.perf_counter()
                 logits, sample_requests = self.runner.execute(plan, inputs)
@@ -328,6 +334,16 @@ class LLMEngine:
         )
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
+        return outputs
+
+    def take_aborted(self) -> list[RequestOutput]:
+        """The final outputs of requests aborted since the last step, at once rather than
+        with the next step's (which may take a second with a long prefill in the batch), and
+        a snapshot that shows their blocks freed. The snapshot keeps the last step's
+        `StepStats`, so a reader that counts steps sees no new one."""
+        outputs, self._pending = self._pending, []
+        if outputs:
+            self.stats = self._snapshot(self.stats.step)
         return outputs
 
     def _snapshot(self, step: StepStats) -> EngineStats:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +73,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[str, AddRequest] = {}
         self._stop = threading.Event()
+        # When the loop last came round (monotonic): a step that never returns stops it.
+        self._last_progress = time.monotonic()
         self.engine: LLMEngine  # set by the loop thread before it answers `build_failure`
         build_failure: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._build_and_run, args=(build_engine, build_failure),
@@ -102,6 +105,17 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
+
+    def health(self, stall_s: float) -> str | None:
+        """None while the loop serves; otherwise why it does not: its thread has died, or it
+        has not come round for `stall_s` while requests wait on it (a step that hangs).
+        Safe from any thread."""
+        if not self._thread.is_alive():
+            return None if self._stop.is_set() else "the engine loop has died"
+        quiet = time.monotonic() - self._last_progress
+        if quiet > stall_s and (self._handlers or not self._commands.empty()):
+            return f"no engine step has finished for {quiet:.1f}s while requests wait (limit {stall_s:g}s)"
+        return None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -173,10 +187,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._last_progress = time.monotonic()
             self._drain_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set():
                 break
             self._poll_cancellations()
+            aborted = self.engine.take_aborted()
+            if aborted:
+                self._dispatch(aborted)
+                self._observe(self.observer.on_step if self.observer else None)
             try:
                 self._dispatch(self.engine.step())
             except Exception:  # keep serving; the step already failed its requests

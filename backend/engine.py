@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -23,6 +24,7 @@ from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
+from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, SamplingParams
 from backend.sampler import Sampler
@@ -292,8 +294,13 @@ class LLMEngine:
 
     # ---- the iteration -----------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; its snapshot is `self.stats` when it returns."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """One iteration; its snapshot is `self.stats` when it returns.
+
+        `interrupt` is asked between the layers of the forward pass; when it answers True
+        the pass is abandoned with nothing advanced (the scheduled tokens are computed again
+        by a later step, as after a preemption), so that an abort need not wait for a long
+        prefill to finish. Its requests keep their blocks and places."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         num_running, num_waiting = self.num_running, self.num_waiting
@@ -309,8 +316,10 @@ class LLMEngine:
                     threading.Event().wait()
                 inputs = self.runner.prepare(plan)
                 prepared = time.perf_counter()
-                logits, sample_requests = self.runner.execute(plan, inputs)
+                logits, sample_requests = self.runner.execute(plan, inputs, interrupt)
                 sampled = self.sampler(logits, sample_requests) if logits is not None else None
+            except StepInterrupted:
+                log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
             except Exception as exc:  # every in-flight request must end, whatever broke
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))

@@ -71,9 +71,9 @@ def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_model):
         engine = LLMEngine(config)
         step = engine.step
 
-        def recorded_step():
+        def recorded_step(interrupt=None):
             threads["step"] = threading.current_thread()
-            return step()
+            return step(interrupt)
 
         engine.step = recorded_step
         return engine
@@ -281,10 +281,10 @@ def test_an_aborted_request_ends_before_the_next_step(tiny_model):
     # and the blocks in use that the latest snapshot shows.
     seen: list[tuple[bool, bool, int]] = []
 
-    def recorded_step():
+    def recorded_step(interrupt=None):
         seen.append(("long" in engine.scheduler.requests, collector.done["long"].is_set(),
                      engine.stats.num_used_kv_blocks))
-        return step()
+        return step(interrupt)
 
     engine.step = recorded_step
     try:
@@ -332,7 +332,7 @@ def test_health_reports_a_dead_loop(tiny_model):
     try:
         assert loop.health(stall_s=1) is None
 
-        def die():
+        def die(interrupt=None):
             raise SystemExit("the loop thread ends")
 
         loop.engine.step = die
@@ -341,3 +341,29 @@ def test_health_reports_a_dead_loop(tiny_model):
         assert loop.health(stall_s=60) == "the engine loop has died"
     finally:
         loop.shutdown(timeout_s=0.1)
+
+
+def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_model):
+    """A step abandoned between layers (for a cancel) is computed again by the next one:
+    greedy tokens are those of a run never interrupted."""
+    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64, long_prefill_token_threshold=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["an interrupted prefill of some length " * 3, "and a second request beside it"]
+
+    def run(interrupt_steps: set[int]) -> list[list[int]]:
+        engine = LLMEngine(config)
+        requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        step = 0
+        while engine.has_unfinished():
+            if step in interrupt_steps:
+                layers = []
+                computed = [r.num_computed_tokens for r in requests]
+                outputs = engine.step(interrupt=lambda: layers.append(1) or len(layers) > 1)
+                assert outputs == [] and not engine.stats.step.ran
+                assert [r.num_computed_tokens for r in requests] == computed
+            else:
+                engine.step()
+            step += 1
+        return [r.output_token_ids for r in requests]
+
+    assert run({0, 2, 3, 7}) == run(set())

@@ -6,21 +6,38 @@
   server runs with --model-control-mode=explicit, which Triton needs for that).
 - `REPORT_CUSTOM_METRICS` false: none of the backend's metric families on /metrics,
   Triton's own still there.
+- Clients that vanish (64 gRPC clients killed, 64 SSE streams dropped) and SIGTERM with
+  32 live streams, on a tiny model of their own.
+- A cancel during a 2,048-token prefill step of the default model frees its blocks without
+  waiting for the step to end.
 - The stub killed under 16 live streams: what tritonserver 2.51 does (README, Reliability).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 import requests
 
+from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e.e2e_util import Stream, generate, inputs_for, output, scrape, wait_for, wait_until
+from tests.e2e.e2e_util import (
+    Stream,
+    engine_state,
+    generate,
+    inputs_for,
+    output,
+    scrape,
+    wait_for,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -101,3 +118,149 @@ def test_health_check_fails_live_requests_and_unloads_a_hung_engine(server):
     assert ready(server, QUIET) == 200
     assert generate(server.grpc_url, QUIET, request(3)).error is None
     assert "engine is not healthy" in server.log()
+
+
+# ---------------------------------------------------------------------------- vanishing clients, SIGTERM
+
+CLIENTS = "clients"
+LONG_TOKENS = 4000
+
+
+@pytest.fixture(scope="module")
+def clients_server(tritonserver, checkpoint):
+    with tritonserver({CLIENTS: tiny(checkpoint, max_num_seqs="64", kv_cache_memory_mb="64")}) as srv:
+        yield srv
+
+
+def seconds_until_idle(srv, model: str, timeout: float = 30.0) -> float:
+    """From now until /metrics shows no used block and nothing running or waiting."""
+    t0 = time.monotonic()
+    wait_until(lambda: not any(engine_state(scrape(srv.metrics_port), model).values()), timeout, 0.02, "an idle engine")
+    return time.monotonic() - t0
+
+
+def test_64_killed_grpc_clients_and_64_dropped_sse_streams_free_everything_within_2s(clients_server):
+    srv = clients_server
+    wait_idle(srv.metrics_port, CLIENTS)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.e2e_stream_client", srv.grpc_url, CLIENTS, "64",
+                             str(LONG_TOKENS)], cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == "streaming 64", line
+        wait_until(lambda: engine_state(scrape(srv.metrics_port), CLIENTS)["running"] == 64, 30, 0.05, "64 running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        grpc_s = seconds_until_idle(srv, CLIENTS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    body = {"text_input": "An SSE stream", "stream": True,
+            "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": LONG_TOKENS, "ignore_eos": True})}
+    first_events = threading.Barrier(65)
+    errors: list = []
+
+    def sse_client():
+        try:
+            with requests.post(f"{srv.http_url}/v2/models/{CLIENTS}/generate_stream", json=body, stream=True,
+                               timeout=120) as r:
+                assert r.status_code == 200, r.text
+                for line in r.iter_lines():
+                    if line.startswith(b"data:"):
+                        assert b'"error"' not in line, line
+                        break
+                first_events.wait(120)  # all 64 streaming; leaving the block closes the connection
+        except Exception as exc:  # reported below
+            errors.append(exc)
+            first_events.abort()
+
+    threads = [threading.Thread(target=sse_client) for _ in range(64)]
+    for t in threads:
+        t.start()
+    first_events.wait(120)
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    seconds_until_idle(srv, CLIENTS)
+    sse_s = time.monotonic() - t0  # the connections closing, then the engine emptying
+    print(f"idle after 64 killed gRPC clients: {grpc_s:.2f}s; after 64 dropped SSE streams: {sse_s:.2f}s")
+    assert grpc_s < 2.0 and sse_s < 2.0, (grpc_s, sse_s)
+
+
+def test_sigterm_with_32_live_streams_ends_each_with_a_final_response_and_exits_0(clients_server):
+    srv = clients_server
+    wait_idle(srv.metrics_port, CLIENTS)
+    streams = [Stream(srv.grpc_url) for _ in range(32)]
+    try:
+        outcomes = [s.send(CLIENTS, request(i, max_tokens=LONG_TOKENS)) for i, s in enumerate(streams)]
+        wait_until(lambda: all(o.responses for o in outcomes), 60, 0.02, "32 streaming")
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for o in outcomes:
+            wait_for(o, 30)
+        # Each client hangs up once it has its final response, as a client does.
+        for s in streams:
+            s.close()
+        code = srv.proc.wait(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        for s in streams:
+            s.close()
+    for o in outcomes:
+        assert o.finals == 1 and o.after_final == 0
+        # Ended by the shutdown, not by their length: a final response that says so.
+        assert o.error is not None or output(o.last, "finish_reason") == "abort", o.message
+    print(f"SIGTERM with 32 live streams: exit {code} after {seconds:.1f}s")
+    assert code == 0, srv.log_tail()
+
+
+# ---------------------------------------------------------------------------- cancel during a long prefill
+
+LLM = "llm"
+
+
+@pytest.fixture(scope="module")
+def prefill_server(tritonserver):
+    # One 2,048-token prefill chunk per step; prefix caching off so that no prompt is a hit.
+    params = {"model_path": str(DEFAULT_CHECKPOINT), "max_num_seqs": "4", "kv_cache_memory_mb": "384",
+              "max_num_batched_tokens": "2048", "long_prefill_token_threshold": "2048",
+              "enable_prefix_caching": "false"}
+    with tritonserver({LLM: params}) as srv:
+        yield srv
+
+
+def long_prompt(seed: int) -> str:
+    # ~3,000 tokens of SmolLM2's tokenizer: numbered words, different for every seed.
+    return " ".join(f"w{seed}x{i}" for i in range(520))
+
+
+def test_a_cancel_during_a_2048_token_prefill_step_does_not_wait_for_the_step(prefill_server):
+    srv = prefill_server
+    # The step's length on this machine, now: the time to first token of an uncancelled
+    # prompt of the same length is two steps (2,048 tokens, then the rest).
+    timed = generate(srv.grpc_url, LLM, inputs_for(long_prompt(0), {"max_tokens": 1}, stream=True,
+                                                   returns=("return_num_input_tokens",)), timeout=300)
+    assert timed.error is None and 2500 < timed.total("num_input_tokens") < 3500, timed.total("num_input_tokens")
+    first_step_s = (timed.times[0] - timed.sent_at) * 2048 / timed.total("num_input_tokens")
+
+    before = wait_idle(srv.metrics_port, LLM)
+    with Stream(srv.grpc_url) as stream:
+        doomed = stream.send(LLM, inputs_for(long_prompt(1), {"max_tokens": 4}, stream=True))
+        # Well inside the first 2,048-token step.
+        time.sleep(first_step_s * 0.3)
+        t0 = time.monotonic()
+        stream.close(cancel=True)
+
+    def cancelled_and_freed():
+        m = scrape(srv.metrics_port)
+        return (m.get("inflight_cancellations_total", model=LLM) > before.get("inflight_cancellations_total", model=LLM)
+                and not any(engine_state(m, LLM).values()))
+
+    wait_until(cancelled_and_freed, 300, 0.01, "the cancelled request's blocks freed")
+    seconds = time.monotonic() - t0
+    assert not doomed.responses
+    print(f"cancel during a 2,048-token step ({first_step_s:.2f}s): blocks freed after {seconds:.2f}s")
+    # Without the interruption it waits out the rest of that step and the whole next one.
+    assert seconds < 0.5 * first_step_s, (seconds, first_step_s)

@@ -264,3 +264,58 @@ def test_a_cancel_during_a_2048_token_prefill_step_does_not_wait_for_the_step(pr
     print(f"cancel during a 2,048-token step ({first_step_s:.2f}s): blocks freed after {seconds:.2f}s")
     # Without the interruption it waits out the rest of that step and the whole next one.
     assert seconds < 0.5 * first_step_s, (seconds, first_step_s)
+
+
+# ---------------------------------------------------------------------------- stub death
+
+def stub_pids(srv) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"triton_python_backend_stub" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recovers(tritonserver, checkpoint):
+    """What tritonserver 2.51 does when the stub dies under 16 live streams (README,
+    Reliability): the backend dies with the stub, so nothing of ours can answer those
+    streams; Triton neither ends them nor marks the model not ready. A new request is
+    refused at once ("Stub process '<instance>' is not healthy."); an explicit unload
+    turns readiness false (the unload itself never completes: the dead requests hold it)
+    and a load then starts a new stub that serves."""
+    model = "stub"
+    with tritonserver({model: tiny(checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}"],
+                      ) as srv:
+        streams = [Stream(srv.grpc_url) for _ in range(16)]
+        outcomes = [s.send(model, request(i, max_tokens=LONG_TOKENS)) for i, s in enumerate(streams)]
+        wait_until(lambda: all(len(o.responses) >= 2 for o in outcomes), 60, 0.02, "16 streaming")
+        [pid] = stub_pids(srv)
+        t0 = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)
+        wait_until(lambda: not stub_pids(srv), 10, 0.05, "the stub gone")
+
+        refused = generate(srv.grpc_url, model, request(100), timeout=30)
+        refused_s = time.monotonic() - t0
+        assert refused.error is not None and "is not healthy" in refused.message, refused.message
+        assert refused_s < 5, refused_s
+        ended = sum(o.done.is_set() for o in outcomes)
+
+        r = requests.post(f"{srv.http_url}/v2/repository/models/{model}/unload", timeout=30)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: ready(srv, model) != 200, 10, 0.1, "readiness false after the unload")
+        t1 = time.monotonic()
+        r = requests.post(f"{srv.http_url}/v2/repository/models/{model}/load", timeout=300)
+        assert r.status_code == 200, r.text
+        reload_s = time.monotonic() - t1
+        assert ready(srv, model) == 200
+        served = generate(srv.grpc_url, model, request(101))
+        assert served.error is None and served.total("num_output_tokens") == 8
+        print(f"stub killed under 16 streams: {ended} of them ended; a new request refused after {refused_s:.2f}s; "
+              f"unload + load served again after {reload_s:.1f}s")
+        for s in streams:
+            s.close(cancel=True)

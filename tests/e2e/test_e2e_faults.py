@@ -109,6 +109,7 @@ def test_health_check_fails_live_requests_and_unloads_a_hung_engine(server):
     for o in outcomes:
         assert o.error is not None and o.finals == 1, o.text
         assert UNHEALTHY in o.message, o.message
+    print(f"hung step, health_check_stall_s {STALL_S:g}: both requests ended after {seconds:.2f}s")
     # The stall threshold, then at most one health poll (0.5 s) and the delivery.
     assert STALL_S <= seconds < STALL_S + 5, seconds
     wait_until(lambda: ready(server, SICK) != 200, 30, 0.2, "the unhealthy model not ready")

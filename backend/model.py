@@ -22,7 +22,8 @@ tritonserver 2.51 sometimes kept the model loaded after a load at a low request 
 (W3 at 0.5 req/s, then Ctrl-C: 10 of 16 shutdowns waited out the exit timeout and
 exited 1); with the updates off or on the response thread, none of 11 did. The
 readiness thread notices an unload or a server shutdown while requests are live and
-aborts them, so each still gets its final response.
+aborts them, so each still gets its final response; with ENABLE_VLLM_HEALTH_CHECK it also
+asks the engine loop whether it still serves (`EngineLoop.health`).
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ class TritonPythonModel:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         t0 = time.monotonic()
         self.loop = EngineLoop(build_engine)
-        self.loop.observer = self._metrics(args) if self.options.report_custom_metrics else None
-        self._engine_metrics = self.loop.observer
+        self._engine_metrics = self._metrics(args) if self.options.report_custom_metrics else None
+        self.loop.observer = self._engine_metrics
         self.logger.log_info(
             f"[inflight] model '{self.model_name}' ready in {time.monotonic() - t0:.1f}s: {config}"
         )
@@ -298,6 +299,8 @@ class TritonPythonModel:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] add_request failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
+            if self._unhealthy:  # found so while this request was being added: the engine will not end it
+                self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
         return None
 
     def _forget(self, request_id: str) -> None:

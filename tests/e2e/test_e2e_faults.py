@@ -179,6 +179,8 @@ def test_64_killed_grpc_clients_and_64_dropped_sse_streams_free_everything_withi
     threads = [threading.Thread(target=sse_client) for _ in range(64)]
     for t in threads:
         t.start()
+    wait_until(lambda: engine_state(scrape(srv.metrics_port), CLIENTS)["running"] == 64 or errors, 60, 0.05,
+               "64 SSE streams running")
     first_events.wait(120)
     t0 = time.monotonic()
     for t in threads:

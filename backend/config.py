@@ -120,18 +120,57 @@ class EngineConfig:
         when absent the version folder itself is the checkpoint.
         """
         known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - set(known))
+        unknown = sorted(set(params) - set(known) - set(ServingOptions.PARAMETERS))
         if unknown:
-            raise ValueError(f"unknown engine parameter(s) {unknown}; known parameters: {sorted(known)}")
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known parameters: "
+                             f"{sorted(known) + sorted(ServingOptions.PARAMETERS)}")
         values: dict[str, Any] = {}
         for name, raw in params.items():
-            values[name] = _parse(name, known[name].type, raw)
+            if name in known:
+                values[name] = _parse(name, known[name].type, raw)
         model_path = values.get("model_path") or ""
         if not model_path:
             model_path = model_dir
         elif not os.path.isabs(model_path):
             model_path = os.path.normpath(os.path.join(model_dir, model_path))
         values["model_path"] = model_path
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Switches of the Triton adapter (backend/model.py) rather than of the engine, from the
+    same config.pbtxt `parameters`. The upper-case names are Triton's vLLM backend's, with
+    its meaning, so that a model moved from `backend: "vllm"` keeps its config.pbtxt."""
+
+    # False: the backend registers no metric family at all (vllm:*, nv_trt_llm_*, inflight_*);
+    # Triton's own nv_inference_* stay. Unlike the vLLM backend, on when absent.
+    report_custom_metrics: bool = True
+    # True: once the engine loop has died, or has finished no step for
+    # `health_check_stall_s` while requests wait on it, the model reports not ready and
+    # every request is refused (UNAVAILABLE) with the vLLM backend's words.
+    enable_health_check: bool = False
+    # Longer than any one step may take: a 2,048-token prefill of SmolLM2-135M on 2 CPU
+    # cores takes about a second, a 7B model's far longer.
+    health_check_stall_s: float = 60.0
+
+    # config.pbtxt name -> field
+    PARAMETERS = {
+        "REPORT_CUSTOM_METRICS": "report_custom_metrics",
+        "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
+        "health_check_stall_s": "health_check_stall_s",
+    }
+
+    def __post_init__(self) -> None:
+        if not self.health_check_stall_s > 0:
+            raise ValueError(f"invalid engine parameter: health_check_stall_s={self.health_check_stall_s} must be > 0")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "ServingOptions":
+        """Its own keys of config.pbtxt `parameters`; EngineConfig.from_parameters refuses unknown ones."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {field: _parse(name, fields[field].type, params[name])
+                  for name, field in cls.PARAMETERS.items() if name in params}
         return cls(**values)
 
 

@@ -24,6 +24,7 @@ from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
+from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 from backend.sampler import Sampler
@@ -133,6 +134,9 @@ class LLMEngine:
         # fault). A batch size, not a step count, so that a test knows which requests it fails:
         # all it sent, however long they took to arrive.
         self._fail_at_batch = int(os.environ.get("INFLIGHT_FAULT_INJECT_AT_BATCH", "0") or 0)
+        # Test-only: the first step whose batch holds at least this many requests never ends,
+        # as a hung kernel or device would not (the health check's case).
+        self._stall_at_batch = int(os.environ.get("INFLIGHT_FAULT_STALL_AT_BATCH", "0") or 0)
         log.info(
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
@@ -328,8 +332,13 @@ class LLMEngine:
 
     # ---- the iteration -----------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; its snapshot is `self.stats` when it returns."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """One iteration; its snapshot is `self.stats` when it returns.
+
+        `interrupt` is asked between the layers of the forward pass; when it answers True
+        the pass is abandoned with nothing advanced (the scheduled tokens are computed again
+        by a later step, as after a preemption), so that an abort need not wait for a long
+        prefill to finish. Its requests keep their blocks and places."""
         outputs, self._pending = self._pending, []
         self._step_index += 1
         plan = self.scheduler.schedule()
@@ -343,10 +352,15 @@ class LLMEngine:
                 if self._fail_at_batch and len(plan.scheduled) >= self._fail_at_batch:
                     self._fail_at_batch = 0
                     raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AT_BATCH)")
+                if self._stall_at_batch and len(plan.scheduled) >= self._stall_at_batch:
+                    log.error("injected stall (INFLIGHT_FAULT_STALL_AT_BATCH): this step never ends")
+                    threading.Event().wait()
                 inputs = self.runner.prepare(plan)
                 prepared = time.perf_counter()
-                logits, sample_requests = self.runner.execute(plan, inputs)
+                logits, sample_requests = self.runner.execute(plan, inputs, interrupt)
                 sampled = self.sampler(logits, sample_requests) if logits is not None else None
+            except StepInterrupted:
+                log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
             except Exception as exc:  # every in-flight request must end, whatever broke
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))
@@ -413,6 +427,15 @@ class LLMEngine:
             if request.first_token_time is not None and not trace.first_token_seen:
                 trace.first_token_seen = True
                 trace.first_token(step, now)
+    def take_aborted(self) -> list[RequestOutput]:
+        """The final outputs of requests aborted since the last step, at once rather than
+        with the next step's (which may take a second with a long prefill in the batch), and
+        a snapshot that shows their blocks freed. The snapshot keeps the last step's
+        `StepStats`, so a reader that counts steps sees no new one."""
+        outputs, self._pending = self._pending, []
+        if outputs:
+            self.stats = self._snapshot(self.stats.step)
+        return outputs
 
     def _snapshot(self, step: StepStats) -> EngineStats:
         running = self.scheduler.running

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from backend.engine import LLMEngine, RequestOutput
-from backend.request import FinishReason, Request, RequestError, SamplingParams
+from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 
 log = logging.getLogger("inflight")
 
@@ -65,6 +66,10 @@ class EngineLoop:
     """
 
     IDLE_WAIT_S = 0.1
+    # How often, at most, a forward pass asks between its layers whether a running request
+    # was cancelled (each ask reads every handler's flag): a cancel then waits for one
+    # layer, not for a whole step, which a long prefill can stretch to seconds.
+    INTERRUPT_POLL_S = 0.02
 
     def __init__(self, build_engine: Callable[[], LLMEngine], observer=None):
         """`build_engine` runs on the loop thread; its exception, if any, is raised here."""
@@ -72,6 +77,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[str, AddRequest] = {}
         self._stop = threading.Event()
+        # When the loop last came round (monotonic): a step that never returns stops it.
+        self._last_progress = time.monotonic()
+        self._last_interrupt_poll = 0.0
         self.engine: LLMEngine  # set by the loop thread before it answers `build_failure`
         build_failure: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._build_and_run, args=(build_engine, build_failure),
@@ -103,6 +111,17 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
+
+    def health(self, stall_s: float) -> str | None:
+        """None while the loop serves; otherwise why it does not: its thread has died, or it
+        has not come round for `stall_s` while requests wait on it (a step that hangs).
+        Safe from any thread."""
+        if not self._thread.is_alive():
+            return None if self._stop.is_set() else "the engine loop has died"
+        quiet = time.monotonic() - self._last_progress
+        if quiet > stall_s and (self._handlers or not self._commands.empty()):
+            return f"no engine step has finished for {quiet:.1f}s while requests wait (limit {stall_s:g}s)"
+        return None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -146,6 +165,24 @@ class EngineLoop:
             if cancelled:
                 self.engine.abort(request_id)
 
+    def _running_request_cancelled(self) -> bool:
+        """Asked by the forward pass between layers: abandon the step for a cancel? Only a
+        running request's cancel is worth the work the step would lose (a waiting one holds
+        no blocks); the abort itself happens at the top of the loop, as for any cancel."""
+        now = time.monotonic()
+        if now - self._last_interrupt_poll < self.INTERRUPT_POLL_S:
+            return False
+        self._last_interrupt_poll = now
+        for handler in list(self._handlers.values()):
+            if handler.is_cancelled is None or handler.request.status is not RequestStatus.RUNNING:
+                continue
+            try:
+                if handler.is_cancelled():
+                    return True
+            except Exception:  # a broken sender counts as a gone client
+                return True
+        return False
+
     def _deliver(self, on_output: OutputCallback, output: RequestOutput) -> None:
         try:
             on_output(output)
@@ -174,12 +211,17 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._last_progress = time.monotonic()
             self._drain_commands(block=not self.engine.has_unfinished())
             if self._stop.is_set():
                 break
             self._poll_cancellations()
+            aborted = self.engine.take_aborted()
+            if aborted:
+                self._dispatch(aborted)
+                self._observe(self.observer.on_step if self.observer else None)
             try:
-                self._dispatch(self.engine.step())
+                self._dispatch(self.engine.step(self._running_request_cancelled))
             except Exception:  # keep serving; the step already failed its requests
                 log.exception("engine step failed")
             self._observe(self.observer.on_step if self.observer else None)

@@ -22,7 +22,8 @@ tritonserver 2.51 sometimes kept the model loaded after a load at a low request 
 (W3 at 0.5 req/s, then Ctrl-C: 10 of 16 shutdowns waited out the exit timeout and
 exited 1); with the updates off or on the response thread, none of 11 did. The
 readiness thread notices an unload or a server shutdown while requests are live and
-aborts them, so each still gets its final response.
+aborts them, so each still gets its final response; with ENABLE_VLLM_HEALTH_CHECK it also
+asks the engine loop whether it still serves (`EngineLoop.health`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ PREFILL_CANCEL_POLL_INTERVAL_S = 0.01
 # loaded, so `finalize` never comes): on that signal the live requests are ended at once.
 READINESS_POLL_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+# Triton's vLLM backend's words for a request to, or in, an unhealthy engine (ENABLE_VLLM_HEALTH_CHECK).
+UNHEALTHY_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 
 
 def _error_code(name: str) -> Any:
@@ -90,6 +93,8 @@ class _Live:
     # The engine's Request (read-only here: its status and output tokens, set by the loop).
     request: Any = None
     cancelled: bool = False
+    # Its final response has gone: nothing more may be sent on its sender.
+    ended: bool = False
     last_cancel_poll: float = field(default_factory=time.monotonic)
 
 
@@ -109,6 +114,14 @@ class MetricUpdates:
 @dataclass(frozen=True)
 class StopResponses:
     pass
+
+
+@dataclass(frozen=True)
+class FailLive:
+    """End every live request with this error (the engine will not end them)."""
+
+    message: str
+    code: str
 
 
 class TritonPythonModel:
@@ -150,12 +163,13 @@ class TritonPythonModel:
 
         import torch  # after the locale fix above
 
-        from backend.config import EngineConfig
+        from backend.config import EngineConfig, ServingOptions
         from backend.engine import LLMEngine
         from backend.engine_loop import EngineLoop
 
         try:
             config = EngineConfig.from_parameters(params, model_dir)
+            self.options = ServingOptions.from_parameters(params)
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"model '{self.model_name}': {exc}") from None
 
@@ -169,7 +183,8 @@ class TritonPythonModel:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         t0 = time.monotonic()
         self.loop = EngineLoop(build_engine)
-        self.loop.observer = self._metrics(args)
+        self._engine_metrics = self._metrics(args) if self.options.report_custom_metrics else None
+        self.loop.observer = self._engine_metrics
         self.logger.log_info(
             f"[inflight] model '{self.model_name}' ready in {time.monotonic() - t0:.1f}s: {config}"
         )
@@ -184,6 +199,8 @@ class TritonPythonModel:
         self._live: dict[str, _Live] = {}
         self._live_lock = threading.Lock()
         self._shutting_down = False
+        # Why the engine is unhealthy, once the health check has found it so (for good).
+        self._unhealthy: str | None = None
         self._stopped = threading.Event()
         self._response_thread = threading.Thread(
             target=self._response_loop, name="inflight-responses", daemon=True
@@ -217,7 +234,8 @@ class TritonPythonModel:
         self._stopped.set()
         self.logger.log_info(f"[inflight] finalize: {len(self._live)} live request(s) will be ended")
         try:
-            self.loop.shutdown(SHUTDOWN_TIMEOUT_S)
+            # A hung engine never comes round to stop: its live requests are answered below.
+            self.loop.shutdown(0.0 if self._unhealthy else SHUTDOWN_TIMEOUT_S)
         except Exception:  # still answer every live request below
             self.logger.log_error(f"[inflight] engine shutdown failed: {traceback.format_exc()}")
         self._queue.put(StopResponses())
@@ -243,6 +261,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if self._unhealthy:
+                    raise RequestError(RequestError.UNAVAILABLE, UNHEALTHY_MESSAGE)
                 if self._shutting_down:
                     raise RequestError("UNAVAILABLE", "the model is shutting down")
                 parsed = parse_request(_input_reader(request), request.parameters(),
@@ -280,6 +300,8 @@ class TritonPythonModel:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] add_request failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
+            if self._unhealthy:  # found so while this request was being added: the engine will not end it
+                self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
         return None
 
     def _forget(self, request_id: str) -> None:
@@ -309,6 +331,8 @@ class TritonPythonModel:
                     self._deliver(live, output)
                 case MetricUpdates(updates):
                     self._apply_metric_updates(updates)
+                case FailLive(message, code):
+                    self._fail_live(message, code)
                 case StopResponses():
                     return
             now = time.monotonic()
@@ -316,7 +340,17 @@ class TritonPythonModel:
                 last_sweep = now
                 self._poll_cancellation(now)
 
+    def _fail_live(self, message: str, code: str) -> None:
+        with self._live_lock:
+            lives = list(self._live.values())
+            self._live.clear()
+        for live in lives:
+            live.ended = True
+            self._send_error(live.sender, message, code)
+
     def _deliver(self, live: _Live, output) -> None:
+        if live.ended:  # already answered (the health check failed it)
+            return
         try:
             self._respond(live, output)
         except Exception:
@@ -336,11 +370,36 @@ class TritonPythonModel:
 
     def _watch_readiness(self) -> None:
         while not self._stopped.wait(READINESS_POLL_INTERVAL_S):
+            if self.options.enable_health_check and not self._unhealthy and not self._shutting_down:
+                self._check_health()
             if self._live and not self._shutting_down:
                 try:
                     self._check_still_loaded()
                 except Exception:  # keep watching
                     self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
+
+    def _check_health(self) -> None:
+        """ENABLE_VLLM_HEALTH_CHECK: once the engine loop is dead or hung, answer every live
+        and later request with the vLLM backend's error, and stop being ready."""
+        reason = self.loop.health(self.options.health_check_stall_s)
+        if reason is None:
+            return
+        self._unhealthy = reason
+        self.logger.log_error(f"[inflight] engine is not healthy and the model will be unloaded: {reason}")
+        self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
+        self._report_not_ready()
+
+    def _report_not_ready(self) -> None:
+        """As Triton's vLLM backend does: ask Triton to unload the model (it does not wait),
+        which turns its readiness false. Triton allows that only with
+        --model-control-mode=explicit; otherwise the model stays READY and each request is
+        refused with UNHEALTHY_MESSAGE."""
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as exc:
+            self.logger.log_error(
+                f"[inflight] could not unload model '{self.model_name}' ({exc}); it stays loaded and refuses "
+                "every request (readiness turns false only with --model-control-mode=explicit)")
 
     def _is_model_ready(self) -> bool | None:
         """READY (True), unloading or server stopping (False), or no answer (None)."""
@@ -392,6 +451,7 @@ class TritonPythonModel:
     def _respond(self, live: _Live, output) -> None:
         if output.finished:
             self._forget(live.request_id)
+            live.ended = True
             if output.error is not None:
                 self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"))
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -187,13 +188,15 @@ class ModelRunner:
                 v[device_ids] = hv[host_ids].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, inputs: StepInputs | None) -> tuple[torch.Tensor | None, list[Request]]:
+    def execute(self, plan: SchedulerOutput, inputs: StepInputs | None,
+                interrupt: Callable[[], bool] | None = None) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the step prepared from `plan` (None: nothing scheduled, only swaps); logits
-        (float32, one row per sampling request) and those requests."""
+        (float32, one row per sampling request) and those requests. `interrupt` may abandon
+        the pass between layers (StepInterrupted)."""
         self.swap(plan)
         if inputs is None:
             return None, []
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, interrupt)
         if not inputs.sample_requests:
             return None, []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -8,6 +8,7 @@ size, max_model_len) are checked by the engine at admission, which knows the mod
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -41,23 +42,28 @@ class RequestError(Exception):
 MAX_STOP_ENTRIES = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# vLLM allows temperature up to 2 and any repetition_penalty; ours are wider and narrower.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 class SamplingParams(BaseModel):
     """vLLM-compatible sampling parameters. Values may arrive as strings ("64", "false")."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    # Types here; the limits of what vLLM also checks are in `_verify`, in vLLM's words (a
+    # NaN or inf is let through to be refused there, by name).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=True, frozen=True)
 
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: disabled
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: Optional[int] = None
+    min_tokens: int = 0
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_STOP_ENTRIES)
@@ -67,7 +73,7 @@ class SamplingParams(BaseModel):
     # As in vLLM and transformers: only a slow (Python) tokenizer puts spaces between special
     # tokens; a fast tokenizer's decode has no such option and ignores it.
     spaces_between_special_tokens: bool = True
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     # Who the request is for: the `fair` policy shares service between tenants, and every
     # policy counts per-tenant metrics.
@@ -101,10 +107,11 @@ class SamplingParams(BaseModel):
 
     @field_validator("stop", "bad_words")
     @classmethod
-    def _strings_bounded(cls, value: list[str]) -> list[str]:
+    def _strings_bounded(cls, value: list[str], info: pydantic.ValidationInfo) -> list[str]:
         for s in value:
             if not s:
-                raise ValueError("entries must not be empty strings")
+                # vLLM's words, as for the other checks (_verify)
+                raise RequestError.invalid(info.field_name, f"{info.field_name} cannot contain an empty string.")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"each entry must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
@@ -115,6 +122,50 @@ class SamplingParams(BaseModel):
         if any(t < 0 for t in value):
             raise ValueError("token ids must be >= 0")
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _verify(self) -> "SamplingParams":
+        """vLLM's checks (SamplingParams._verify_args, vLLM 0.32), in its order and words,
+        with our limits where they differ (README, Request interface)."""
+        def refuse(param: str, message: str):
+            raise RequestError.invalid(param, message)
+
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            refuse("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            refuse("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not math.isfinite(self.repetition_penalty):
+            refuse("repetition_penalty", f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            refuse("repetition_penalty", f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if self.repetition_penalty > MAX_REPETITION_PENALTY:
+            refuse("repetition_penalty",
+                   f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}.")
+        if not math.isfinite(self.temperature):
+            refuse("temperature", f"temperature must be a finite number, got {self.temperature}.")
+        if self.temperature < 0.0:
+            refuse("temperature", f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > MAX_TEMPERATURE:
+            refuse("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            refuse("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            refuse("top_k", f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            refuse("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            refuse("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            refuse("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            refuse("min_tokens",
+                   f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        # vLLM also takes -1 (every token's logprob); we return at most MAX_LOGPROBS.
+        if self.logprobs is not None and self.logprobs < -1:
+            refuse("logprobs", f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -140,10 +191,6 @@ class SamplingParams(BaseModel):
             first = exc.errors()[0]
             name = str(first["loc"][0]) if first["loc"] else "sampling_parameters"
             raise RequestError.invalid(name, f"{first['msg']} (got {first.get('input')!r})") from None
-        if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-            raise RequestError.invalid(
-                "min_tokens", f"must be <= max_tokens ({params.min_tokens} > {params.max_tokens})"
-            )
         return params
 
 

@@ -8,11 +8,16 @@ fused at load time (q|k|v and gate|up) so a layer makes three large matmuls, not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 import kernels
+
+
+class StepInterrupted(Exception):
+    """A forward pass abandoned between two layers: nothing after it may use its KV writes."""
 
 
 @dataclass(frozen=True)
@@ -175,11 +180,15 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of every scheduled token, after the final norm."""
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
+                interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Hidden states of every scheduled token, after the final norm. `interrupt`, asked
+        before each layer, abandons the pass (StepInterrupted) when it answers True."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if interrupt is not None and interrupt():
+                raise StepInterrupted()
             hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, k_cache, v_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -31,7 +31,7 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.mark.parametrize("message, status, param", [
-    ("temperature: Input should be greater than or equal to 0 (got -1)", 400, "temperature"),
+    ("temperature: temperature must be non-negative, got -1.0.", 400, "temperature"),
     ("max_tokens: prompt (5 tokens) + max_tokens (9000) = 9005 exceeds max_model_len 8192", 400, "max_tokens"),
     ("text_input: prompt has 9000 tokens; max_model_len is 8192, leaving no room to generate", 400, "prompt"),
     ("waiting queue is full (1 requests, max_queue_len); retry later", 503, None),

@@ -71,9 +71,9 @@ def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_model):
         engine = LLMEngine(config)
         step = engine.step
 
-        def recorded_step():
+        def recorded_step(interrupt=None):
             threads["step"] = threading.current_thread()
-            return step()
+            return step(interrupt)
 
         engine.step = recorded_step
         return engine
@@ -266,3 +266,104 @@ def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_m
         outputs += engine.step()
     assert [o.finish_reason for o in outputs if o.finished] == ["length"]
     assert sum(len(o.token_ids_delta) for o in outputs) == 3
+
+
+def test_an_aborted_request_ends_before_the_next_step(tiny_model):
+    """A cancel must not wait behind the next step (a long prefill can take a second): the
+    loop hands out the aborted request's final output, and a snapshot with its blocks freed,
+    before it steps again."""
+    loop = make_loop(tiny_model)
+    engine = loop.engine
+    collector = Collector()
+    cancelled = threading.Event()
+    step = engine.step
+    # At the start of each step: is "long" still the scheduler's, has it had its final output,
+    # and the blocks in use that the latest snapshot shows.
+    seen: list[tuple[bool, bool, int]] = []
+
+    def recorded_step(interrupt=None):
+        seen.append(("long" in engine.scheduler.requests, collector.done["long"].is_set(),
+                     engine.stats.num_used_kv_blocks))
+        return step(interrupt)
+
+    engine.step = recorded_step
+    try:
+        loop.add_request("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+                         collector.callback("long"), is_cancelled=cancelled.is_set)
+        loop.add_request("other", "keeps the loop stepping", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                         collector.callback("other"))
+        wait_until(lambda: len(collector.outputs["long"]) >= 3)
+        cancelled.set()
+        collector.wait()
+        assert collector.finals("long")[0].finish_reason == "abort"
+        after_abort = [(done, used) for held, done, used in seen if not held]
+        assert after_abort, "no step after the abort"
+        assert all(done for done, _ in after_abort), "a step began before the aborted request had its final output"
+        # ... and the snapshot it read already counted only the other request's blocks.
+        last_held = max(i for i, (held, _, _) in enumerate(seen) if held)
+        assert after_abort[0][1] < seen[last_held][2]
+    finally:
+        loop.shutdown()
+
+
+def test_health_reports_a_hung_step_only_while_requests_wait(tiny_model, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_FAULT_STALL_AT_BATCH", "2")
+    loop = make_loop(tiny_model)
+    collector = Collector()
+    try:
+        loop.add_request("one", "alone in its batch", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         collector.callback("one"))
+        collector.wait()
+        time.sleep(0.3)
+        assert loop.health(stall_s=0.2) is None  # idle, not stuck
+        for i in range(2):
+            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                             collector.callback(f"r{i}"))
+        wait_until(lambda: loop.health(stall_s=0.2) is not None, timeout=10)
+        assert "no engine step has finished" in loop.health(stall_s=0.2)
+        assert loop.health(stall_s=60) is None
+    finally:
+        loop.shutdown(timeout_s=0.1)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_health_reports_a_dead_loop(tiny_model):
+    loop = make_loop(tiny_model)
+    try:
+        assert loop.health(stall_s=1) is None
+
+        def die(interrupt=None):
+            raise SystemExit("the loop thread ends")
+
+        loop.engine.step = die
+        loop.add_request("x", "wakes the loop", SamplingParams(max_tokens=2), Collector().callback("x"))
+        wait_until(lambda: loop.health(stall_s=60) is not None, timeout=10)
+        assert loop.health(stall_s=60) == "the engine loop has died"
+    finally:
+        loop.shutdown(timeout_s=0.1)
+
+
+def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_model):
+    """A step abandoned between layers (for a cancel) is computed again by the next one:
+    greedy tokens are those of a run never interrupted."""
+    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64, long_prefill_token_threshold=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["an interrupted prefill of some length " * 3, "and a second request beside it"]
+
+    def run(interrupt_steps: set[int]) -> list[list[int]]:
+        engine = LLMEngine(config)
+        requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        step = 0
+        while engine.has_unfinished():
+            if step in interrupt_steps:
+                layers = []
+                computed = [r.num_computed_tokens for r in requests]
+                outputs = engine.step(interrupt=lambda: layers.append(1) or len(layers) > 1)
+                assert outputs == [] and not engine.stats.step.ran
+                assert [r.num_computed_tokens for r in requests] == computed
+            else:
+                engine.step()
+            step += 1
+        return [r.output_token_ids for r in requests]
+
+    assert run({0, 2, 3, 7}) == run(set())

@@ -1,0 +1,33 @@
+"""config.pbtxt parameters: the engine's, the Triton adapter's switches (Triton's vLLM
+backend's names), and the refusal of every other key."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.config import EngineConfig, ServingOptions
+
+
+def test_the_vllm_backend_switches_are_accepted_and_read():
+    params = {"max_num_seqs": "8", "REPORT_CUSTOM_METRICS": "false", "ENABLE_VLLM_HEALTH_CHECK": "true",
+              "health_check_stall_s": "2.5"}
+    assert EngineConfig.from_parameters(params, "/m").max_num_seqs == 8
+    assert ServingOptions.from_parameters(params) == ServingOptions(
+        report_custom_metrics=False, enable_health_check=True, health_check_stall_s=2.5)
+    # Absent: metrics on (our default), health check off (the vLLM backend's).
+    assert ServingOptions.from_parameters({}) == ServingOptions(report_custom_metrics=True, enable_health_check=False)
+
+
+def test_every_other_unknown_key_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown engine parameter\(s\) \['ENABLE_VLLM_HEALTH'\]") as info:
+        EngineConfig.from_parameters({"ENABLE_VLLM_HEALTH": "true"}, "/m")
+    assert "REPORT_CUSTOM_METRICS" in str(info.value) and "ENABLE_VLLM_HEALTH_CHECK" in str(info.value)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"REPORT_CUSTOM_METRICS": "maybe"}, "REPORT_CUSTOM_METRICS='maybe' is not a valid bool"),
+    ({"health_check_stall_s": "0"}, "health_check_stall_s=0.0 must be > 0"),
+])
+def test_bad_switch_values_are_refused(params, message):
+    with pytest.raises(ValueError, match=message):
+        ServingOptions.from_parameters(params)

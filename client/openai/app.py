@@ -163,7 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        prompt = await state["catalog"].chat_prompt(info, messages)
+        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message))
         return await run(request, Job.of(req, prompt, sampling))
 
     async def run(request: Request, job: Job):

@@ -23,7 +23,7 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 # Fields of both endpoints that the backend's sampling_parameters takes under the same name.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output", "priority")
+                    "skip_special_tokens", "priority")
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
@@ -55,6 +55,8 @@ def classify_backend_error(message: str, model: str) -> ApiError:
 def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The backend's sampling_parameters: only what the client set, under the backend's names."""
     values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    if req.keeps_stop_str() is not None:
+        values["include_stop_str_in_output"] = req.keeps_stop_str()
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs

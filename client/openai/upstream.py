@@ -209,11 +209,15 @@ class Catalog:
             self._tokenizers[info.name] = tokenizer
             return tokenizer
 
-    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]]) -> str:
+    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]],
+                          continue_final_message: bool = False) -> str:
+        """The chat template's prompt: a new assistant turn, or the last (assistant) message
+        left open so that generation continues it."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
 
         def render() -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final_message,
+                                                 continue_final_message=continue_final_message)
 
         try:
             return await asyncio.to_thread(render)

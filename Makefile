@@ -143,3 +143,42 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) .triton .models *.egg-info
+
+# Scale-out (tools/cluster.py): REPLICAS x (tritonserver + OpenAI frontend) on 127.0.0.1, haproxy in
+# front of Triton HTTP and gRPC, vllm-router in front of the OpenAI frontends. Ctrl-C stops all.
+#   make cluster REPLICAS=2 CLUSTER_HTTP_PORT=8100 CLUSTER_GRPC_PORT=8101 CLUSTER_OPENAI_PORT=8180
+# The routers' ports default away from `make serve` (8000-8002) and `make openai` (9000); replica
+# i listens on CLUSTER_BASE_PORT + 10*i + {0 http, 1 grpc, 2 metrics, 3 openai}.
+REPLICAS ?= 2
+CLUSTER_HTTP_PORT ?= 8100
+CLUSTER_GRPC_PORT ?= 8101
+CLUSTER_OPENAI_PORT ?= 8180
+CLUSTER_BASE_PORT ?= 8200
+ROUTER_POLICY ?= round_robin
+CLUSTER_ARGS ?=
+ROUTER_VENV ?= .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.inflight-setup
+# Debian bookworm's haproxy; apt installs exactly this version or fails.
+HAPROXY_VERSION ?= 2.6.12-1+deb12u3
+
+.PHONY: cluster cluster-setup router haproxy
+cluster-setup: setup router haproxy
+
+router: $(ROUTER_STAMP)
+
+$(ROUTER_STAMP): tools/router_requirements.txt
+	@test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install --quiet --no-deps -r tools/router_requirements.txt
+	$(ROUTER_VENV)/bin/vllm-router --help > /dev/null
+	@touch $@
+
+haproxy:
+	@if [ "$$(dpkg-query -W -f='$${Version}' haproxy 2>/dev/null)" != "$(HAPROXY_VERSION)" ]; then \
+		apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)"; fi
+	@haproxy -v | head -1
+
+cluster: cluster-setup
+	$(VPY) -m tools.cluster --replicas $(REPLICAS) --model-repository "$(MODEL_REPOSITORY)" \
+		--http-port $(CLUSTER_HTTP_PORT) --grpc-port $(CLUSTER_GRPC_PORT) --openai-port $(CLUSTER_OPENAI_PORT) \
+		--base-port $(CLUSTER_BASE_PORT) --router-policy $(ROUTER_POLICY) --router-bin $(ROUTER_VENV)/bin/vllm-router \
+		$(CLUSTER_ARGS)

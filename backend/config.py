@@ -61,6 +61,12 @@ class EngineConfig:
     # shape: a request's logprobs are bitwise the same whatever shares its batch. None
     # ("auto"): on where the kernels allow it (CPU with the C++ kernels), off elsewhere.
     batch_invariant: bool | None = None
+    # KV-cache events in vLLM's ZMQ format (backend/kv_events.py), off when empty. A wildcard
+    # or ipc:// address is bound (tcp://*:5557), any other is connected to; the replay socket
+    # is always bound. One engine per endpoint: with instance_group count > 1 the second bind fails.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -85,6 +91,10 @@ class EngineConfig:
         check(self.swap_space_mb >= 0, f"swap_space_mb={self.swap_space_mb} must be >= 0")
         check(self.max_preemptions >= 0, f"max_preemptions={self.max_preemptions} must be >= 0")
         check(self.max_queue_len >= 1, f"max_queue_len={self.max_queue_len} must be >= 1")
+        check(not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+              "kv_events_replay_endpoint needs kv_events_endpoint")
+        check(not self.kv_events_endpoint or self.enable_prefix_caching,
+              "kv_events_endpoint needs enable_prefix_caching (the events describe the prefix cache)")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":

@@ -5,8 +5,11 @@ is its command line (``make cluster``); tests and benchmarks use ``Cluster`` dir
 Routing, and why:
 - haproxy, HTTP: ``mode http``, ``leastconn``, one balancing decision per request, so a
   ``generate_stream`` (one SSE response) stays on one replica.
-- haproxy, gRPC: ``mode tcp``, ``leastconn`` per connection. A tritonclient stream (and every
-  request sent on it) is one HTTP/2 stream inside one connection, so it stays on one replica.
+- haproxy, gRPC: ``mode http`` over HTTP/2 on both sides, ``leastconn`` per gRPC call. A
+  tritonclient stream (and every request sent on it) is one call, one HTTP/2 stream, so it
+  stays on one replica; the calls of one client, which gRPC multiplexes on one connection
+  (and gRPC shares one connection between a process's channels to the same address), still
+  spread over the replicas.
 - Both check ``/v2/health/ready`` every second on the replica's HTTP port (``fall 2``);
   ``on-marked-down shutdown-sessions`` ends the sessions of a replica found down, so its
   streams end with an error at once even when the link, not the process, died (no RST).
@@ -113,9 +116,9 @@ def replica_repository(src: Path, dst: Path, parameters: dict[str, str]) -> Path
 
 def haproxy_config(replicas: Sequence[Replica], bind_host: str, http_port: int, grpc_port: int) -> str:
     """haproxy's configuration for Triton's HTTP and gRPC in front of ``replicas``."""
-    def servers(offset: int) -> str:
-        return "\n".join(f"  server {r.name} {r.host}:{r.port(offset)} check port {r.port(HTTP)}"
-                         for r in replicas)
+    def servers(offset: int, options: str = "") -> str:
+        return "\n".join(f"  server {r.name} {r.host}:{r.port(offset)}{options} check port {r.port(HTTP)}"
+                          f" check-proto h1" for r in replicas)
 
     return f"""global
   maxconn 4096
@@ -143,16 +146,16 @@ backend triton_http
 {servers(HTTP)}
 
 frontend triton_grpc
-  mode tcp
-  bind {bind_host}:{grpc_port}
+  mode http
+  bind {bind_host}:{grpc_port} proto h2
   default_backend triton_grpc
 
 backend triton_grpc
-  mode tcp
+  mode http
   balance leastconn
   option httpchk GET /v2/health/ready
   http-check expect status 200
-{servers(GRPC)}
+{servers(GRPC, " proto h2")}
 """
 
 

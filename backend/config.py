@@ -61,9 +61,9 @@ class EngineConfig:
     # shape: a request's logprobs are bitwise the same whatever shares its batch. None
     # ("auto"): on where the kernels allow it (CPU with the C++ kernels), off elsewhere.
     batch_invariant: bool | None = None
-    # KV-cache events in vLLM's ZMQ format (backend/kv_events.py), off when empty. A wildcard
-    # or ipc:// address is bound (tcp://*:5557), any other is connected to; the replay socket
-    # is always bound. One engine per endpoint: with instance_group count > 1 the second bind fails.
+    # KV-cache events in vLLM's ZMQ format (backend/kv_events.py), off when empty. Both
+    # sockets are bound (tcp://127.0.0.1:5557, tcp://*:5557, ipc://...) and routers connect.
+    # One engine per endpoint: with instance_group count > 1 the second bind fails.
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""

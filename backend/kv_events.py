@@ -3,7 +3,10 @@
 
 The wire format is vLLM 0.32's (``vllm/distributed/kv_events.py``), written here from its
 description:
-- a PUB socket sends one multipart message per engine step that changed the cache:
+- a PUB socket, bound to the endpoint (routers connect to it; vLLM also connects to a
+  non-wildcard address, which here would need a broker between engine and routers, and an
+  address such as tcp://127.0.0.1:5557 keeps the events, prompt token ids included, off the
+  network), sends one multipart message per engine step that changed the cache:
   ``(topic, seq, payload)``, ``seq`` an 8-byte big-endian counter from 0 with no gaps,
   ``payload`` a msgpack ``EventBatch``: ``[ts, [event, ...], data_parallel_rank]`` (an array,
   defaults omitted), each event a map tagged with its class name;
@@ -94,11 +97,6 @@ def block_removed(block_hash: bytes) -> BlockRemoved:
     return BlockRemoved(block_hashes=[external_hash(block_hash)], medium=MEDIUM, group_idx=0)
 
 
-def _binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard address or a local transport is bound, anything else connected to."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 class ZmqEventPublisher:
     """Sends each batch on a PUB socket from a thread of its own, and keeps the last
     ``buffer_steps`` for replay, so that the engine's step never waits on the network.
@@ -115,10 +113,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay = None
         try:
-            if _binds(endpoint):
-                self._pub.bind(endpoint)
-            else:
-                self._pub.connect(endpoint)
+            self._pub.bind(endpoint)
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(replay_endpoint)
@@ -126,7 +121,7 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise ValueError(f"kv_events_endpoint: cannot open {endpoint!r} / replay {replay_endpoint!r}: {exc}") \
                 from None
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if _binds(endpoint) else endpoint
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)

@@ -307,3 +307,14 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
+
+
+def test_w4_with_several_prefixes_keeps_one_prefix_per_request():
+    one = workloads.w4_shared_prefix(num_requests=16, prefix_len=32, tail_len=8)
+    assert len({tuple(r.prompt_token_ids[:32]) for r in one.requests}) == 1
+    several = workloads.w4_shared_prefix(num_requests=64, prefix_len=32, tail_len=8, num_prefixes=4)
+    prefixes = {tuple(r.prompt_token_ids[:32]) for r in several.requests}
+    assert len(prefixes) == 4 and all(len(r.prompt_token_ids) == 40 for r in several.requests)
+    # The first prefix, the arrivals and the tails are drawn as with one prefix.
+    assert tuple(one.requests[0].prompt_token_ids[:32]) in prefixes
+    assert several.params["num_prefixes"] == 4

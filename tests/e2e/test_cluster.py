@@ -16,11 +16,12 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e.e2e_util import Stream, generate, inputs_for, scrape, wait_for
+from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
 from tests.e2e.server import free_ports
 from tools import scaleout
 
@@ -73,15 +74,24 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+def replica_metric(replica: scaleout.Replica, *names: str) -> float:
+    """The sum of the replica's own samples of ``names`` (its /metrics, wherever it lives)."""
+    with urllib.request.urlopen(replica.metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in names:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def served(replica: scaleout.Replica) -> float:
-    """Requests the replica finished (its own /metrics)."""
-    metrics = scrape(replica.port(scaleout.METRICS))
-    return sum(v for n, _, v in metrics.samples if n == "vllm:request_success_total")
+    """Requests the replica finished."""
+    return replica_metric(replica, "vllm:request_success_total")
 
 
 def in_flight(replica: scaleout.Replica) -> float:
-    metrics = scrape(replica.port(scaleout.METRICS))
-    return sum(v for n, _, v in metrics.samples if n in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    return replica_metric(replica, "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def openai_client(cluster):

@@ -8,6 +8,7 @@
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
+#   make cluster REPLICAS=2: replicas behind haproxy (Triton HTTP/gRPC) and vllm-router (OpenAI), README "Scale-out"
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -40,7 +41,7 @@ CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | lint | clean | distclean"
+	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -142,7 +143,7 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(ROUTER_VENV) .triton .models *.egg-info
 
 # Scale-out (tools/cluster.py): REPLICAS x (tritonserver + OpenAI frontend) on 127.0.0.1, haproxy in
 # front of Triton HTTP and gRPC, vllm-router in front of the OpenAI frontends. Ctrl-C stops all.
@@ -174,7 +175,8 @@ $(ROUTER_STAMP): tools/router_requirements.txt
 
 haproxy:
 	@if [ "$$(dpkg-query -W -f='$${Version}' haproxy 2>/dev/null)" != "$(HAPROXY_VERSION)" ]; then \
-		apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)"; fi
+		apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)" \
+		|| { apt-get update && apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)"; }; fi
 	@haproxy -v | head -1
 
 cluster: cluster-setup

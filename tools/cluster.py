@@ -24,6 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8100)
     parser.add_argument("--grpc-port", type=int, default=8101)
     parser.add_argument("--openai-port", type=int, default=8180)
+    parser.add_argument("--router-metrics-port", type=int, default=None, help="vllm-router's own metrics (OPENAI+1)")
     parser.add_argument("--base-port", type=int, default=8200,
                         help="replica i listens on BASE+10i: +0 HTTP, +1 gRPC, +2 metrics, +3 OpenAI, +4/+5 KV events")
     parser.add_argument("--router-policy", default="round_robin", choices=scaleout.ROUTER_POLICIES)
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        kv_events=args.kv_events or args.router_policy == "kv_aware")
     cluster = scaleout.Cluster(replicas, Path(args.model_repository), http_port=args.http_port,
                                grpc_port=args.grpc_port, openai_port=args.openai_port,
+                               router_metrics_port=args.router_metrics_port,
                                router_policy=args.router_policy, router_bin=Path(args.router_bin),
                                log_dir=Path(args.log_dir) if args.log_dir else None)
     stop = threading.Event()

@@ -159,12 +159,14 @@ backend triton_grpc
 """
 
 
-def router_command(replicas: Sequence[Replica], bind_host: str, port: int, policy: str,
+def router_command(replicas: Sequence[Replica], bind_host: str, port: int, metrics_port: int, policy: str,
                    router_bin: Path = ROUTER_BIN, block_size: int = 16, model: str = "llm") -> list[str]:
-    """vllm-router in front of the replicas' OpenAI frontends, with health checks tuned for failover."""
+    """vllm-router in front of the replicas' OpenAI frontends, with health checks tuned for failover.
+    Its own Prometheus port is explicit: the default (29000) would clash between two clusters."""
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy {policy!r}: expected one of {ROUTER_POLICIES}")
     cmd = [str(router_bin), "--host", bind_host, "--port", str(port), "--policy", policy,
+           "--prometheus-host", bind_host, "--prometheus-port", str(metrics_port),
            "--worker-urls", *(r.openai_url for r in replicas),
            "--health-check-endpoint", "/health",
            "--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs", "1",
@@ -225,12 +227,13 @@ class Cluster:
     Logs go to ``log_dir`` (``<part>.log``)."""
 
     def __init__(self, replicas: Sequence[Replica], model_repository: Path, *, http_port: int, grpc_port: int,
-                 openai_port: int, router_host: str = "127.0.0.1", router_policy: str = "round_robin",
+                 openai_port: int, router_metrics_port: int | None = None, router_host: str = "127.0.0.1", router_policy: str = "round_robin",
                  router_netns: str | None = None, router_bin: Path = ROUTER_BIN, log_dir: Path | None = None,
                  engine_parameters: dict[str, str] | None = None, ready_timeout_s: float = 600.0):
         self.replicas = list(replicas)
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.openai_port = http_port, grpc_port, openai_port
+        self.router_metrics_port = router_metrics_port or openai_port + 1
         self.router_host, self.router_policy, self.router_netns = router_host, router_policy, router_netns
         self.router_bin = Path(router_bin)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="inflight-cluster-"))
@@ -322,8 +325,8 @@ class Cluster:
             self.haproxy = subprocess.Popen(wrap(["haproxy", "-db", "-f", str(config)]), stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         block_size = int(self.engine_parameters.get("block_size", "16"))
-        cmd = router_command(self.replicas, self.router_host, self.openai_port, self.router_policy,
-                             self.router_bin, block_size)
+        cmd = router_command(self.replicas, self.router_host, self.openai_port, self.router_metrics_port,
+                             self.router_policy, self.router_bin, block_size)
         with open(self.log_dir / "vllm-router.log", "ab") as log:
             self.router = subprocess.Popen(wrap(cmd), stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True)

@@ -94,6 +94,12 @@ def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None =
         raise ApiError(400, message, param, "invalid_value") from None
 
 
+def rendered(model: str, token_ids: list[int], sampling: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """vLLM's GenerateRequest, the answer of its /render endpoints, with the backend's sampling values."""
+    return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": token_ids, "model": model,
+            "sampling_params": sampling, "stream": stream}
+
+
 @dataclass
 class Piece:
     """One backend response."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.request
 
 import pytest
+import requests
 
 from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
@@ -59,10 +59,11 @@ def cluster(tmp_path_factory):
     assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
     root = tmp_path_factory.mktemp("cluster")
     tiny = make_tiny_checkpoint(str(root / "tiny-llama"))
-    http_port, grpc_port, openai_port = free_ports(3)
+    http_port, grpc_port, openai_port, router_metrics_port = free_ports(4)
     replicas = scaleout.local_replicas(2, free_base_port())
     c = scaleout.Cluster(replicas, scaleout.REPO_ROOT / "model_repository", http_port=http_port,
-                         grpc_port=grpc_port, openai_port=openai_port, log_dir=root / "logs",
+                         grpc_port=grpc_port, openai_port=openai_port, router_metrics_port=router_metrics_port,
+                         log_dir=root / "logs",
                          engine_parameters={"model_path": tiny, **PARAMETERS})
     try:
         c.start()
@@ -133,6 +134,25 @@ def test_each_router_answers_each_request_once_with_what_a_replica_answers(clust
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_render_gives_the_token_ids_the_engine_computes(cluster):
+    """vllm-router's kv_aware asks a replica for a prompt's token ids (vLLM's /render) and
+    matches them against the token ids of the replicas' KV events, which the engine encodes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cluster.engine_parameters["model_path"])
+    url = cluster.replicas[0].openai_url
+    (completion,) = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "The cat sat",
+                                                                         "max_tokens": 4}, timeout=30).json()
+    assert completion["token_ids"] == tokenizer.encode("The cat sat") and completion["model"] == MODEL
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = requests.post(f"{url}/v1/chat/completions/render", json={"model": MODEL, "messages": messages},
+                         timeout=30).json()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["token_ids"] == tokenizer.encode(text)
+    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "n": 2}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+
+
 def test_load_spreads_over_both_replicas(cluster):
     before = [served(r) for r in cluster.replicas]
     streams = [Stream(cluster.grpc_url) for _ in range(8)]  # 8 connections: leastconn spreads them
@@ -190,28 +210,26 @@ def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
         assert client.completions.create(model=MODEL, prompt=f"After {i}", max_tokens=4, temperature=0).choices
     assert served(survivor) - before == 18
 
-    # The replica rejoins: once it is ready, both routers send it requests again.
+    # The replica rejoins: once it is ready, each router sends it requests again.
     cluster.restart_triton(victim)
-    time.sleep(3 * scaleout.HEALTH_INTERVAL_S + 1)  # haproxy's rise 2, the router's success threshold 1
-    streams = [Stream(cluster.grpc_url) for _ in range(4)]
-    try:
-        outcomes = [s.send(MODEL, inputs_for(f"Back {i}", GREEDY, stream=True)) for i, s in enumerate(streams)]
-        assert all(wait_for(o).error is None for o in outcomes)
-    finally:
-        for s in streams:
-            s.close()
-    errors: list[str] = []
+    assert_rejoins(cluster, victim, client)
 
-    def ask(i: int) -> None:
-        try:
-            client.completions.create(model=MODEL, prompt=f"Back {i}", max_tokens=4, temperature=0)
-        except Exception as exc:
-            errors.append(repr(exc))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert served(victim) >= 4, "the restarted replica got no requests"
+def assert_rejoins(cluster, victim: scaleout.Replica, client, timeout_s: float = 30.0) -> None:
+    """Each router sends the victim a request again within ``timeout_s`` (its health checks'
+    rise, plus however the policy orders the replicas), and every request succeeds."""
+    senders = {
+        "haproxy": lambda i: generate(cluster.grpc_url, MODEL, inputs_for(f"Back {i}", GREEDY, stream=True), grace=0),
+        "vllm-router": lambda i: client.completions.create(model=MODEL, prompt=f"Back {i}", max_tokens=4,
+                                                           temperature=0),
+    }
+    for router, send in senders.items():
+        before = served(victim)
+        deadline = time.monotonic() + timeout_s
+        i = 0
+        while served(victim) == before:
+            assert time.monotonic() < deadline, f"{router} sent the restored replica nothing in {timeout_s:.0f}s"
+            outcome = send(i)
+            assert getattr(outcome, "error", None) is None, outcome.message
+            i += 1
+            time.sleep(0.2)

@@ -227,8 +227,8 @@ class Cluster:
     Logs go to ``log_dir`` (``<part>.log``)."""
 
     def __init__(self, replicas: Sequence[Replica], model_repository: Path, *, http_port: int, grpc_port: int,
-                 openai_port: int, router_metrics_port: int | None = None, router_host: str = "127.0.0.1", router_policy: str = "round_robin",
-                 router_netns: str | None = None, router_bin: Path = ROUTER_BIN, log_dir: Path | None = None,
+                 openai_port: int, router_metrics_port: int | None = None, router_host: str = "127.0.0.1",
+                 router_policy: str = "round_robin", router_netns: str | None = None, router_bin: Path = ROUTER_BIN, log_dir: Path | None = None,
                  engine_parameters: dict[str, str] | None = None, ready_timeout_s: float = 600.0):
         self.replicas = list(replicas)
         self.model_repository = Path(model_repository)
@@ -335,7 +335,8 @@ class Cluster:
         _wait(lambda: _get(f"{self.openai_url}/v1/models") == 200, 60, "vllm-router not serving", [self.router])
 
     def kill_triton(self, replica: Replica) -> None:
-        """SIGKILL the replica's tritonserver (its stubs follow: they watch their parent)."""
+        """SIGKILL the replica's tritonserver alone, as a crash would; its Python backend stubs
+        stay behind until ``restart_triton`` or ``stop`` kills its process group."""
         replica.triton.kill()
         replica.triton.wait()
 

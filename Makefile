@@ -9,6 +9,7 @@
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
+#   make cluster REPLICAS=2: replicas behind haproxy (Triton HTTP/gRPC) and vllm-router (OpenAI), README "Scale-out"
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -41,7 +42,7 @@ CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | test | bench | perf | genai-perf | peers | deploy-tools | deploy-render | lint | clean | distclean"
+	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -180,4 +181,44 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(ROUTER_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
+
+# Scale-out (tools/cluster.py): REPLICAS x (tritonserver + OpenAI frontend) on 127.0.0.1, haproxy in
+# front of Triton HTTP and gRPC, vllm-router in front of the OpenAI frontends. Ctrl-C stops all.
+#   make cluster REPLICAS=2 CLUSTER_HTTP_PORT=8100 CLUSTER_GRPC_PORT=8101 CLUSTER_OPENAI_PORT=8180
+# The routers' ports default away from `make serve` (8000-8002) and `make openai` (9000); replica
+# i listens on CLUSTER_BASE_PORT + 10*i + {0 http, 1 grpc, 2 metrics, 3 openai}.
+REPLICAS ?= 2
+CLUSTER_HTTP_PORT ?= 8100
+CLUSTER_GRPC_PORT ?= 8101
+CLUSTER_OPENAI_PORT ?= 8180
+CLUSTER_BASE_PORT ?= 8200
+ROUTER_POLICY ?= round_robin
+CLUSTER_ARGS ?=
+ROUTER_VENV ?= .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.inflight-setup
+# Debian bookworm's haproxy; apt installs exactly this version or fails.
+HAPROXY_VERSION ?= 2.6.12-1+deb12u3
+
+.PHONY: cluster cluster-setup router haproxy
+cluster-setup: setup router haproxy
+
+router: $(ROUTER_STAMP)
+
+$(ROUTER_STAMP): tools/router_requirements.txt
+	@test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install --quiet --no-deps -r tools/router_requirements.txt
+	$(ROUTER_VENV)/bin/vllm-router --help > /dev/null
+	@touch $@
+
+haproxy:
+	@if [ "$$(dpkg-query -W -f='$${Version}' haproxy 2>/dev/null)" != "$(HAPROXY_VERSION)" ]; then \
+		apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)" \
+		|| { apt-get update && apt-get install -y --no-install-recommends "haproxy=$(HAPROXY_VERSION)"; }; fi
+	@haproxy -v | head -1
+
+cluster: cluster-setup
+	$(VPY) -m tools.cluster --replicas $(REPLICAS) --model-repository "$(MODEL_REPOSITORY)" \
+		--http-port $(CLUSTER_HTTP_PORT) --grpc-port $(CLUSTER_GRPC_PORT) --openai-port $(CLUSTER_OPENAI_PORT) \
+		--base-port $(CLUSTER_BASE_PORT) --router-policy $(ROUTER_POLICY) --router-bin $(ROUTER_VENV)/bin/vllm-router \
+		$(CLUSTER_ARGS)

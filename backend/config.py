@@ -76,6 +76,12 @@ class EngineConfig:
     # shape: a request's logprobs are bitwise the same whatever shares its batch. None
     # ("auto"): on where the kernels allow it (CPU with the C++ kernels), off elsewhere.
     batch_invariant: bool | None = None
+    # KV-cache events in vLLM's ZMQ format (backend/kv_events.py), off when empty. Both
+    # sockets are bound (tcp://127.0.0.1:5557, tcp://*:5557, ipc://...) and routers connect.
+    # One engine per endpoint: with instance_group count > 1 the second bind fails.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -111,6 +117,10 @@ class EngineConfig:
         for name in ("tenant_input_token_cost", "tenant_output_token_cost"):
             cost = getattr(self, name)
             check(0 < cost <= 1e6, f"{name}={cost} must be in (0, 1e6]")
+        check(not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+              "kv_events_replay_endpoint needs kv_events_endpoint")
+        check(not self.kv_events_endpoint or self.enable_prefix_caching,
+              "kv_events_endpoint needs enable_prefix_caching (the events describe the prefix cache)")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":

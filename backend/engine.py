@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
+from backend.kv_events import ZmqEventPublisher
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
@@ -115,7 +116,11 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"KV pool too small: {num_blocks} blocks of {block_bytes} bytes")
         num_host_blocks = config.swap_space_mb * 2**20 // block_bytes if config.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 record_events=bool(config.kv_events_endpoint))
+        self.kv_event_publisher = ZmqEventPublisher(
+            config.kv_events_endpoint, config.kv_events_replay_endpoint or None, config.kv_events_topic,
+        ) if config.kv_events_endpoint else None
         self.swap_space = SwapSpace(num_host_blocks) if num_host_blocks else None
         self.scheduler = Scheduler(config, self.kv, self.swap_space)
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
@@ -329,6 +334,19 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block, so that a benchmark starts cold; call it while idle."""
         self.kv.pool.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self.kv_event_publisher.publish(events)
+
+    def close(self) -> None:
+        """Send the KV events still queued and close their sockets (the engine serves no more)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
 
     # ---- the iteration -----------------------------------------------------------------
 
@@ -387,6 +405,7 @@ class LLMEngine:
         )
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
+        self._publish_kv_events()
         return outputs
 
     def _trace_plan(self, plan: SchedulerOutput) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend import kv_events
 from backend.request import Request
 
 # Chain root: the parent hash of a sequence's first block.
@@ -46,9 +47,12 @@ class BlockPool:
     - the free list is in LRU order: allocation takes (and evicts) from its front, a freed
       block goes to its back; `OrderedDict` makes allocate, free and touch O(1);
     - every block in `cached` has the hash it is indexed under, and vice versa.
+
+    With `record_events`, every change to `cached` is appended to `events` as a vLLM KV event
+    (backend/kv_events.py), in order, for `take_events` to hand to a publisher.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, record_events: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
@@ -57,6 +61,7 @@ class BlockPool:
         self.free_list: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.events: list[kv_events.KVCacheEvent] | None = [] if record_events else None
 
     @property
     def num_free(self) -> int:
@@ -107,7 +112,8 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_list[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...],
+                    parent_hash: bytes = ROOT_HASH) -> None:
         """Register a full block. If an equal block is already indexed, keep that one."""
         if not self.enable_prefix_caching:
             return
@@ -117,12 +123,27 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.append(kv_events.block_stored(block_hash, parent_hash, token_ids))
 
     def reset_prefix_cache(self) -> None:
+        events, self.events = self.events, None  # one AllBlocksCleared stands for every removal
         for block_hash, block_id in list(self.cached.items()):
             self._uncache(self.blocks[block_id])
+        self.events = events
+        if self.events is not None:
+            self.events.append(kv_events.AllBlocksCleared())
+
+    def take_events(self) -> list[kv_events.KVCacheEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def _uncache(self, block: Block) -> None:
+        if self.events is not None:
+            self.events.append(kv_events.block_removed(block.block_hash))
         del self.cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
@@ -228,9 +249,10 @@ class KVCacheManager:
     same request recomputing after preemption) reuses them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_table = BlockTable()
 
@@ -323,7 +345,9 @@ class KVCacheManager:
         self._update_block_hashes(request)
         tokens = request.token_ids
         for i in range(request.num_registered_blocks, num_full):
-            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]),
+                                  parent)
         request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:

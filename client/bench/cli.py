@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, help="closed loop: keep N requests in flight, ignoring arrivals")
     parser.add_argument("--input-len", type=int, help="prompt tokens (W3)")
     parser.add_argument("--output-len", type=int, help="output tokens (W3, W4; W8b: the long job's)")
+    parser.add_argument("--num-prefixes", type=int, help="distinct shared system prompts (W4; default 1)")
     parser.add_argument("--text", action="store_true", help="prompts from natural text (a built-in list)")
     parser.add_argument("--text-prompts", metavar="FILE", help="prompts from natural text, one prompt per line")
     parser.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO["ttft_ms"], help="goodput's TTFT bound")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     accepted = inspect.signature(make_workload).parameters
     kwargs = {"seed": args.seed}
     for flag, key in (("num_requests", "num_requests"), ("rate", "rate_per_s"), ("input_len", "input_len"),
-                      ("output_len", "output_len")):
+                      ("output_len", "output_len"), ("num_prefixes", "num_prefixes")):
         value = getattr(args, flag)
         if value is None:
             continue

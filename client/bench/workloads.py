@@ -215,17 +215,24 @@ def w3_online(seed: int = 0, num_requests: int = 64, input_len: int = 128, outpu
 
 
 def w4_shared_prefix(seed: int = 0, num_requests: int = 64, prefix_len: int = 256, tail_len: int = 32,
-                     output_len: int = 16, rate_per_s: float = 0.0, source: PromptSource | None = None) -> Workload:
-    """A shared system prompt: with prefix caching it is computed once."""
+                     output_len: int = 16, rate_per_s: float = 0.0, num_prefixes: int = 1,
+                     source: PromptSource | None = None) -> Workload:
+    """A shared system prompt: with prefix caching it is computed once. With `num_prefixes`
+    above 1, each request takes one of that many system prompts at random (what a
+    cache-aware router can keep apart on replicas); 1 draws the same workload as before."""
     rng = np.random.default_rng(seed)
     source = source or SyntheticTokens()
-    prefix = source.tokens(rng, prefix_len)
+    prefixes = [source.tokens(rng, prefix_len)]
     arrivals = _poisson_arrivals(rng, num_requests, rate_per_s)
-    requests = [BenchRequest(prefix + source.tokens(rng, tail_len), output_len, arrival_s=t) for t in arrivals]
+    prefixes += [source.tokens(np.random.default_rng([seed, 4, k]), prefix_len) for k in range(1, num_prefixes)]
+    choice = np.random.default_rng([seed, 5]).integers(num_prefixes, size=num_requests)
+    requests = [BenchRequest(prefixes[k] + source.tokens(rng, tail_len), output_len, arrival_s=t)
+                for k, t in zip(choice, arrivals)]
+    shared = "one" if num_prefixes == 1 else f"{num_prefixes} distinct"
     return Workload(
-        "W4", f"{num_requests} requests sharing one {prefix_len}-token prefix with distinct {tail_len}-token tails",
+        "W4", f"{num_requests} requests sharing {shared} {prefix_len}-token prefix(es) with distinct {tail_len}-token tails",
         requests, {}, {"seed": seed, "prefix_len": prefix_len, "tail_len": tail_len, "output_len": output_len,
-                       "rate_per_s": rate_per_s},
+                       "rate_per_s": rate_per_s, "num_prefixes": num_prefixes},
         prompt_source=source.name,
     )
 

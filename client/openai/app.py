@@ -19,7 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 from client.openai.settings import Settings
-from client.openai.translation import Job, Piece, client_names, sampling_parameters, sse_event, validate_sampling
+from client.openai.translation import (
+    Job,
+    Piece,
+    client_names,
+    rendered,
+    sampling_parameters,
+    sse_event,
+    validate_sampling,
+)
 from client.openai.upstream import Catalog, ClientGone, Generation
 
 log = logging.getLogger("inflight.openai")
@@ -163,8 +171,29 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        prompt = await state["catalog"].chat_prompt(info, messages)
+        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message))
         return await run(request, Job.of(req, prompt, sampling))
+
+    # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's kv_aware
+    # policy asks a worker for them to match a request against the KV events' token ids.
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request):
+        req = parse_request(CompletionRequest, await read_json(request))
+        prompt = req.check()
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
+        info = await state["catalog"].get(req.model)
+        return [rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_json(request))
+        messages = req.check()
+        sampling = sampling_parameters(req)
+        validate_sampling(sampling, client_names(req))
+        info = await state["catalog"].get(req.model)
+        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message))
+        return rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)
 
     async def run(request: Request, job: Job):
         generation = Generation(state["client"], settings.triton_url, job, settings.request_timeout_s)

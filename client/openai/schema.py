@@ -68,6 +68,9 @@ class _Common(_Strict):
     spaces_between_special_tokens: Optional[bool] = None
     bad_words: Optional[list[str]] = None
     priority: Optional[int] = None
+    # SGLang's fields, which vllm-router 0.1.17 adds to every request it forwards.
+    no_stop_trim: Optional[bool] = None  # SGLang's include_stop_str_in_output
+    return_hidden_states: Optional[bool] = None
 
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
@@ -77,6 +80,18 @@ class _Common(_Strict):
             raise ApiError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.return_hidden_states:
+            raise ApiError(400, "return_hidden_states is not supported (this server returns no hidden states)",
+                           "return_hidden_states", "unsupported_value")
+        if self.no_stop_trim and self.include_stop_str_in_output is False:
+            raise ApiError(400, "no_stop_trim true and include_stop_str_in_output false disagree; send one",
+                           "no_stop_trim", "invalid_value")
+
+    def keeps_stop_str(self) -> Optional[bool]:
+        """include_stop_str_in_output, or SGLang's no_stop_trim for it; None when neither was set."""
+        if self.no_stop_trim:
+            return True
+        return self.include_stop_str_in_output
 
 
 class CompletionRequest(_Common):
@@ -153,6 +168,14 @@ class ChatCompletionRequest(_Common):
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
     modalities: Optional[list[str]] = None
+    # vLLM's: continue the last (assistant) message instead of opening a new turn.
+    continue_final_message: Optional[bool] = None
+    # SGLang's reasoning switches (vllm-router adds them). No reasoning parser runs here, so all
+    # generated text is content: there is nothing to separate, stream apart or leave out,
+    # whatever their value.
+    separate_reasoning: Optional[bool] = None
+    stream_reasoning: Optional[bool] = None
+    include_reasoning: Optional[bool] = None
 
     def check(self) -> list[dict[str, str]]:
         """Validate what the backend cannot; return the messages for the chat template."""
@@ -164,6 +187,9 @@ class ChatCompletionRequest(_Common):
                            "response_format", "unsupported_value")
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise ApiError(400, "only the text modality is supported", "modalities", "unsupported_value")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ApiError(400, "continue_final_message needs the last message to be the assistant's",
+                           "continue_final_message", "invalid_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

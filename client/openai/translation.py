@@ -23,7 +23,7 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 # Fields of both endpoints that the backend's sampling_parameters takes under the same name.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
+                    "skip_special_tokens", "spaces_between_special_tokens",
                     "bad_words", "priority")
 
 
@@ -58,6 +58,8 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
     values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     if req.user is not None:
         values["tenant"] = req.user  # OpenAI's end-user id is who the fair policy shares between
+    if req.keeps_stop_str() is not None:
+        values["include_stop_str_in_output"] = req.keeps_stop_str()
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs
@@ -93,6 +95,12 @@ def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None =
         if param != exc.param and exc.param and message.startswith(f"{exc.param}:"):
             message = f"{param}:{message[len(exc.param) + 1:]}"
         raise ApiError(400, message, param, "invalid_value") from None
+
+
+def rendered(model: str, token_ids: list[int], sampling: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """vLLM's GenerateRequest, the answer of its /render endpoints, with the backend's sampling values."""
+    return {"request_id": f"render-{uuid.uuid4().hex}", "token_ids": token_ids, "model": model,
+            "sampling_params": sampling, "stream": stream}
 
 
 @dataclass

@@ -203,17 +203,26 @@ class Catalog:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-            if not getattr(tokenizer, "chat_template", None):
-                raise ApiError(400, f"model `{info.name}` has no chat template: use /v1/completions", "messages",
-                               "no_chat_template")
             self._tokenizers[info.name] = tokenizer
             return tokenizer
 
-    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]]) -> str:
+    async def token_ids(self, info: ModelInfo, prompt: str) -> list[int]:
+        """The prompt's token ids as the backend's engine encodes them (backend/engine.py)."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
+        return await asyncio.to_thread(tokenizer.encode, prompt)
+
+    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]],
+                          continue_final_message: bool = False) -> str:
+        """The chat template's prompt: a new assistant turn, or the last (assistant) message
+        left open so that generation continues it."""
+        tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, f"model `{info.name}` has no chat template: use /v1/completions", "messages",
+                           "no_chat_template")
 
         def render() -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final_message,
+                                                 continue_final_message=continue_final_message)
 
         try:
             return await asyncio.to_thread(render)

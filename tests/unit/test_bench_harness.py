@@ -362,3 +362,12 @@ def test_servers_get_the_tenant_and_refuse_a_closed_loop_tenant():
     w = workloads.w8a_flood(num_requests=1, in_flight=2, long_output=4, chat_output=2, prompt_len=4)
     with pytest.raises(ValueError, match="only the in-process engine runner"):
         run_target(parse_target("grpc://127.0.0.1:1"), w, progress=False)
+def test_w4_with_several_prefixes_keeps_one_prefix_per_request():
+    one = workloads.w4_shared_prefix(num_requests=16, prefix_len=32, tail_len=8)
+    assert len({tuple(r.prompt_token_ids[:32]) for r in one.requests}) == 1
+    several = workloads.w4_shared_prefix(num_requests=64, prefix_len=32, tail_len=8, num_prefixes=4)
+    prefixes = {tuple(r.prompt_token_ids[:32]) for r in several.requests}
+    assert len(prefixes) == 4 and all(len(r.prompt_token_ids) == 40 for r in several.requests)
+    # The first prefix, the arrivals and the tails are drawn as with one prefix.
+    assert tuple(one.requests[0].prompt_token_ids[:32]) in prefixes
+    assert several.params["num_prefixes"] == 4

@@ -135,6 +135,43 @@ def test_completion_stop_max_tokens_and_logprobs():
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x", **extras}).sampling == extras
 
 
+# What vllm-router 0.1.17 adds to each request it forwards (captured from the bodies it sends
+# on; tests/e2e/test_cluster.py sends requests through the router itself).
+ROUTER_ADDS = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+               "return_hidden_states": False}
+ROUTER_ADDS_CHAT = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                    "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                    "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_the_fields_a_router_adds_at_their_defaults_change_nothing():
+    chat = {"model": "llm", "messages": HI, "max_tokens": 8, "stop": "."}
+    # ignore_eos and skip_special_tokens are vLLM's and were accepted before; the router sends
+    # their defaults, which the backend applies anyway.
+    defaults = {"ignore_eos": False, "skip_special_tokens": True}
+    assert translate(ChatCompletionRequest, {**chat, **ROUTER_ADDS_CHAT}).sampling == \
+        {**translate(ChatCompletionRequest, chat).sampling, **defaults} == {"max_tokens": 8, "stop": ".", **defaults}
+    completion = {"model": "llm", "prompt": "x", "max_tokens": 8}
+    assert translate(CompletionRequest, {**completion, **ROUTER_ADDS}).sampling == {"max_tokens": 8, **defaults}
+    # A client's own include_stop_str_in_output survives the router's no_stop_trim false.
+    assert translate(CompletionRequest, {**completion, **ROUTER_ADDS, "include_stop_str_in_output": True}
+                     ).sampling == {"max_tokens": 8, "include_stop_str_in_output": True, **defaults}
+
+
+@pytest.mark.parametrize("model_cls, body", [
+    (CompletionRequest, {"model": "llm", "prompt": "x"}), (ChatCompletionRequest, {"model": "llm", "messages": HI})])
+def test_no_stop_trim_keeps_the_stop_string_as_include_stop_str_in_output_does(model_cls, body):
+    assert translate(model_cls, {**body, "no_stop_trim": True}).sampling == {"include_stop_str_in_output": True}
+
+
+def test_the_reasoning_switches_are_accepted_whatever_their_value():
+    # No reasoning parser runs here: all text is content, with or without them.
+    for value in (True, False):
+        job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "separate_reasoning": value,
+                                                "include_reasoning": value})
+        assert job.sampling == {}
+
+
 # ---------------------------------------------------------------------------- refusals
 
 
@@ -153,6 +190,13 @@ def test_completion_stop_max_tokens_and_logprobs():
     ({"model": "llm", "messages": HI, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"model": "llm", "messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ({"model": "llm", "messages": HI, "stop": ["s"] * 65}, "stop", "invalid_value"),
+    # What a client got wrong among the fields routers add.
+    ({"model": "llm", "messages": HI, "continue_final_message": True}, "continue_final_message", "invalid_value"),
+    ({"model": "llm", "messages": HI, "return_hidden_states": True}, "return_hidden_states", "unsupported_value"),
+    ({"model": "llm", "messages": HI, "no_stop_trim": True, "include_stop_str_in_output": False}, "no_stop_trim",
+     "invalid_value"),
+    ({"model": "llm", "messages": HI, "no_stop_trim": "sometimes"}, "no_stop_trim", "invalid_value"),
+    ({"model": "llm", "messages": HI, "separate_reasoning": "yes please"}, "separate_reasoning", "invalid_value"),
 ])
 def test_bad_chat_fields_are_refused_naming_the_field(body, param, code):
     error = refusal(ChatCompletionRequest, body)
@@ -174,6 +218,9 @@ def test_an_aliased_field_is_named_in_the_message_too():
     ({"model": "llm", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"model": "llm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "", "prompt": "x"}, "model"),
+    ({"model": "llm", "prompt": "x", "return_hidden_states": True}, "return_hidden_states"),
+    # Chat's reasoning switches mean nothing to a completion.
+    ({"model": "llm", "prompt": "x", "separate_reasoning": True}, "separate_reasoning"),
 ])
 def test_bad_completion_fields_are_refused_naming_the_field(body, param):
     assert refusal(CompletionRequest, body).param == param

@@ -1,0 +1,235 @@
+"""Two replicas behind the real routers (tools/scaleout.py): haproxy in front of Triton's
+HTTP and gRPC, vllm-router in front of the OpenAI frontends, driven by real clients
+(tritonclient gRPC streams, curl SSE, the official openai client).
+
+One cluster for the module, on a tiny random-weight checkpoint (the routers are the point,
+not the model; it keeps 64 streams short on 2 cores). In order: every request gets exactly
+one final response and the same text as from a replica directly; load spreads over both
+replicas (each replica's own metrics); failover when one replica's tritonserver is
+SIGKILLed during 64 streams; the replica rejoins when restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import requests
+
+from tests.checkpoints import make_tiny_checkpoint
+from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
+from tests.e2e.server import free_ports
+from tools import scaleout
+
+MODEL = "llm"
+PARAMETERS = {"max_num_seqs": "48", "kv_cache_memory_mb": "64", "max_num_batched_tokens": "512"}
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+def free_base_port() -> int:
+    """A base port whose replica ports (base + 10 i + 0..5) are free for two replicas."""
+    for _ in range(50):
+        (base,) = free_ports(1)
+        base -= base % 10
+        probe = [base + 10 * i + k for i in range(2) for k in range(6)]
+        if all(_free(p) for p in probe):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # vllm-router's venv and Debian's haproxy, pinned (a second run is a no-op).
+    setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
+    assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
+    root = tmp_path_factory.mktemp("cluster")
+    tiny = make_tiny_checkpoint(str(root / "tiny-llama"))
+    http_port, grpc_port, openai_port, router_metrics_port = free_ports(4)
+    replicas = scaleout.local_replicas(2, free_base_port())
+    c = scaleout.Cluster(replicas, scaleout.REPO_ROOT / "model_repository", http_port=http_port,
+                         grpc_port=grpc_port, openai_port=openai_port, router_metrics_port=router_metrics_port,
+                         log_dir=root / "logs",
+                         engine_parameters={"model_path": tiny, **PARAMETERS})
+    try:
+        c.start()
+    except Exception as exc:
+        c.stop()
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((root / "logs").glob("*.log")))
+        pytest.fail(f"cluster did not start: {exc}\n{logs}", pytrace=False)
+    yield c
+    c.stop()
+
+
+def replica_metric(replica: scaleout.Replica, *names: str) -> float:
+    """The sum of the replica's own samples of ``names`` (its /metrics, wherever it lives)."""
+    with urllib.request.urlopen(replica.metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in names:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def served(replica: scaleout.Replica) -> float:
+    """Requests the replica finished."""
+    return replica_metric(replica, "vllm:request_success_total")
+
+
+def in_flight(replica: scaleout.Replica) -> float:
+    return replica_metric(replica, "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def openai_client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{cluster.openai_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def curl_sse(url: str, prompt: str) -> list[dict]:
+    body = json.dumps({"text_input": prompt, "stream": True, "exclude_input_in_output": True,
+                       "sampling_parameters": json.dumps(GREEDY)})
+    out = subprocess.run(["curl", "-sN", "--max-time", "60", "-X", "POST", f"http://{url}/v2/models/{MODEL}/generate_stream",
+                          "-d", body], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line[len("data: "):]) for line in out.stdout.splitlines() if line.startswith("data: ")]
+
+
+def test_each_router_answers_each_request_once_with_what_a_replica_answers(cluster):
+    direct = generate(cluster.replicas[0].grpc_url, MODEL, inputs_for("The cat", GREEDY, stream=True))
+    assert direct.error is None and direct.finals == 1 and direct.text
+
+    via_haproxy = generate(cluster.grpc_url, MODEL, inputs_for("The cat", GREEDY, stream=True))
+    assert via_haproxy.error is None and (via_haproxy.finals, via_haproxy.after_final) == (1, 0)
+    assert via_haproxy.text == direct.text
+
+    events = curl_sse(cluster.http_url, "The cat")
+    assert events and "error" not in events[-1], events
+    assert "".join(e["text_output"] for e in events) == direct.text
+
+    client = openai_client(cluster)
+    completion = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == direct.text and completion.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"], finishes
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_render_gives_the_token_ids_the_engine_computes(cluster):
+    """vllm-router's kv_aware asks a replica for a prompt's token ids (vLLM's /render) and
+    matches them against the token ids of the replicas' KV events, which the engine encodes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cluster.engine_parameters["model_path"])
+    url = cluster.replicas[0].openai_url
+    (completion,) = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "The cat sat",
+                                                                         "max_tokens": 4}, timeout=30).json()
+    assert completion["token_ids"] == tokenizer.encode("The cat sat") and completion["model"] == MODEL
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = requests.post(f"{url}/v1/chat/completions/render", json={"model": MODEL, "messages": messages},
+                         timeout=30).json()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["token_ids"] == tokenizer.encode(text)
+    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "n": 2}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+
+
+def test_load_spreads_over_both_replicas(cluster):
+    before = [served(r) for r in cluster.replicas]
+    streams = [Stream(cluster.grpc_url) for _ in range(8)]  # 8 connections: leastconn spreads them
+    try:
+        outcomes = [s.send(MODEL, inputs_for(f"Spread {i}", GREEDY, stream=True)) for i, s in enumerate(streams)]
+        for o in outcomes:
+            assert wait_for(o).error is None
+    finally:
+        for s in streams:
+            s.close()
+    client = openai_client(cluster)
+    for i in range(6):  # round robin
+        client.completions.create(model=MODEL, prompt=f"Spread {i}", max_tokens=4, temperature=0)
+    gained = [served(r) - b for r, b in zip(cluster.replicas, before)]
+    assert sum(gained) == 14 and min(gained) >= 4, gained
+
+
+def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
+    victim, survivor = cluster.replicas
+    long_request = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+    streams = [Stream(cluster.grpc_url) for _ in range(64)]
+    try:
+        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", long_request, stream=True)) for i, s in enumerate(streams)]
+        deadline = time.monotonic() + 120
+        while not all(o.responses for o in outcomes):
+            assert time.monotonic() < deadline, "64 streams never all started"
+            assert not any(o.done.is_set() for o in outcomes), "a stream ended before the kill"
+            time.sleep(0.05)
+        on_victim = in_flight(victim)
+        assert 0 < on_victim < 64
+        killed_at = time.monotonic()
+        cluster.kill_triton(victim)
+
+        # Streams on the dead replica end with an error at once; the others run to the end.
+        for o in outcomes:
+            wait_for(o, timeout=300)
+        lost = [o for o in outcomes if o.error is not None]
+        assert len(lost) == on_victim, f"lost {len(lost)} streams, {on_victim} were in flight on the killed replica"
+        assert max(o.times[-1] for o in lost) - killed_at < 5, "a stream on the dead replica hung"
+        assert all(o.finals == 1 and o.after_final == 0 for o in outcomes)
+        print(f"\nfailover: {len(lost)} of 64 streams lost, all on the killed replica")
+    finally:
+        for s in streams:
+            s.close()
+
+    # From 10 s after the kill, every request succeeds through both routers.
+    time.sleep(max(0.0, killed_at + 10 - time.monotonic()))
+    before = served(survivor)
+    client = openai_client(cluster)
+    for i in range(6):
+        outcome = generate(cluster.grpc_url, MODEL, inputs_for(f"After {i}", GREEDY, stream=True), grace=0)
+        assert outcome.error is None and outcome.finals == 1, outcome.message
+        events = curl_sse(cluster.http_url, f"After {i}")
+        assert events and "error" not in events[-1], events
+        assert client.completions.create(model=MODEL, prompt=f"After {i}", max_tokens=4, temperature=0).choices
+    assert served(survivor) - before == 18
+
+    # The replica rejoins: once it is ready, each router sends it requests again.
+    cluster.restart_triton(victim)
+    assert_rejoins(cluster, victim, client)
+
+
+def assert_rejoins(cluster, victim: scaleout.Replica, client, timeout_s: float = 30.0) -> None:
+    """Each router sends the victim a request again within ``timeout_s`` (its health checks'
+    rise, plus however the policy orders the replicas), and every request succeeds."""
+    senders = {
+        "haproxy": lambda i: generate(cluster.grpc_url, MODEL, inputs_for(f"Back {i}", GREEDY, stream=True), grace=0),
+        "vllm-router": lambda i: client.completions.create(model=MODEL, prompt=f"Back {i}", max_tokens=4,
+                                                           temperature=0),
+    }
+    for router, send in senders.items():
+        before = served(victim)
+        deadline = time.monotonic() + timeout_s
+        i = 0
+        while served(victim) == before:
+            assert time.monotonic() < deadline, f"{router} sent the restored replica nothing in {timeout_s:.0f}s"
+            outcome = send(i)
+            assert getattr(outcome, "error", None) is None, outcome.message
+            i += 1
+            time.sleep(0.2)

@@ -1,0 +1,116 @@
+"""The cluster as several hosts (tools/netns.py): each replica in a network namespace of its
+own, the routers in another, joined by veth pairs. A replica's link is cut instead of its
+process killed (a partition sends no RST: the routers must notice by their health checks),
+then restored.
+
+The same promises as tests/e2e/test_cluster.py's kill: the streams on the cut-off replica end
+with an error (within the health checks' 2 s, not the 10 min stream timeout), only those are
+lost, every request sent from 10 s after the cut succeeds through both routers, and the
+replica rejoins once its link is back. Needs root (ip netns); 32 streams keep it short.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.checkpoints import make_tiny_checkpoint
+from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
+from tests.e2e.server import free_ports
+from tests.e2e.test_cluster import (
+    GREEDY,
+    MODEL,
+    PARAMETERS,
+    assert_rejoins,
+    curl_sse,
+    in_flight,
+    openai_client,
+    served,
+)
+from tools import netns, scaleout
+
+NUM_STREAMS = 32
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if not netns.can_create_namespaces():
+        pytest.skip("creating network namespaces needs root (ip netns add)")
+    with netns.Hosts(2) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tmp_path_factory):
+    setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
+    assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
+    root = tmp_path_factory.mktemp("cluster-netns")
+    tiny = make_tiny_checkpoint(str(root / "tiny-llama"))
+    # Each host has its own addresses, so any free port number serves every replica.
+    base = free_ports(1)[0] // 10 * 10
+    replicas = [scaleout.Replica(i, hosts.replica_host(i), base, netns=ns) for i, ns in enumerate(hosts.replica_ns)]
+    http_port, grpc_port, openai_port, router_metrics_port = free_ports(4)
+    c = scaleout.Cluster(replicas, scaleout.REPO_ROOT / "model_repository", http_port=http_port,
+                         grpc_port=grpc_port, openai_port=openai_port, router_metrics_port=router_metrics_port,
+                         router_host=hosts.router_host,
+                         router_netns=hosts.router_ns, log_dir=root / "logs",
+                         engine_parameters={"model_path": tiny, **PARAMETERS})
+    try:
+        c.start()
+    except Exception as exc:
+        c.stop()
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((root / "logs").glob("*.log")))
+        pytest.fail(f"cluster did not start: {exc}\n{logs}", pytrace=False)
+    yield c
+    c.stop()
+
+
+def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
+    victim, survivor = cluster.replicas
+    long_request = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+    streams = [Stream(cluster.grpc_url) for _ in range(NUM_STREAMS)]
+    try:
+        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", long_request, stream=True)) for i, s in enumerate(streams)]
+        deadline = time.monotonic() + 120
+        while not all(o.responses for o in outcomes):
+            assert time.monotonic() < deadline, "the streams never all started"
+            assert not any(o.done.is_set() for o in outcomes), "a stream ended before the cut"
+            time.sleep(0.05)
+        on_victim = in_flight(victim)
+        assert 0 < on_victim < NUM_STREAMS
+        cut_at = time.monotonic()
+        hosts.cut(victim.index)
+
+        for o in outcomes:
+            wait_for(o, timeout=300)
+        lost = [o for o in outcomes if o.error is not None]
+        assert len(lost) == on_victim, f"lost {len(lost)} streams, {on_victim} were in flight on the cut-off replica"
+        assert max(o.times[-1] for o in lost) - cut_at < 10, "a stream on the cut-off replica hung"
+        assert all(o.finals == 1 and o.after_final == 0 for o in outcomes)
+        print(f"\npartition: {len(lost)} of {NUM_STREAMS} streams lost, all on the cut-off replica, "
+              f"ended {max(o.times[-1] for o in lost) - cut_at:.1f} s after the cut")
+    finally:
+        for s in streams:
+            s.close()
+
+    time.sleep(max(0.0, cut_at + 10 - time.monotonic()))
+    before = served(survivor)
+    client = openai_client(cluster)
+    for i in range(4):
+        outcome = generate(cluster.grpc_url, MODEL, inputs_for(f"After {i}", GREEDY, stream=True), grace=0)
+        assert outcome.error is None and outcome.finals == 1, outcome.message
+        events = curl_sse(cluster.http_url, f"After {i}")
+        assert events and "error" not in events[-1], events
+        assert client.completions.create(model=MODEL, prompt=f"After {i}", max_tokens=4, temperature=0).choices
+    assert served(survivor) - before == 12
+
+    hosts.restore(victim.index)
+    # The cut-off streams ran on (nothing told the replica); let them end before counting.
+    deadline = time.monotonic() + 120
+    while in_flight(victim):
+        assert time.monotonic() < deadline, "the replica never finished the streams cut off from it"
+        time.sleep(0.5)
+    assert_rejoins(cluster, victim, client)

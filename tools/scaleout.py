@@ -1,0 +1,361 @@
+"""Replicas behind real routers: N x (tritonserver + OpenAI frontend), haproxy in front of
+Triton's HTTP and gRPC, vllm-router in front of the OpenAI frontends. ``tools/cluster.py``
+is its command line (``make cluster``); tests and benchmarks use ``Cluster`` directly.
+
+Routing, and why:
+- haproxy, HTTP: ``mode http``, ``leastconn``, one balancing decision per request, so a
+  ``generate_stream`` (one SSE response) stays on one replica.
+- haproxy, gRPC: ``mode http`` over HTTP/2 on both sides, ``leastconn`` per gRPC call. A
+  tritonclient stream (and every request sent on it) is one call, one HTTP/2 stream, so it
+  stays on one replica; the calls of one client, which gRPC multiplexes on one connection
+  (and gRPC shares one connection between a process's channels to the same address), still
+  spread over the replicas.
+- Both check ``/v2/health/ready`` every second on the replica's HTTP port (``fall 2``);
+  ``on-marked-down shutdown-sessions`` ends the sessions of a replica found down, so its
+  streams end with an error at once even when the link, not the process, died (no RST).
+- vllm-router checks each frontend's ``/health`` (which asks Triton) every second; its
+  default of 60 s and 3 failures would take minutes to fail over.
+
+Each replica may live in a network namespace of its own (``Replica.netns``, see
+``tools/netns.py``): its processes then run under ``ip netns exec`` and bind its address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+from backend.paths import REPO_ROOT
+from tools import serve
+
+ROUTER_BIN = REPO_ROOT / ".venv-router" / "bin" / "vllm-router"
+ROUTER_POLICIES = ("round_robin", "power_of_two", "consistent_hash", "cache_aware", "kv_aware", "random")
+# Port offsets of replica i from base_port + 10 * i.
+HTTP, GRPC, METRICS, OPENAI, KV_EVENTS, KV_REPLAY = range(6)
+HEALTH_INTERVAL_S = 1
+
+
+@dataclasses.dataclass
+class Replica:
+    """One tritonserver and its OpenAI frontend, on ``host`` (inside ``netns`` when set)."""
+
+    index: int
+    host: str
+    base_port: int
+    netns: str | None = None
+    kv_events: bool = False
+    triton: subprocess.Popen | None = None
+    frontend: subprocess.Popen | None = None
+
+    def port(self, offset: int) -> int:
+        return self.base_port + offset
+
+    @property
+    def name(self) -> str:
+        return f"replica{self.index}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.port(HTTP)}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.port(GRPC)}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://{self.host}:{self.port(OPENAI)}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.port(METRICS)}/metrics"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port(KV_EVENTS)}"
+
+    @property
+    def kv_replay_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port(KV_REPLAY)}"
+
+    def wrap(self, cmd: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *cmd] if self.netns else list(cmd)
+
+
+def replica_repository(src: Path, dst: Path, parameters: dict[str, str]) -> Path:
+    """A copy of model repository ``src`` at ``dst``, each model's config.pbtxt with
+    ``parameters`` set and a relative ``model_path`` made absolute (the copy lives elsewhere)."""
+    shutil.copytree(src, dst)
+    for config_path in dst.glob("*/config.pbtxt"):
+        text = config_path.read_text()
+        version_dir = (src / config_path.parent.name / "1").resolve()
+        match = re.search(r'key:\s*"model_path"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+        values = dict(parameters)
+        if "model_path" not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
+            values["model_path"] = os.path.normpath(version_dir / match.group(1))
+        for key, value in values.items():
+            entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+            pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{[^}]*\}\s*\}')
+            text, n = pattern.subn(lambda _m: entry, text)
+            if not n:
+                text += f"\nparameters [ {entry} ]\n"
+        config_path.write_text(text)
+    return dst
+
+
+def haproxy_config(replicas: Sequence[Replica], bind_host: str, http_port: int, grpc_port: int) -> str:
+    """haproxy's configuration for Triton's HTTP and gRPC in front of ``replicas``."""
+    def servers(offset: int, options: str = "") -> str:
+        return "\n".join(f"  server {r.name} {r.host}:{r.port(offset)}{options} check port {r.port(HTTP)}"
+                          f" check-proto h1" for r in replicas)
+
+    return f"""global
+  maxconn 4096
+
+defaults
+  timeout connect 2s
+  timeout client 10m
+  timeout server 10m
+  timeout tunnel 10m
+  timeout check 1s
+  retries 2
+  option redispatch
+  default-server inter {HEALTH_INTERVAL_S}s fall 2 rise 2 on-marked-down shutdown-sessions
+
+frontend triton_http
+  mode http
+  bind {bind_host}:{http_port}
+  default_backend triton_http
+
+backend triton_http
+  mode http
+  balance leastconn
+  option httpchk GET /v2/health/ready
+  http-check expect status 200
+{servers(HTTP)}
+
+frontend triton_grpc
+  mode http
+  bind {bind_host}:{grpc_port} proto h2
+  default_backend triton_grpc
+
+backend triton_grpc
+  mode http
+  balance leastconn
+  option httpchk GET /v2/health/ready
+  http-check expect status 200
+{servers(GRPC, " proto h2")}
+"""
+
+
+def router_command(replicas: Sequence[Replica], bind_host: str, port: int, metrics_port: int, policy: str,
+                   router_bin: Path = ROUTER_BIN, block_size: int = 16, model: str = "llm") -> list[str]:
+    """vllm-router in front of the replicas' OpenAI frontends, with health checks tuned for failover.
+    Its own Prometheus port is explicit: the default (29000) would clash between two clusters."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"router policy {policy!r}: expected one of {ROUTER_POLICIES}")
+    cmd = [str(router_bin), "--host", bind_host, "--port", str(port), "--policy", policy,
+           "--prometheus-host", bind_host, "--prometheus-port", str(metrics_port),
+           "--worker-urls", *(r.openai_url for r in replicas),
+           "--health-check-endpoint", "/health",
+           "--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-check-timeout-secs", "1",
+           "--health-failure-threshold", "2", "--health-success-threshold", "1",
+           "--worker-startup-timeout-secs", "600", "--log-level", "warning"]
+    if policy == "kv_aware":
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        for r in replicas:
+            cmd += ["--kv-event-source", f"{r.openai_url}={r.kv_events_endpoint}",
+                    "--kv-event-replay-source", f"{r.openai_url}={r.kv_replay_endpoint}"]
+    return cmd
+
+
+def _get(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _wait(predicate, timeout_s: float, what: str, procs: Sequence[subprocess.Popen | None] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        for proc in procs:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what}: {proc.args[0]} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+def _kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+    """Stop ``proc`` and what its process group left (the Triton stubs) by its pid."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+class Cluster:
+    """Replicas plus both routers. ``start()`` returns once every part answers; ``stop()``
+    (or leaving its ``with`` block) stops them all, replicas last, and is safe to repeat.
+
+    Logs go to ``log_dir`` (``<part>.log``)."""
+
+    def __init__(self, replicas: Sequence[Replica], model_repository: Path, *, http_port: int, grpc_port: int,
+                 openai_port: int, router_metrics_port: int | None = None, router_host: str = "127.0.0.1",
+                 router_policy: str = "round_robin", router_netns: str | None = None, router_bin: Path = ROUTER_BIN, log_dir: Path | None = None,
+                 engine_parameters: dict[str, str] | None = None, ready_timeout_s: float = 600.0):
+        self.replicas = list(replicas)
+        self.model_repository = Path(model_repository)
+        self.http_port, self.grpc_port, self.openai_port = http_port, grpc_port, openai_port
+        self.router_metrics_port = router_metrics_port or openai_port + 1
+        self.router_host, self.router_policy, self.router_netns = router_host, router_policy, router_netns
+        self.router_bin = Path(router_bin)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="inflight-cluster-"))
+        self.engine_parameters = dict(engine_parameters or {})
+        self.ready_timeout_s = ready_timeout_s
+        self.haproxy: subprocess.Popen | None = None
+        self.router: subprocess.Popen | None = None
+
+    # -- addresses ------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.router_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.router_host}:{self.grpc_port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://{self.router_host}:{self.openai_port}"
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if not self.router_bin.exists():
+            raise FileNotFoundError(f"{self.router_bin} is missing: run `make router`")
+        if shutil.which("haproxy") is None:
+            raise FileNotFoundError("haproxy is not installed: run `make haproxy`")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for replica in self.replicas:
+                self.start_triton(replica)
+            for replica in self.replicas:
+                self.wait_triton(replica)
+                self.start_frontend(replica)
+            self._start_routers()
+        except BaseException:
+            self.stop()
+            raise
+
+    def repository(self, replica: Replica) -> Path:
+        return self.log_dir / f"{replica.name}-repository"
+
+    def start_triton(self, replica: Replica) -> None:
+        """Launch (or relaunch) the replica's tritonserver; returns at once."""
+        repo = self.repository(replica)
+        if not repo.exists():
+            parameters = dict(self.engine_parameters)
+            if replica.kv_events:
+                parameters["kv_events_endpoint"] = replica.kv_events_endpoint
+                parameters["kv_events_replay_endpoint"] = replica.kv_replay_endpoint
+            replica_repository(self.model_repository, repo, parameters)
+        cmd = serve.build_command(repo, replica.host, replica.port(HTTP), replica.port(GRPC), replica.port(METRICS))
+        serve.check_setup()
+        log = open(self.log_dir / f"{replica.name}-triton.log", "ab")
+        replica.triton = subprocess.Popen(replica.wrap(cmd), env=serve.server_env(), cwd=str(REPO_ROOT),
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        log.close()
+
+    def wait_triton(self, replica: Replica) -> None:
+        _wait(lambda: _get(f"http://{replica.http_url}/v2/health/ready") == 200,
+              self.ready_timeout_s, f"{replica.name} tritonserver not ready", [replica.triton])
+
+    def start_frontend(self, replica: Replica) -> None:
+        if replica.frontend is not None and replica.frontend.poll() is None:
+            return
+        cmd = [sys.executable, "-m", "client.openai", "--triton-url", replica.grpc_url, "--host", replica.host,
+               "--port", str(replica.port(OPENAI)), "--model-repository", str(self.repository(replica))]
+        log = open(self.log_dir / f"{replica.name}-openai.log", "ab")
+        replica.frontend = subprocess.Popen(replica.wrap(cmd), cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        _wait(lambda: _get(f"{replica.openai_url}/health") == 200, 120,
+              f"{replica.name} OpenAI frontend not healthy", [replica.frontend])
+
+    def _start_routers(self) -> None:
+        config = self.log_dir / "haproxy.cfg"
+        config.write_text(haproxy_config(self.replicas, self.router_host, self.http_port, self.grpc_port))
+        wrap = (lambda cmd: ["ip", "netns", "exec", self.router_netns, *cmd]) if self.router_netns else list
+        with open(self.log_dir / "haproxy.log", "ab") as log:
+            self.haproxy = subprocess.Popen(wrap(["haproxy", "-db", "-f", str(config)]), stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        block_size = int(self.engine_parameters.get("block_size", "16"))
+        cmd = router_command(self.replicas, self.router_host, self.openai_port, self.router_metrics_port,
+                             self.router_policy, self.router_bin, block_size)
+        with open(self.log_dir / "vllm-router.log", "ab") as log:
+            self.router = subprocess.Popen(wrap(cmd), stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(lambda: _get(f"http://{self.http_url}/v2/health/ready") == 200, 30, "haproxy not serving",
+              [self.haproxy])
+        _wait(lambda: _get(f"{self.openai_url}/v1/models") == 200, 60, "vllm-router not serving", [self.router])
+
+    def kill_triton(self, replica: Replica) -> None:
+        """SIGKILL the replica's tritonserver alone, as a crash would; its Python backend stubs
+        stay behind until ``restart_triton`` or ``stop`` kills its process group."""
+        replica.triton.kill()
+        replica.triton.wait()
+
+    def restart_triton(self, replica: Replica) -> None:
+        """Relaunch a dead replica's tritonserver and wait until it is ready; its frontend,
+        which reconnects by itself, is left running."""
+        _kill_group(replica.triton, signal.SIGKILL)
+        self.start_triton(replica)
+        self.wait_triton(replica)
+        self.start_frontend(replica)
+
+    def stop(self) -> None:
+        for proc in (self.router, self.haproxy):
+            _kill_group(proc, signal.SIGTERM, 10)
+        for replica in self.replicas:
+            _kill_group(replica.frontend, signal.SIGTERM, 15)
+        for replica in self.replicas:
+            _kill_group(replica.triton, signal.SIGTERM, serve.EXIT_TIMEOUT_SECS + 15)
+
+
+def local_replicas(n: int, base_port: int, host: str = "127.0.0.1", kv_events: bool = False) -> list[Replica]:
+    return [Replica(i, host, base_port + 10 * i, kv_events=kv_events) for i in range(n)]

@@ -15,8 +15,8 @@ average (the machine may be shared). At the end it waits for the engine to empty
 the used KV blocks and the running/waiting gauges from /metrics.
 
 Pass (`SoakReport.criteria`): 0 unexpected errors; 0 used blocks, running and waiting at
-the end; RSS growth under 50 MB from the end of minute 2 to the end; p99 ITL of the last
-minute within 1.2x that of minute 2. The last two need a run of at least 3 minutes and read
+the end; RSS growth, and anonymous RSS growth, under 50 MB from the end of minute 2 to the
+end; p99 ITL of the last minute within 1.2x that of minute 2. The last two need a run of at least 3 minutes and read
 None (not judged) in a shorter one.
 """
 
@@ -86,6 +86,7 @@ class Minute:
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     server_rss_mb: float | None = None  # at the end of this minute
+    server_rss_anon_mb: float | None = None
     loadavg_1m: float | None = None
     _itls: list[float] = field(default_factory=list, repr=False)
 
@@ -134,16 +135,22 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def process_tree_rss_mb(pid: int) -> float:
-    """RSS of `pid` and all its descendants, in MB."""
-    total_kb = 0
+def process_tree_rss_mb(pid: int) -> tuple[float, float]:
+    """(RSS, anonymous RSS) of `pid` and all its descendants, in MB.
+
+    Anonymous memory (the heap, torch's tensors) is where a leak shows; the rest of RSS is
+    mostly mapped libraries and model files, which the kernel drops and reloads as the
+    machine's memory pressure changes."""
+    total_kb = anon_kb = 0
     for p in {pid} | descendants(pid):
         try:
             with open(f"/proc/{p}/status") as f:
-                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "RssAnon:")))
         except OSError:
             continue
-    return total_kb / 1024.0
+        total_kb += int(fields.get("VmRSS", "0 kB").split()[0])
+        anon_kb += int(fields.get("RssAnon", "0 kB").split()[0])
+    return total_kb / 1024.0, anon_kb / 1024.0
 
 
 _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\}\s+(\S+)$')
@@ -316,7 +323,7 @@ class _Soak:
 
     def close_minute(self, m: Minute) -> None:
         if self.config.server_pid is not None:
-            m.server_rss_mb = round(process_tree_rss_mb(self.config.server_pid), 1)
+            m.server_rss_mb, m.server_rss_anon_mb = (round(x, 1) for x in process_tree_rss_mb(self.config.server_pid))
         m.loadavg_1m = round(os.getloadavg()[0], 2)
 
 
@@ -325,7 +332,7 @@ def run_soak(config: SoakConfig, progress=None) -> SoakReport:
     from client.bench.records import git_commit, machine
 
     soak = _Soak(config)
-    rss_start = process_tree_rss_mb(config.server_pid) if config.server_pid is not None else None
+    rss_start = process_tree_rss_mb(config.server_pid)[0] if config.server_pid is not None else None
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     stop = threading.Event()
 
@@ -368,9 +375,10 @@ def run_soak(config: SoakConfig, progress=None) -> SoakReport:
               for key in ("requests_done", "completed", "cancelled", "refused", "unexpected_errors")}
 
     judged = len(minutes) > WARMUP_MINUTES
-    rss_growth = None
+    rss_growth = anon_growth = None
     if judged and config.server_pid is not None:
         rss_growth = round(minutes[-1]["server_rss_mb"] - minutes[WARMUP_MINUTES - 1]["server_rss_mb"], 1)
+        anon_growth = round(minutes[-1]["server_rss_anon_mb"] - minutes[WARMUP_MINUTES - 1]["server_rss_anon_mb"], 1)
     itl_ratio = None
     if judged and minutes[1]["itl_p99_ms"] and minutes[-1]["itl_p99_ms"]:
         itl_ratio = round(minutes[-1]["itl_p99_ms"] / minutes[1]["itl_p99_ms"], 3)
@@ -380,6 +388,8 @@ def run_soak(config: SoakConfig, progress=None) -> SoakReport:
         "end_state_empty": {"value": end_state, "passed": not any(end_state.values())},
         "rss_growth_after_warmup_mb": {"value": rss_growth, "limit": RSS_GROWTH_LIMIT_MB,
                                        "passed": None if rss_growth is None else rss_growth < RSS_GROWTH_LIMIT_MB},
+        "rss_anon_growth_after_warmup_mb": {"value": anon_growth, "limit": RSS_GROWTH_LIMIT_MB,
+                                            "passed": None if anon_growth is None else anon_growth < RSS_GROWTH_LIMIT_MB},
         "itl_p99_last_over_minute_2": {"value": itl_ratio, "limit": ITL_RATIO_LIMIT,
                                        "passed": None if itl_ratio is None else itl_ratio <= ITL_RATIO_LIMIT},
     }

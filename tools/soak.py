@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             minutes=args.minutes, streams=args.streams, seed=args.seed, note=args.note)
         report = run_soak(config, progress=lambda m: print(
             f"minute {m.index + 1}: {m.requests_done} done, {m.unexpected_errors} unexpected, "
-            f"RSS {m.server_rss_mb} MB, load {m.loadavg_1m}", flush=True))
+            f"RSS {m.server_rss_mb} MB (anonymous {m.server_rss_anon_mb} MB), load {m.loadavg_1m}", flush=True))
         text = report.to_json()
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

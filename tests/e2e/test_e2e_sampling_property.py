@@ -81,7 +81,7 @@ def answer(server, transport: str, text: str) -> tuple[str | None, str]:
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code != 200:
         return r.json()["error"], ""
-    return None, "length" if r.json().get("text_output") is not None else ""
+    return None, r.json().get("finish_reason", "")
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])

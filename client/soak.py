@@ -331,6 +331,8 @@ def run_soak(config: SoakConfig, progress=None) -> SoakReport:
     """Run the soak for `config.minutes`; `progress(minute)` is called as each minute ends."""
     from client.bench.records import git_commit, machine
 
+    # Read before the run: a commit that lands during a 30-minute run is not what ran.
+    commit, machine_info = git_commit(), machine()
     soak = _Soak(config)
     rss_start = process_tree_rss_mb(config.server_pid)[0] if config.server_pid is not None else None
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -405,6 +407,6 @@ def run_soak(config: SoakConfig, progress=None) -> SoakReport:
         unexpected=soak.unexpected,
         criteria=criteria,
         passed=passed,
-        machine=machine(),
-        git_commit=git_commit(),
+        machine=machine_info,
+        git_commit=commit,
     )

@@ -136,6 +136,12 @@ class BadRequest(Exception):
     """A problem with one request's inputs: answered with INVALID_ARG."""
 
 
+# The largest `sampling_parameters` (or request parameters) text a request may carry: the
+# longest valid one (64 stop strings of 256 characters and every other value) is ~20 KB, and
+# parsing and validating a bigger one costs the stub time that every request shares.
+MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
+
+
 # ---------------------------------------------------------------------------- requests
 
 def _parse_bool(name: str, value: Any) -> bool:
@@ -212,11 +218,20 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str
     from_request_parameters = raw_params is None
     if raw_params is None:
         raw_params = parameters or "{}"
+    else:
+        _refuse_request_parameters_beside_input(parameters)
+    size = len(raw_params.encode() if isinstance(raw_params, str) else raw_params) if isinstance(raw_params, (bytes, str)) else 0
+    if size > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise BadRequest(f"{SAMPLING_PARAMETERS}: {size} bytes, at most {MAX_SAMPLING_PARAMETERS_BYTES} bytes")
     params_text = _text(SAMPLING_PARAMETERS, raw_params).strip() or "{}"
     try:
         sampling = json.loads(params_text)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"{SAMPLING_PARAMETERS} is not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's C scanner stops at the interpreter's recursion limit (~1,000 levels); no
+        # valid value nests beyond two.
+        raise BadRequest(f"{SAMPLING_PARAMETERS}: JSON nested too deeply (a flat object is expected)") from None
     if not isinstance(sampling, dict):
         raise BadRequest(f"{SAMPLING_PARAMETERS} must be a JSON object, got {type(sampling).__name__}")
 
@@ -245,6 +260,26 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], parameters: str
         outputs=frozenset(requested_outputs) & OUTPUT_NAMES,
         trace=switches.get(RETURN_TRACE, False),
     )
+
+
+def _refuse_request_parameters_beside_input(parameters: str) -> None:
+    """Request parameters are read only when the request has no `sampling_parameters` input.
+
+    HTTP generate turns every top-level field of its body that is not an input's name into a
+    request parameter, so a typo such as "sampling_parameter" beside `sampling_parameters`
+    arrives here, and would otherwise be ignored without a word."""
+    if not parameters:
+        return
+    try:
+        given = json.loads(parameters)
+    except (json.JSONDecodeError, RecursionError):
+        raise BadRequest("parameters: not valid JSON") from None
+    if isinstance(given, dict) and given:
+        name = sorted(given)[0]
+        raise BadRequest(
+            f"{name}: unknown field {sorted(given)} beside the {SAMPLING_PARAMETERS} input; the inputs are "
+            f"{list(INPUTS)}, and sampling values belong inside {SAMPLING_PARAMETERS}"
+        )
 
 
 # ---------------------------------------------------------------------------- responses

@@ -42,7 +42,9 @@ def tensor(name: str, value: Any, dtype: str, shape: list[int] | None = None):
     elif dtype == "BOOL":
         array = np.array(values, dtype=bool)
     else:
-        array = np.array(values, dtype=getattr(np, dtype.lower()))
+        from tritonclient.utils import triton_to_np_dtype
+
+        array = np.array(values, dtype=triton_to_np_dtype(dtype))
     t = grpcclient.InferInput(name, shape or list(array.shape), dtype)
     t.set_data_from_numpy(array.reshape(shape or array.shape))
     return t

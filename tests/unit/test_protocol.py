@@ -17,6 +17,7 @@ from backend.protocol import (
     FINISH_REASON,
     INPUTS,
     LOGPROBS,
+    MAX_SAMPLING_PARAMETERS_BYTES,
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_NAMES,
@@ -152,9 +153,12 @@ def test_sampling_values_from_request_parameters():
     # An input tensor wins over the same switch among the parameters.
     parsed = parse(json.dumps({"stream": True}), text_input=text("p"), stream=flag(False))
     assert not parsed.stream and parsed.sampling == {}
-    # With a sampling_parameters input, the request's parameters are not read at all.
-    parsed = parse(json.dumps({"max_tokens": 1}), text_input=text("p"), sampling_parameters=text('{"seed": 3}'))
-    assert parsed.sampling == {"seed": 3}
+    # With a sampling_parameters input, a request parameter is refused by name (HTTP generate
+    # makes one of every unknown top-level field, e.g. a typo of sampling_parameters).
+    message = bad("beside the sampling_parameters input", json.dumps({"sampling_parameter": "{}", "max_tokens": 1}),
+                  text_input=text("p"), sampling_parameters=text('{"seed": 3}'))
+    assert message.startswith("max_tokens: unknown field ['max_tokens', 'sampling_parameter'] beside the ")
+    assert parse("{}", text_input=text("p"), sampling_parameters=text('{"seed": 3}')).sampling == {"seed": 3}
     # Empty texts are an empty object.
     assert parse("", text_input=text("p")).sampling == {}
     assert parse(text_input=text("p"), sampling_parameters=text("  ")).sampling == {}
@@ -189,6 +193,17 @@ def test_bad_sampling_parameters():
     assert bad("not valid JSON", "{oops", text_input=text("p")).startswith("sampling_parameters is not valid JSON")
     assert bad("UTF-8", text_input=text("p"), sampling_parameters=text(b"\xff")).startswith(
         "sampling_parameters is not valid UTF-8")
+
+
+def test_sampling_parameters_too_big_or_too_deep_name_the_input():
+    huge = '{"stop": ["' + "x" * (1 << 20) + '"]}'
+    assert bad("at most", text_input=text("p"), sampling_parameters=text(huge)) == \
+        f"sampling_parameters: {len(huge)} bytes, at most {MAX_SAMPLING_PARAMETERS_BYTES} bytes"
+    assert bad("at most", huge, text_input=text("p")).startswith("sampling_parameters: ")
+    # Deep enough to reach the interpreter's recursion limit, small enough to pass the size check.
+    for nested in ("[" * 20_000, '{"a": ' * 5_000 + "1" + "}" * 5_000):
+        assert bad("nested too deeply", text_input=text("p"), sampling_parameters=text(nested)) == \
+            "sampling_parameters: JSON nested too deeply (a flat object is expected)"
 
 
 def test_bad_switches_name_the_switch():

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +29,13 @@ from backend.request import FinishReason, Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals
+from backend.structured_output import GrammarCompiler, GrammarState
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
+
+# How long an idle step waits for a grammar under compilation before it returns to the loop.
+GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -119,6 +124,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Requests whose grammar is still compiling: enqueued, not yet the scheduler's.
+        self._awaiting_grammar: dict[str, Request] = {}
         # Written by the engine alone, once per step (and here): a new object each time, so
         # a reader on another thread always holds one whole snapshot.
         self._totals = Totals()
@@ -219,6 +227,8 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
+        if params.structured_outputs is not None:
+            request.grammar = GrammarState(self.grammar_compiler.submit(params.structured_outputs))
         return request
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -238,19 +248,42 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         self.check_queue_room()
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self._awaiting_grammar:
             raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
         params = request.params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output, decode=self.decode,
         )
-        self.scheduler.add_request(request)
+        if request.grammar is not None and not request.grammar.ready:
+            self._awaiting_grammar[request.request_id] = request
+        else:
+            self._admit(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
+
+    def _admit(self, request: Request) -> RequestOutput | None:
+        """Hand a request to the scheduler, or end it (the final output returned) when its
+        constraint did not compile."""
+        error = request.grammar.error() if request.grammar is not None else None
+        if error is not None:
+            return self.finish(request, FinishReason.ERROR, error=error)
+        self.scheduler.add_request(request)
+        return None
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled now (in arrival order)."""
+        outputs = []
+        for request_id, request in list(self._awaiting_grammar.items()):
+            if request.grammar.ready:
+                del self._awaiting_grammar[request_id]
+                output = self._admit(request)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed in this call); its final output comes with the next step."""
-        request = self.scheduler.requests.get(request_id)
+        request = self.scheduler.requests.get(request_id) or self._awaiting_grammar.get(request_id)
         if request is None:
             return False
         self._pending.append(self.finish(request, FinishReason.ABORT))
@@ -264,7 +297,9 @@ class LLMEngine:
         (a request already finished keeps its reason); the engine counts it and returns its
         final output, the one with finished=True, carrying the last `token_ids`."""
         text = ""
-        if self.scheduler.finish_request(request, reason, stop_reason):
+        was_compiling = self._awaiting_grammar.pop(request.request_id, None) is request
+        request.grammar = None  # a finished request keeps no matcher
+        if self.scheduler.finish_request(request, reason, stop_reason) or was_compiling:
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
                 text = detok.take_delta(finished=True)
@@ -273,11 +308,12 @@ class LLMEngine:
         return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or bool(self._awaiting_grammar)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests not yet running: queued, or waiting for their grammar."""
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     @property
     def num_running(self) -> int:
@@ -292,7 +328,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; its snapshot is `self.stats` when it returns."""
         outputs, self._pending = self._pending, []
+        if self._awaiting_grammar:
+            if not self.scheduler.has_work() and not outputs:
+                # Nothing to run until a grammar is ready: wait for one, briefly, rather than spin
+                # against the compiler for the CPU (the loop still sees commands between steps).
+                wait_futures([r.grammar.compiled for r in self._awaiting_grammar.values()],
+                             timeout=GRAMMAR_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            outputs.extend(self._admit_compiled())
         plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            if request.grammar is not None and request.num_computed_tokens == 0:
+                request.grammar.release()  # recompute: rebuilt from its tokens when next sampled
         num_running, num_waiting = self.num_running, self.num_waiting
         ran, num_generated, prepare_s, forward_s, update_s = False, 0, 0.0, 0.0, 0.0
         if not plan.is_empty:
@@ -311,9 +357,13 @@ class LLMEngine:
             else:
                 forwarded = time.perf_counter()
                 tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
+                rejected = self._advance_grammars(tokens)
                 self.scheduler.update(plan, tokens)
                 for row, request in enumerate(sample_requests):
-                    outputs.append(self._output_for(request, tokens[request], sampled, row))
+                    if request in rejected:
+                        outputs.append(self.finish(request, FinishReason.ERROR, error=rejected[request]))
+                    else:
+                        outputs.append(self._output_for(request, tokens[request], sampled, row))
                 ran, num_generated = True, len(tokens)
                 prepare_s, forward_s, update_s = prepared - start, forwarded - prepared, time.perf_counter() - forwarded
         step = StepStats(
@@ -339,9 +389,22 @@ class LLMEngine:
             num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free, step=step, totals=self._totals,
         )
 
+    def _advance_grammars(self, tokens: dict[Request, int]) -> dict[Request, RequestError]:
+        """Feed each constrained request's sampled token to its matcher; the requests whose
+        token the grammar refused, with their error (the mask allows only tokens it accepts,
+        so this is a broken invariant, not a client's doing)."""
+        rejected = {}
+        for request, token_id in tokens.items():
+            if request.grammar is not None and not request.grammar.accept(request, token_id):
+                rejected[request] = RequestError(
+                    RequestError.INTERNAL, f"structured_outputs: sampled token {token_id} is outside the grammar")
+        return rejected
+
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
         stop = check_stop(request, token_id, detok.add_token)
+        if stop is None and request.grammar is not None and request.grammar.is_terminated:
+            stop = (FinishReason.STOP, None)  # the grammar took its stop token (ignore_eos or not)
         lp = sampled.logprobs[row]
         if lp is not None:
             request.cumulative_logprob += lp

@@ -1,7 +1,8 @@
 """Turns a step's logits into one token per request, vectorised across the batch.
 
-Order of operations (as vLLM): penalties, min_tokens masking, then greedy rows take the
-argmax; the others go through temperature, top-k, top-p and min-p and are sampled by
+Order of operations (as vLLM): penalties, the grammar bitmask of rows with structured
+outputs (backend/structured_output.py; the other rows are not touched), min_tokens masking,
+then greedy rows take the argmax; the others go through temperature, top-k, top-p and min-p and are sampled by
 inverse CDF: one uniform u in [0, 1) per row, a float32 running sum of the row's
 probabilities, and the first token whose running sum exceeds u times the row's total (a
 binary search). That costs one random number per row instead of one per vocabulary entry:
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from backend.request import Request
+from backend.structured_output import GrammarMasker
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Sampler:
         # to the OS when they are freed, and faulting them in again every step cost more than
         # the arithmetic (~6 of ~10 ms for 32 rows x 49k).
         self._workspace = [torch.empty(0), torch.empty(0)]
+        self._grammar_masker: GrammarMasker | None = None
 
     @staticmethod
     def make_request_generator(seed: int) -> torch.Generator:
@@ -69,8 +72,16 @@ class Sampler:
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._apply_penalties(logits, requests)
+        constrained_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        if constrained_rows:
+            if logits is source:
+                logits = logits.clone()
+            if self._grammar_masker is None:
+                self._grammar_masker = GrammarMasker(logits.shape[1])
+            self._grammar_masker(logits, constrained_rows, requests)
         for row, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_tokens:
+            # A grammar decides where its output may end: min_tokens does not hold it open.
+            if r.num_output_tokens < r.params.min_tokens and r.grammar is None:
                 banned = list(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     banned.extend(r.eos_token_ids)

@@ -66,6 +66,12 @@ class _Common(_Strict):
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     priority: Optional[int] = None
+    # vLLM's structured-output extras: the backend's `structured_outputs` (one constraint),
+    # and the older guided_* spellings of three of its constraints
+    structured_outputs: Optional[Union[dict[str, Any], str]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
@@ -133,8 +139,16 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -157,9 +171,10 @@ class ChatCompletionRequest(_Common):
         self.check_common()
         if self.tools or (self.tool_choice not in (None, "none")):
             raise ApiError(400, "tools and tool_choice are not supported", "tools", "unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                           "response_format", "unsupported_value")
+        if self.response_format is not None and (self.response_format.type == "json_schema") != (
+                self.response_format.json_schema is not None):
+            raise ApiError(400, "response_format.json_schema is required with type 'json_schema', and only then",
+                           "response_format.json_schema", "invalid_value")
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise ApiError(400, "only the text modality is supported", "modalities", "unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:

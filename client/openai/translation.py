@@ -52,9 +52,37 @@ def classify_backend_error(message: str, model: str) -> ApiError:
     return ApiError(400, message, param, "invalid_value" if param else None)
 
 
+def _constraints(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """Each field of the request that asks for structured output -> the backend's
+    `structured_outputs` it stands for."""
+    found: dict[str, Any] = {}
+    if req.structured_outputs is not None:
+        found["structured_outputs"] = req.structured_outputs
+    if req.guided_json is not None:
+        found["guided_json"] = {"json": req.guided_json}
+    if req.guided_regex is not None:
+        found["guided_regex"] = {"regex": req.guided_regex}
+    if req.guided_choice is not None:
+        found["guided_choice"] = {"choice": req.guided_choice}
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type == "json_object":
+        found["response_format"] = {"json_object": True}
+    elif response_format is not None and response_format.type == "json_schema":
+        # OpenAI's schema is optional: with none, any JSON object.
+        schema = response_format.json_schema.json_schema
+        found["response_format"] = {"json": schema} if schema is not None else {"json_object": True}
+    return found
+
+
 def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The backend's sampling_parameters: only what the client set, under the backend's names."""
     values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    constraints = _constraints(req)
+    if len(constraints) > 1:
+        raise ApiError(400, f"{', '.join(constraints)} each ask for structured output; send one", next(iter(constraints)),
+                       "invalid_value")
+    if constraints:
+        values["structured_outputs"] = next(iter(constraints.values()))
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs
@@ -68,9 +96,10 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
 
 def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
     """Backend parameter name -> the field this request set it with, for the ``param`` of errors."""
+    names = {"structured_outputs": field for field in _constraints(req)}
     if isinstance(req, CompletionRequest):
-        return {}
-    names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        return names
+    names |= {"logprobs": "top_logprobs", "prompt": "messages"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names

@@ -234,3 +234,54 @@ def test_completion_echo_puts_the_prompt_before_the_text():
     assert body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "2+2=4", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["completion_tokens"] == 1
+
+
+# ---------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     {"json": SCHEMA}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, {"json_object": True}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+    ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+])
+def test_structured_output_fields_become_the_backends_structured_outputs(fields, want):
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields})
+    assert job.sampling == {"structured_outputs": want}
+
+
+def test_text_response_format_asks_for_nothing():
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "response_format": {"type": "text"}}).sampling == {}
+
+
+def test_completions_take_the_vllm_structured_output_fields():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "x", "guided_choice": ["yes", "no"]})
+    assert job.sampling == {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "send one"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "send one"),
+    ({"guided_choice": []}, "guided_choice", "at least 1"),
+    ({"guided_json": "[1]"}, "guided_json", "JSON object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+])
+def test_bad_structured_output_fields_are_refused_naming_the_field(fields, param, needle):
+    error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields})
+    assert error.param == param and needle in error.message, (error.param, error.message)
+
+
+def test_a_backend_compile_error_names_the_clients_field():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI,
+                                            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+    error = job.backend_error("structured_outputs: the json constraint does not compile: Unsupported type")
+    assert (error.status, error.param) == (400, "response_format")

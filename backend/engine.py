@@ -255,30 +255,25 @@ class LLMEngine:
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output, decode=self.decode,
         )
-        if request.grammar is not None and not request.grammar.ready:
+        if request.grammar is not None:  # admitted by the next step that finds its grammar compiled
             self._awaiting_grammar[request.request_id] = request
         else:
-            self._admit(request)
+            self.scheduler.add_request(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
 
-    def _admit(self, request: Request) -> RequestOutput | None:
-        """Hand a request to the scheduler, or end it (the final output returned) when its
-        constraint did not compile."""
-        error = request.grammar.error() if request.grammar is not None else None
-        if error is not None:
-            return self.finish(request, FinishReason.ERROR, error=error)
-        self.scheduler.add_request(request)
-        return None
-
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar is compiled now (in arrival order)."""
+        """Hand the requests whose grammar is compiled now to the scheduler (in arrival order);
+        end those whose constraint did not compile (their final outputs are returned)."""
         outputs = []
         for request_id, request in list(self._awaiting_grammar.items()):
-            if request.grammar.ready:
+            if not request.grammar.ready:
+                continue
+            error = request.grammar.error()
+            if error is not None:
+                outputs.append(self.finish(request, FinishReason.ERROR, error=error))
+            else:
                 del self._awaiting_grammar[request_id]
-                output = self._admit(request)
-                if output is not None:
-                    outputs.append(output)
+                self.scheduler.add_request(request)
         return outputs
 
     def abort(self, request_id: str) -> bool:

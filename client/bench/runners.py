@@ -19,8 +19,9 @@ from client.bench.workloads import Workload
 
 
 def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
-               concurrency: int | None = None) -> SystemRun:
-    """The workload through this engine in-process, open loop, or closed loop with `concurrency`."""
+               concurrency: int | None = None, structured_outputs: dict | None = None) -> SystemRun:
+    """The workload through this engine in-process, open loop, or closed loop with `concurrency`;
+    with `structured_outputs`, every other request (even indices) carries that constraint."""
     config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
     engine = LLMEngine(config)
     _warm_up(engine)
@@ -46,6 +47,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
                 priority=spec.priority, seed=seeded if spec.temperature > 0 else None,
+                structured_outputs=structured_outputs if index % 2 == 0 else None,
             )
             engine.add_request(str(index), spec.prompt_token_ids, params)
             records[index].arrival = time.perf_counter()

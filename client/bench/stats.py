@@ -19,7 +19,8 @@ RATIOS = {
     "W1": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
     "W2": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
-           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
+           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant"),
+           ("structured-half", "continuous")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
 }

@@ -163,7 +163,8 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        prompt = await state["catalog"].chat_prompt(info, messages)
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
+        prompt = await state["catalog"].chat_prompt(info, messages, tools)
         return await run(request, Job.of(req, prompt, sampling))
 
     async def run(request: Request, job: Job):

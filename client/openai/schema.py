@@ -117,9 +117,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    # An assistant's earlier calls and a tool's answer to one: handed to the chat template as they are.
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -137,6 +140,27 @@ class ChatMessage(_Strict):
                 raise ApiError(400, f"invalid text part: {exc.errors()[0]['msg']}",
                                f"messages[{index}].content[{j}]", "invalid_value") from None
         return "".join(parts)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(_Strict):
@@ -157,8 +181,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     # accepted, not used
     parallel_tool_calls: Optional[bool] = None
     store: Optional[bool] = None
@@ -169,8 +193,7 @@ class ChatCompletionRequest(_Common):
     def check(self) -> list[dict[str, str]]:
         """Validate what the backend cannot; return the messages for the chat template."""
         self.check_common()
-        if self.tools or (self.tool_choice not in (None, "none")):
-            raise ApiError(400, "tools and tool_choice are not supported", "tools", "unsupported_parameter")
+        self.check_tools()
         if self.response_format is not None and (self.response_format.type == "json_schema") != (
                 self.response_format.json_schema is not None):
             raise ApiError(400, "response_format.json_schema is required with type 'json_schema', and only then",
@@ -185,8 +208,37 @@ class ChatCompletionRequest(_Common):
         messages = []
         for i, message in enumerate(self.messages):
             role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": message.text(i)})
+            rendered: dict[str, Any] = {"role": role, "content": message.text(i)}
+            if message.tool_calls is not None:
+                rendered["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                rendered["tool_call_id"] = message.tool_call_id
+            messages.append(rendered)
         return messages
+
+    @property
+    def forced_tool(self) -> Literal["required"] | str | None:
+        """What the reply must be: "required" (one or more calls of the tools), a function's
+        name (a call of that function), or None (text)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else self.tool_choice.function.name
+
+    def check_tools(self) -> None:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+        if not self.tools or self.tool_choice == "none":
+            return
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ApiError(400, f"tool names must be distinct (got {names})", "tools", "invalid_value")
+        if self.tool_choice in (None, "auto"):
+            raise ApiError(400, "tool_choice 'auto' (the default with tools) is not supported: this server does not "
+                                "parse a model's own tool-call format; send tool_choice 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "unsupported_value")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
+                                f"{names}", "tool_choice", "invalid_value")
 
 
 def parse_request(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -209,11 +209,12 @@ class Catalog:
             self._tokenizers[info.name] = tokenizer
             return tokenizer
 
-    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]]) -> str:
+    async def chat_prompt(self, info: ModelInfo, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's prompt; `tools` are rendered where the template has a place for them."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
 
         def render() -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
         try:
             return await asyncio.to_thread(render)

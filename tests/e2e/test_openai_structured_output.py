@@ -85,3 +85,42 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client):
             response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "wat"}}})
     error = info.value.body
     assert error["param"] == "response_format" and "does not compile" in error["message"], error
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Za-z/_]{1,32}$"}},
+                   "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_choice_required(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=120,
+                                           temperature=0, tools=[WEATHER, TIME], tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert choice.message.tool_calls, choice
+    by_name = {"get_weather": WEATHER, "get_time": TIME}
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
+
+
+def test_a_named_tool_choice_streamed(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ask("What is the weather in Rome?"), max_tokens=60, temperature=0, stream=True,
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    chunks = [c for c in stream if c.choices]
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "stop" and len(calls) == 1, chunks
+    assert calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_tool_choice_auto_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=8, tools=[WEATHER])
+    assert info.value.body["param"] == "tool_choice" and "auto" in info.value.body["message"]

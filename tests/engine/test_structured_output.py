@@ -75,6 +75,7 @@ def run_to_completion(engine: LLMEngine, requests: dict, on_step=None, max_steps
 def assert_no_grammar_state(engine: LLMEngine, requests) -> None:
     assert engine.num_waiting == 0 and not engine.has_unfinished()
     assert all(r.grammar is None for r in requests), "a finished request kept its matcher"
+    assert not engine.detokenizers, "a finished request kept its detokenizer"
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -99,7 +99,7 @@ TIME = {"type": "function", "function": {
 
 
 def test_tool_choice_required(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=120,
+    reply = client.chat.completions.create(model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=60,
                                            temperature=0, tools=[WEATHER, TIME], tool_choice="required")
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
@@ -111,7 +111,7 @@ def test_tool_choice_required(client):
 
 def test_a_named_tool_choice_streamed(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=ask("What is the weather in Rome?"), max_tokens=60, temperature=0, stream=True,
+        model=MODEL, messages=ask("What is the weather in Rome?"), max_tokens=40, temperature=0, stream=True,
         tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     chunks = [c for c in stream if c.choices]
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]

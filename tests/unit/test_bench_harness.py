@@ -307,3 +307,32 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
+
+
+def test_structured_half_constrains_every_other_request_and_keeps_the_token_counts(tiny, tmp_path):
+    """The structured-output cost benchmark: the same W2, half its requests under the JSON
+    constraint that no request completes before its max_tokens, so both systems do the same work."""
+    out = tmp_path / "results" / "w2_structured.json"
+    code = cli.main(["W2", "--model", tiny, "--systems", "structured-half,continuous", "--num-requests", "4",
+                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert all(r["num_completed"] == 4 and r["all_token_counts_right"] for r in report["results"])
+    assert "structured-half/continuous" in report["ratios"]
+    seen = []
+    w = workloads.w2_offline(num_requests=4, low=4, high=8)
+    original = runners.SamplingParams
+
+    def recording(**kwargs):
+        seen.append(kwargs.get("structured_outputs"))
+        return original(**kwargs)
+
+    runners.SamplingParams = recording
+    try:
+        runners.run_engine(w, tiny, ENGINE, "structured-half", progress=False,
+                           structured_outputs=workloads.BENCH_STRUCTURED_OUTPUTS)
+    finally:
+        runners.SamplingParams = original
+    seen = seen[1:]  # the warm-up request
+    by_index = dict(zip(sorted(range(4), key=lambda i: w.requests[i].arrival_s), seen))
+    assert [by_index[i] is not None for i in range(4)] == [True, False, True, False]

@@ -392,7 +392,7 @@ class LLMEngine:
         for request, token_id in tokens.items():
             if request.grammar is not None and not request.grammar.accept(request, token_id):
                 rejected[request] = RequestError(
-                    RequestError.INTERNAL, f"structured_outputs: sampled token {token_id} is outside the grammar")
+                    RequestError.INTERNAL, f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")
         return rejected
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:

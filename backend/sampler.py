@@ -2,10 +2,10 @@
 
 Order of operations (as vLLM): penalties, the grammar bitmask of rows with structured
 outputs (backend/structured_output.py; the other rows are not touched), min_tokens masking,
-then greedy rows take the argmax; the others go through temperature, top-k, top-p and min-p and are sampled by
-inverse CDF: one uniform u in [0, 1) per row, a float32 running sum of the row's
-probabilities, and the first token whose running sum exceeds u times the row's total (a
-binary search). That costs one random number per row instead of one per vocabulary entry:
+then greedy rows take the argmax; the others go through temperature, top-k, top-p and
+min-p and are sampled by inverse CDF: one uniform u in [0, 1) per row, a float32 running
+sum of the row's probabilities, and the first token whose running sum exceeds u times the
+row's total (a binary search). That costs one random number per row instead of one per vocabulary entry:
 an exponential race (argmax of p / Exp(1) noise) draws a 49k-value noise row per request,
 ~50-70 ms per call for 32 rows on one core against ~4-5 ms for the inverse CDF. A token of
 probability zero (masked, or underflowed) adds nothing to the running sum, so it is never

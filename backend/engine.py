@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,10 +32,14 @@ from backend.request import FinishReason, Request, RequestError, RequestStatus, 
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals
+from backend.structured_output import GrammarCompiler, GrammarState
 from backend.trace import RequestTrace
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
+
+# How long an idle step waits for a grammar under compilation before it returns to the loop.
+GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -126,6 +131,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Requests whose grammar is still compiling: enqueued, not yet the scheduler's.
+        self._awaiting_grammar: dict[str, Request] = {}
         # Written by the engine alone, once per step (and here): a new object each time, so
         # a reader on another thread always holds one whole snapshot.
         self._totals = Totals()
@@ -244,6 +252,8 @@ class LLMEngine:
             request.generator = Sampler.make_request_generator(params.seed)
         if trace:
             request.trace = RequestTrace(request.arrival_time)
+        if params.structured_outputs is not None:
+            request.grammar = GrammarState(self.grammar_compiler.submit(params.structured_outputs))
         return request
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -279,7 +289,7 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         self.check_queue_room()
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self._awaiting_grammar:
             raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
         params = request.params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
@@ -289,12 +299,30 @@ class LLMEngine:
         if request.trace is not None:
             request.trace.queued(self._step_index, running=self.num_running, waiting_ahead=self.num_waiting)
             self._num_traced += 1
-        self.scheduler.add_request(request)
+        if request.grammar is not None:  # admitted by the next step that finds its grammar compiled
+            self._awaiting_grammar[request.request_id] = request
+        else:
+            self.scheduler.add_request(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar is compiled now to the scheduler (in arrival order);
+        end those whose constraint did not compile (their final outputs are returned)."""
+        outputs = []
+        for request_id, request in list(self._awaiting_grammar.items()):
+            if not request.grammar.ready:
+                continue
+            error = request.grammar.error()
+            if error is not None:
+                outputs.append(self.finish(request, FinishReason.ERROR, error=error))
+            else:
+                del self._awaiting_grammar[request_id]
+                self.scheduler.add_request(request)
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its blocks are freed in this call); its final output comes with the next step."""
-        request = self.scheduler.requests.get(request_id)
+        request = self.scheduler.requests.get(request_id) or self._awaiting_grammar.get(request_id)
         if request is None:
             return False
         self._pending.append(self.finish(request, FinishReason.ABORT))
@@ -312,7 +340,9 @@ class LLMEngine:
             self._num_traced -= 1
             request.trace.finished(self._step_index, reason=reason.value,
                                    output_tokens=request.num_output_tokens)
-        if self.scheduler.finish_request(request, reason, stop_reason):
+        was_compiling = self._awaiting_grammar.pop(request.request_id, None) is request
+        request.grammar = None  # a finished request keeps no matcher
+        if self.scheduler.finish_request(request, reason, stop_reason) or was_compiling:
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
                 text = detok.take_delta(finished=True)
@@ -321,11 +351,12 @@ class LLMEngine:
         return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or bool(self._awaiting_grammar)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests not yet running: queued, or waiting for their grammar."""
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     @property
     def num_running(self) -> int:
@@ -359,9 +390,19 @@ class LLMEngine:
         prefill to finish. Its requests keep their blocks and places."""
         outputs, self._pending = self._pending, []
         self._step_index += 1
+        if self._awaiting_grammar:
+            if not self.scheduler.has_work() and not outputs:
+                # Nothing to run until a grammar is ready: wait for one, briefly, rather than spin
+                # against the compiler for the CPU (the loop still sees commands between steps).
+                wait_futures([r.grammar.compiled for r in self._awaiting_grammar.values()],
+                             timeout=GRAMMAR_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            outputs.extend(self._admit_compiled())
         plan = self.scheduler.schedule()
         if self._num_traced:
             self._trace_plan(plan)
+        for request in plan.preempted:
+            if request.grammar is not None and request.num_computed_tokens == 0:
+                request.grammar.release()  # recompute: rebuilt from its tokens when next sampled
         num_running, num_waiting = self.num_running, self.num_waiting
         ran, num_generated, prepare_s, forward_s, update_s = False, 0, 0.0, 0.0, 0.0
         if not plan.is_empty:
@@ -385,11 +426,15 @@ class LLMEngine:
             else:
                 forwarded = time.perf_counter()
                 tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
+                rejected = self._advance_grammars(tokens)
                 self.scheduler.update(plan, tokens)
                 if self._num_traced:
                     self._trace_step(plan, forwarded - start)
                 for row, request in enumerate(sample_requests):
-                    outputs.append(self._output_for(request, tokens[request], sampled, row))
+                    if request in rejected:
+                        outputs.append(self.finish(request, FinishReason.ERROR, error=rejected[request]))
+                    else:
+                        outputs.append(self._output_for(request, tokens[request], sampled, row))
                 ran, num_generated = True, len(tokens)
                 prepare_s, forward_s, update_s = prepared - start, forwarded - prepared, time.perf_counter() - forwarded
         step = StepStats(
@@ -470,9 +515,22 @@ class LLMEngine:
             step=step, totals=self._totals,
         )
 
+    def _advance_grammars(self, tokens: dict[Request, int]) -> dict[Request, RequestError]:
+        """Feed each constrained request's sampled token to its matcher; the requests whose
+        token the grammar refused, with their error (the mask allows only tokens it accepts,
+        so this is a broken invariant, not a client's doing)."""
+        rejected = {}
+        for request, token_id in tokens.items():
+            if request.grammar is not None and not request.grammar.accept(request, token_id):
+                rejected[request] = RequestError(
+                    RequestError.INTERNAL, f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")
+        return rejected
+
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
         stop = check_stop(request, token_id, detok.add_token)
+        if stop is None and request.grammar is not None and request.grammar.is_terminated:
+            stop = (FinishReason.STOP, None)  # the grammar took its stop token (ignore_eos or not)
         lp = sampled.logprobs[row]
         if lp is not None:
             request.cumulative_logprob += lp

@@ -255,6 +255,8 @@ def cache_config_labels(engine) -> dict[str, str]:
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "engine": "0",
     }
+
+
 def jain_index(values: list[float]) -> float:
     """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one
     has everything; 1 for fewer than two values or none served."""

@@ -8,16 +8,20 @@ size, max_model_len) are checked by the engine at admission, which knows the mod
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.config import DEFAULT_TENANT, TENANT_PATTERN, TENANT_RULE
 from backend.trace import RequestTrace
+
+if TYPE_CHECKING:
+    from backend.structured_output import GrammarState
 
 
 class RequestError(Exception):
@@ -45,6 +49,70 @@ MAX_LOGPROBS = 20
 # vLLM allows temperature up to 2 and any repetition_penalty; ours are wider and narrower.
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
+# A constraint's text (schema, regex, grammar, choices) is compiled once per distinct text;
+# the bound keeps one request from handing the compiler a megabyte of grammar.
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
+# How much of a refused value an error message repeats.
+MAX_ECHOED_CHARS = 200
+
+
+def _json_object(value: Any, what: str) -> Any:
+    """A JSON object given as itself or as a JSON string of one (how Triton clients send it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint the output must match."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="json")
+    regex: Optional[str] = Field(None, min_length=1)
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = Field(None, min_length=1)
+    json_object: Optional[bool] = None
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_as_object(cls, value: Any) -> Any:
+        return None if value is None else _json_object(value, "json (a JSON schema)")
+
+    @field_validator("json_object", mode="before")
+    @classmethod
+    def _json_object_is_true(cls, value: Any) -> Any:
+        if value is not None and value not in (True, "true"):
+            raise ValueError("json_object must be true when given")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name, value in self.constraint_fields().items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})")
+        kind, text = self.constraint
+        if len(text) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"the {kind} constraint is {len(text)} characters; the limit is {MAX_STRUCTURED_OUTPUT_CHARS}")
+        return self
+
+    def constraint_fields(self) -> dict[str, Any]:
+        return {"json": self.json_schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object}
+
+    @property
+    def constraint(self) -> tuple[str, str]:
+        """(kind, text): the compiler's input and its cache key. A schema keeps the client's key
+        order, which is the order its properties are generated in."""
+        for kind, value in self.constraint_fields().items():
+            if value is not None:
+                return kind, value if isinstance(value, str) else json.dumps(value)
+        raise AssertionError("validated to hold exactly one constraint")
 
 
 class SamplingParams(BaseModel):
@@ -78,6 +146,12 @@ class SamplingParams(BaseModel):
     # Who the request is for: the `fair` policy shares service between tenants, and every
     # policy counts per-tenant metrics.
     tenant: str = DEFAULT_TENANT
+    structured_outputs: Optional[StructuredOutputs] = None
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured_outputs_as_object(cls, value: Any) -> Any:
+        return None if value is None else _json_object(value, "structured_outputs")
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -189,8 +263,13 @@ class SamplingParams(BaseModel):
             params = cls.model_validate(values)
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
-            name = str(first["loc"][0]) if first["loc"] else "sampling_parameters"
-            raise RequestError.invalid(name, f"{first['msg']} (got {first.get('input')!r})") from None
+            loc = [str(part) for part in first["loc"]]
+            name = loc[0] if loc else "sampling_parameters"
+            where = f" at {'.'.join(loc)}" if len(loc) > 1 else ""
+            got = repr(first.get("input"))
+            if len(got) > MAX_ECHOED_CHARS:  # a 64 KiB grammar is not worth echoing
+                got = got[:MAX_ECHOED_CHARS] + "..."
+            raise RequestError.invalid(name, f"{first['msg']}{where} (got {got})") from None
         return params
 
 
@@ -241,6 +320,8 @@ class Request:
     stop_reason: int | str | None = None
     # Set by the engine: per-request torch.Generator when the request has a seed.
     generator: object = None
+    # Set by the engine when the request has `structured_outputs`.
+    grammar: GrammarState | None = None
     # Compute the sampled token's logprob each step (logprobs or cumulative_logprob asked).
     needs_logprobs: bool = False
     # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).

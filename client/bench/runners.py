@@ -20,10 +20,11 @@ from client.bench.workloads import Workload
 
 
 def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
-               concurrency: int | None = None) -> SystemRun:
+               concurrency: int | None = None, structured_outputs: dict | None = None) -> SystemRun:
     """The workload through this engine in-process, open loop, or closed loop with `concurrency`
     (or per tenant, `workload.tenant_concurrency`). Records each tenant's cumulative service
-    over time (`service_timeline`)."""
+    over time (`service_timeline`). With `structured_outputs`, every other request (even
+    indices) carries that constraint."""
     config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
     engine = LLMEngine(config)
     _warm_up(engine)
@@ -59,6 +60,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
                 priority=spec.priority, seed=seeded if spec.temperature > 0 else None, tenant=spec.tenant,
+                structured_outputs=structured_outputs if index % 2 == 0 else None,
             )
             engine.add_request(str(index), spec.prompt_token_ids, params)
             records[index].arrival = time.perf_counter()

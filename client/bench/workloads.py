@@ -63,6 +63,15 @@ class Workload:
         }
 
 
+# The structured-output systems' constraint (systems.py): a JSON array of records, long enough
+# (minItems) that no request completes it before its max_tokens, so constrained requests
+# generate exactly as many tokens as free ones and the two runs do the same work.
+BENCH_STRUCTURED_OUTPUTS = {"json": {"type": "array", "minItems": 1000, "items": {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"},
+                   "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["id", "name", "score", "tags"]}}}
+
 # Token ids well inside the vocabulary and past the special tokens at its start.
 TOKEN_LOW, TOKEN_HIGH = 200, 40000
 

@@ -171,7 +171,8 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message))
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
+        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
         return await run(request, Job.of(req, prompt, sampling))
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's kv_aware
@@ -192,7 +193,8 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message))
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
+        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
         return rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)
 
     async def run(request: Request, job: Job):

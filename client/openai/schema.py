@@ -71,6 +71,12 @@ class _Common(_Strict):
     # SGLang's fields, which vllm-router 0.1.17 adds to every request it forwards.
     no_stop_trim: Optional[bool] = None  # SGLang's include_stop_str_in_output
     return_hidden_states: Optional[bool] = None
+    # vLLM's structured-output extras: the backend's `structured_outputs` (one constraint),
+    # and the older guided_* spellings of three of its constraints
+    structured_outputs: Optional[Union[dict[str, Any], str]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
     def check_common(self) -> None:
         if self.n is not None and self.n != 1:
@@ -128,9 +134,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    # An assistant's earlier calls and a tool's answer to one: handed to the chat template as they are.
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -150,8 +159,37 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -160,8 +198,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     # accepted, not used
     parallel_tool_calls: Optional[bool] = None
     store: Optional[bool] = None
@@ -180,11 +218,11 @@ class ChatCompletionRequest(_Common):
     def check(self) -> list[dict[str, str]]:
         """Validate what the backend cannot; return the messages for the chat template."""
         self.check_common()
-        if self.tools or (self.tool_choice not in (None, "none")):
-            raise ApiError(400, "tools and tool_choice are not supported", "tools", "unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                           "response_format", "unsupported_value")
+        self.check_tools()
+        if self.response_format is not None and (self.response_format.type == "json_schema") != (
+                self.response_format.json_schema is not None):
+            raise ApiError(400, "response_format.json_schema is required with type 'json_schema', and only then",
+                           "response_format.json_schema", "invalid_value")
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise ApiError(400, "only the text modality is supported", "modalities", "unsupported_value")
         if self.continue_final_message and self.messages[-1].role != "assistant":
@@ -198,8 +236,37 @@ class ChatCompletionRequest(_Common):
         messages = []
         for i, message in enumerate(self.messages):
             role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": message.text(i)})
+            rendered: dict[str, Any] = {"role": role, "content": message.text(i)}
+            if message.tool_calls is not None:
+                rendered["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                rendered["tool_call_id"] = message.tool_call_id
+            messages.append(rendered)
         return messages
+
+    @property
+    def forced_tool(self) -> Literal["required"] | str | None:
+        """What the reply must be: "required" (one or more calls of the tools), a function's
+        name (a call of that function), or None (text)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else self.tool_choice.function.name
+
+    def check_tools(self) -> None:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+        if not self.tools or self.tool_choice == "none":
+            return
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ApiError(400, f"tool names must be distinct (got {names})", "tools", "invalid_value")
+        if self.tool_choice in (None, "auto"):
+            raise ApiError(400, "tool_choice 'auto' (the default with tools) is not supported: this server does not "
+                                "parse a model's own tool-call format; send tool_choice 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "unsupported_value")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
+                                f"{names}", "tool_choice", "invalid_value")
 
 
 def parse_request(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -53,6 +53,58 @@ def classify_backend_error(message: str, model: str) -> ApiError:
     return ApiError(400, message, param, "invalid_value" if param else None)
 
 
+def tool_call_constraint(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The structured output that makes the reply a call the client can parse: a named
+    function's arguments (its parameters' schema), or for "required" a JSON array of
+    {"name", "arguments"} objects, each one of the tools (vLLM's form)."""
+    parameters = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in req.tools}
+    if req.forced_tool != "required":
+        return {"json": parameters[req.forced_tool]}
+    calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "arguments": schema},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, schema in parameters.items()]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return {"json": array}
+
+
+def tool_calls_of(text: str, forced_tool: str) -> list[dict[str, Any]] | None:
+    """OpenAI's tool_calls from a reply generated under `tool_call_constraint`, or None
+    when it does not parse (cut short by max_tokens or a stop string)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    calls = [{"name": forced_tool, "arguments": value}] if forced_tool != "required" else value
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            for call in calls]
+
+
+def _constraints(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """Each field of the request that asks for structured output -> the backend's
+    `structured_outputs` it stands for."""
+    found: dict[str, Any] = {}
+    if req.structured_outputs is not None:
+        found["structured_outputs"] = req.structured_outputs
+    if req.guided_json is not None:
+        found["guided_json"] = {"json": req.guided_json}
+    if req.guided_regex is not None:
+        found["guided_regex"] = {"regex": req.guided_regex}
+    if req.guided_choice is not None:
+        found["guided_choice"] = {"choice": req.guided_choice}
+    if isinstance(req, ChatCompletionRequest) and req.forced_tool is not None:
+        found["tool_choice"] = tool_call_constraint(req)
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type == "json_object":
+        found["response_format"] = {"json_object": True}
+    elif response_format is not None and response_format.type == "json_schema":
+        # OpenAI's schema is optional: with none, any JSON object.
+        schema = response_format.json_schema.json_schema
+        found["response_format"] = {"json": schema} if schema is not None else {"json_object": True}
+    return found
+
+
 def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The backend's sampling_parameters: only what the client set, under the backend's names."""
     values = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
@@ -60,6 +112,12 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
         values["tenant"] = req.user  # OpenAI's end-user id is who the fair policy shares between
     if req.keeps_stop_str() is not None:
         values["include_stop_str_in_output"] = req.keeps_stop_str()
+    constraints = _constraints(req)
+    if len(constraints) > 1:
+        raise ApiError(400, f"{', '.join(constraints)} each ask for structured output; send one", next(iter(constraints)),
+                       "invalid_value")
+    if constraints:
+        values["structured_outputs"] = next(iter(constraints.values()))
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs
@@ -73,9 +131,11 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
 
 def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
     """Backend parameter name -> the field this request set it with, for the ``param`` of errors."""
+    names = {"structured_outputs": field for field in _constraints(req)}
     if isinstance(req, CompletionRequest):
-        return {"tenant": "user"}
-    names = {"logprobs": "top_logprobs", "prompt": "messages", "tenant": "user"}
+        names["tenant"] = "user"
+        return names
+    names |= {"logprobs": "top_logprobs", "prompt": "messages", "tenant": "user"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
@@ -191,6 +251,9 @@ class Job:
     include_usage: bool
     logprobs: int | None  # completions: k; chat: top_logprobs (0 when only logprobs)
     echo: bool = False
+    # chat with tools: "required" or the function's name (ChatCompletionRequest.forced_tool)
+    forced_tool: str | None = None
+    _tool_text: str = field(default="", init=False, repr=False)  # a streamed forced tool call so far
     # backend parameter name -> the name this endpoint's client used
     aliases: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
@@ -209,7 +272,7 @@ class Job:
                        echo=req.echo, aliases=client_names(req))
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
-                   aliases=client_names(req))
+                   forced_tool=req.forced_tool, aliases=client_names(req))
 
     def triton_inputs(self) -> list:
         """The inputs of the job's one Triton request, streamed, without the prompt in its text."""
@@ -256,9 +319,18 @@ class Job:
             choice = {"index": 0, "text": (self.prompt if self.echo else "") + text,
                       "logprobs": self._logprobs(entries, offset), "finish_reason": reason}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
+            message, reason = self._message(text, reason)
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
         return self._envelope([choice], usage)
+
+    def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message and finish_reason: text, or the calls a forced tool choice made
+        (finish_reason "tool_calls" for "required", "stop" for a named function, as OpenAI)."""
+        calls = tool_calls_of(text, self.forced_tool) if self.forced_tool and reason == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, \
+            "tool_calls" if self.forced_tool == "required" else "stop"
 
     # streamed
     def first_chunks(self) -> list[bytes]:
@@ -272,6 +344,8 @@ class Job:
         return [sse_event(self._envelope([choice]))]
 
     def chunk(self, piece: Piece, offset: int) -> bytes | None:
+        if self.forced_tool:
+            return self._tool_chunk(piece)
         reason = _finish_reason(piece.finish_reason) if piece.final else None
         if not piece.text and reason is None:
             return None
@@ -282,6 +356,19 @@ class Job:
             delta = {"content": piece.text} if piece.text else {}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse_event(self._envelope([choice]))
+
+    def _tool_chunk(self, piece: Piece) -> bytes | None:
+        """A forced tool call streams as one delta holding the whole calls, when they are complete
+        (arguments that are not yet JSON are no use to a client)."""
+        self._tool_text += piece.text
+        if not piece.final:
+            return None
+        message, reason = self._message(self._tool_text, _finish_reason(piece.finish_reason))
+        if "tool_calls" in message:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+        else:
+            delta = {"content": self._tool_text} if self._tool_text else {}
+        return sse_event(self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse_event(self._envelope([], _usage(prompt_tokens, completion_tokens)))

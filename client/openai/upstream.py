@@ -211,17 +211,19 @@ class Catalog:
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
         return await asyncio.to_thread(tokenizer.encode, prompt)
 
-    async def chat_prompt(self, info: ModelInfo, messages: list[dict[str, str]],
-                          continue_final_message: bool = False) -> str:
+    async def chat_prompt(self, info: ModelInfo, messages: list[dict], continue_final_message: bool = False,
+                          tools: list[dict] | None = None) -> str:
         """The chat template's prompt: a new assistant turn, or the last (assistant) message
-        left open so that generation continues it."""
+        left open so that generation continues it; `tools` are rendered where the template has
+        a place for them."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model `{info.name}` has no chat template: use /v1/completions", "messages",
                            "no_chat_template")
 
         def render() -> str:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final_message,
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=not continue_final_message,
                                                  continue_final_message=continue_final_message)
 
         try:

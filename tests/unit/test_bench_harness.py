@@ -353,6 +353,8 @@ def test_the_table_command_takes_help_and_report_paths(capsys):
     assert table.main([str(report)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("#### Machine kind: ") == 1 and "results/avx2/w1_vs_vllm_fp32.json" in printed
+
+
 def test_servers_get_the_tenant_and_refuse_a_closed_loop_tenant():
     from client.bench.targets import run_target, sampling_of
 
@@ -362,6 +364,8 @@ def test_servers_get_the_tenant_and_refuse_a_closed_loop_tenant():
     w = workloads.w8a_flood(num_requests=1, in_flight=2, long_output=4, chat_output=2, prompt_len=4)
     with pytest.raises(ValueError, match="only the in-process engine runner"):
         run_target(parse_target("grpc://127.0.0.1:1"), w, progress=False)
+
+
 def test_w4_with_several_prefixes_keeps_one_prefix_per_request():
     one = workloads.w4_shared_prefix(num_requests=16, prefix_len=32, tail_len=8)
     assert len({tuple(r.prompt_token_ids[:32]) for r in one.requests}) == 1
@@ -371,3 +375,32 @@ def test_w4_with_several_prefixes_keeps_one_prefix_per_request():
     # The first prefix, the arrivals and the tails are drawn as with one prefix.
     assert tuple(one.requests[0].prompt_token_ids[:32]) in prefixes
     assert several.params["num_prefixes"] == 4
+
+
+def test_structured_half_constrains_every_other_request_and_keeps_the_token_counts(tiny, tmp_path):
+    """The structured-output cost benchmark: the same W2, half its requests under the JSON
+    constraint that no request completes before its max_tokens, so both systems do the same work."""
+    out = tmp_path / "results" / "w2_structured.json"
+    code = cli.main(["W2", "--model", tiny, "--systems", "structured-half,continuous", "--num-requests", "4",
+                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert all(r["num_completed"] == 4 and r["all_token_counts_right"] for r in report["results"])
+    assert "structured-half/continuous" in report["ratios"]
+    seen = []
+    w = workloads.w2_offline(num_requests=4, low=4, high=8)
+    original = runners.SamplingParams
+
+    def recording(**kwargs):
+        seen.append(kwargs.get("structured_outputs"))
+        return original(**kwargs)
+
+    runners.SamplingParams = recording
+    try:
+        runners.run_engine(w, tiny, ENGINE, "structured-half", progress=False,
+                           structured_outputs=workloads.BENCH_STRUCTURED_OUTPUTS)
+    finally:
+        runners.SamplingParams = original
+    seen = seen[1:]  # the warm-up request
+    by_index = dict(zip(sorted(range(4), key=lambda i: w.requests[i].arrival_s), seen))
+    assert [by_index[i] is not None for i in range(4)] == [True, False, True, False]

@@ -14,7 +14,7 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
-from client.openai.translation import Job, client_names, piece_of, sampling_parameters, validate_sampling
+from client.openai.translation import Job, Piece, client_names, piece_of, sampling_parameters, validate_sampling
 
 
 def translate(model_cls, body: dict) -> Job:
@@ -179,10 +179,13 @@ def test_the_reasoning_switches_are_accepted_whatever_their_value():
     ({"model": "llm", "messages": HI, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ({"model": "llm"}, "messages", "missing_required_parameter"),
     ({"model": "llm", "messages": HI, "temperature": "hot"}, "temperature", "invalid_value"),
-    ({"model": "llm", "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_value"),
+    ({"model": "llm", "messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "invalid_value"),
     ({"model": "llm", "messages": HI, "n": 2}, "n", "unsupported_value"),
     ({"model": "llm", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
-    ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools.0.function", "missing_required_parameter"),
+    # tool_choice "auto" (the default with tools) would need the model's own tool-call format.
+    ({"model": "llm", "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     "unsupported_value"),
     ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "unsupported_value"),
     # The backend's own table (backend/request.py) decides, under the name the client used.
@@ -295,3 +298,126 @@ def test_completion_echo_puts_the_prompt_before_the_text():
     assert body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "2+2=4", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["completion_tokens"] == 1
+
+
+# ---------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     {"json": SCHEMA}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, {"json_object": True}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+    ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+])
+def test_structured_output_fields_become_the_backends_structured_outputs(fields, want):
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields})
+    assert job.sampling == {"structured_outputs": want}
+
+
+def test_text_response_format_asks_for_nothing():
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "response_format": {"type": "text"}}).sampling == {}
+
+
+def test_completions_take_the_vllm_structured_output_fields():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "x", "guided_choice": ["yes", "no"]})
+    assert job.sampling == {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "send one"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "send one"),
+    ({"guided_choice": []}, "guided_choice", "at least 1"),
+    ({"guided_json": "[1]"}, "guided_json", "JSON object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+])
+def test_bad_structured_output_fields_are_refused_naming_the_field(fields, param, needle):
+    error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields})
+    assert error.param == param and needle in error.message, (error.param, error.message)
+
+
+def test_a_backend_compile_error_names_the_clients_field():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI,
+                                            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+    error = job.backend_error("structured_outputs: the json constraint does not compile: Unsupported type")
+    assert (error.status, error.param) == (400, "response_format")
+
+
+# ---------------------------------------------------------------------------- tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_a_named_function_is_constrained_to_its_parameters():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER, TIME],
+                                            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert job.sampling == {"structured_outputs": {"json": WEATHER["function"]["parameters"]}}
+    assert job.forced_tool == "get_weather"
+    reply = job.whole([piece('{"city": "Paris"}', "stop")])
+    message = reply["choices"][0]["message"]
+    assert message["content"] is None and reply["choices"][0]["finish_reason"] == "stop"
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_required_is_an_array_of_calls_of_the_tools():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER, TIME],
+                                            "tool_choice": "required", "parallel_tool_calls": False})
+    schema = job.sampling["structured_outputs"]["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"enum": ["get_weather"]}, {"enum": ["get_time"]}]
+    assert schema["items"]["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    reply = job.whole([piece(text, "stop")])
+    assert reply["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in reply["choices"][0]["message"]["tool_calls"]] == [
+        {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+
+
+def test_a_call_cut_short_is_returned_as_text():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": "required"})
+    reply = job.whole([piece('[{"name": "get_wea', "length")])
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": '[{"name": "get_wea'}
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_streamed_tool_call_is_one_delta_at_the_end():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "stream": True,
+                                            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert job.chunk(piece('{"city": ', None, final=False), 0) is None
+    event = json.loads(job.chunk(piece('"Rome"}', "stop"), 0).decode()[len("data: "):])
+    choice = event["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["delta"]["tool_calls"][0]["index"] == 0
+    assert choice["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_tools_with_none_generate_text():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": "none"})
+    assert job.sampling == {} and job.forced_tool is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools.0.function.name"),
+])
+def test_bad_tool_requests_are_refused_naming_the_field(fields, param):
+    assert refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields}).param == param
+
+
+def piece(text: str, reason: str | None, final: bool = True) -> Piece:
+    return Piece(text=text, num_input_tokens=3, num_output_tokens=1, finish_reason=reason, logprobs=[], final=final)

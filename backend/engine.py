@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
+from backend.lora import install_adapters, load_adapter
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
 from backend.request import FinishReason, Request, RequestError, SamplingParams
@@ -108,6 +109,11 @@ class LLMEngine:
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        # Adapter name -> index among the stacked adapters (backend/lora.py), in multi_lora.json's order.
+        lora_modules = config.lora_modules or {}
+        adapters = [load_adapter(name, path, self.arch, config.max_lora_rank) for name, path in lora_modules.items()]
+        install_adapters(self.model, adapters, self.dtype, self.device)
+        self.lora_adapters = {adapter.name: i for i, adapter in enumerate(adapters)}
 
         block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)
@@ -217,6 +223,7 @@ class LLMEngine:
         if bad_ids:
             raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        lora_index = self._lora_index(params.lora_name)
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
                                         max_model_len=self.max_model_len, kv=self.kv)
         request = Request(
@@ -230,12 +237,24 @@ class LLMEngine:
             prompt_text=prompt_text,
             needs_logprobs=needs_logprobs or params.logprobs is not None,
             bad_words_token_ids=bad_words_token_ids,
+            lora_name=params.lora_name,
+            lora_index=lora_index,
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
         if trace:
             request.trace = RequestTrace(request.arrival_time)
         return request
+
+    def _lora_index(self, lora_name: str | None) -> int:
+        if lora_name is None:
+            return -1
+        index = self.lora_adapters.get(lora_name)
+        if index is None:
+            known = sorted(self.lora_adapters)
+            served = f"known adapters: {known}" if known else "this model serves no LoRA adapters (multi_lora.json)"
+            raise RequestError.invalid("lora_name", f"unknown LoRA adapter {lora_name!r}; {served}")
+        return index
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
         """The token sequences the sampler keeps out of a request's output, as vLLM derives

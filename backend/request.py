@@ -67,6 +67,8 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # The LoRA adapter to run the request with (a name from multi_lora.json); None: the base model.
+    lora_name: Optional[str] = Field(None, min_length=1, max_length=256)
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -185,6 +187,9 @@ class Request:
     needs_logprobs: bool = False
     # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The LoRA adapter (params.lora_name) and its index among the engine's adapters; -1: none.
+    lora_name: str | None = None
+    lora_index: int = -1
     # Set for a request whose client asked for its trace (backend/trace.py).
     trace: RequestTrace | None = None
     first_scheduled_time: float | None = None

@@ -435,10 +435,17 @@ class LLMEngine:
     def _snapshot(self, step: StepStats) -> EngineStats:
         running = self.scheduler.running
         pool = self.kv.pool
+        lora = {}
+        if self.lora_adapters:
+            lora = dict(
+                running_lora_adapters=tuple(sorted({r.lora_name for r in running if r.lora_name is not None})),
+                waiting_lora_adapters=tuple(sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name is not None})),
+                max_loras=self.config.max_loras,
+            )
         return EngineStats(
             num_running=len(running), num_waiting=self.num_waiting,
             num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
-            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free, step=step, totals=self._totals,
+            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free, step=step, totals=self._totals, **lora,
         )
 
     def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:

@@ -108,6 +108,12 @@ class EngineStats:
     num_free_kv_blocks: int = 0  # free ones, cached or not: what can be handed out now
     step: StepStats = StepStats()
     totals: Totals = Totals()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests, and how many
+    # may run in one step: vLLM's lora_requests_info labels, which routers read for adapter
+    # affinity. Empty when the model serves no adapters.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def num_used_kv_blocks(self) -> int:

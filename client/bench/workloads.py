@@ -31,6 +31,8 @@ class BenchRequest:
     label: str = ""
     # The prompt as text, for servers; set by attach_text.
     prompt_text: str | None = None
+    # The LoRA adapter the request runs with (engine systems with adapters); None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass

@@ -271,3 +271,21 @@ def test_default_model_with_a_rank8_adapter(tmp_path_factory):
     for i in range(len(all_prompts)):
         want = (want_lora if names[i] else want_base)[i % len(prompts)]
         assert streamed[f"r{i}"] == want, (i, names[i])
+
+
+def test_stats_report_running_and_waiting_adapters(base, adapters):
+    """vLLM's lora_requests_info labels come from the engine's snapshot."""
+    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+                                    max_lora_rank=64, max_loras=1, num_kv_blocks=64))
+    assert (engine.stats.running_lora_adapters, engine.stats.waiting_lora_adapters) == ((), ())
+    for k, name in enumerate(["qv-r16", None, "all-r8", "qv-r16"]):
+        engine.add_request(f"s{k}", PROMPTS[k], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                               lora_name=name))
+    engine.step()
+    stats = engine.stats
+    assert stats.running_lora_adapters == ("qv-r16",) and stats.max_loras == 1
+    assert stats.waiting_lora_adapters == ("all-r8", "qv-r16")
+    assert stats.num_running == 2  # the base request ran beside qv-r16; all-r8 holds the queue
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.stats.running_lora_adapters, engine.stats.waiting_lora_adapters) == ((), ())

@@ -289,3 +289,40 @@ def test_stats_report_running_and_waiting_adapters(base, adapters):
     while engine.has_unfinished():
         engine.step()
     assert (engine.stats.running_lora_adapters, engine.stats.waiting_lora_adapters) == ((), ())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_logprobs_with_adapters(base, adapters, dtype):
+    """With batch_invariant on, a request's logprobs under an adapter are bitwise the same
+    alone and in a batch where its adapter's segment also holds other requests' tokens and
+    other adapters' segments surround it."""
+    def probe_logprobs(others):
+        engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype=dtype, lora_modules=adapters,
+                                        batch_invariant=True, **CONFIG))
+        for k, (name, prompt) in enumerate(others):
+            engine.add_request(f"o{k}", prompt, SamplingParams(temperature=0.0, max_tokens=3 + k % 5, ignore_eos=True,
+                                                               lora_name=name))
+        engine.add_request("probe", PROMPTS[10], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                logprobs=0, lora_name="all-r8"))
+        logprobs = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "probe":
+                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
+        return logprobs
+
+    alone = probe_logprobs([])
+    mixed = probe_logprobs([(NAMES[k % 4], PROMPTS[k]) for k in range(9)])
+    assert len(alone) == 8 and alone == mixed
+
+
+def test_random_adapter_from_the_command_line(base, tmp_path, capsys):
+    from tools.random_checkpoint import main
+
+    dest = str(tmp_path / "cli-r4")
+    assert main([dest, "--lora-for", base, "--rank", "4", "--target-modules", "q_proj", "down_proj"]) == 0
+    assert capsys.readouterr().out.strip() == dest
+    adapter = load_adapter("cli", dest, load_arch(base)[0], max_lora_rank=4)
+    assert adapter.rank == 4 and adapter.target_modules == ["down_proj", "q_proj"]
+    assert adapter.scaling == 2.0  # lora_alpha defaults to 2r
+    assert all(b.abs().sum() > 0 for _, b in adapter.weights.values()), "B must be nonzero to change anything"

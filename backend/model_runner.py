@@ -170,9 +170,11 @@ class ModelRunner:
                 if index >= 0 and (not adapters or adapters[-1] != index):
                     starts.append(int(cu[i]))
                     adapters.append(index)
+            bounds = np.array(starts + [int(cu[-1])], dtype=np.int32)
             lora = LoRABatch(
-                seg_indptr=to_device(np.array(starts + [int(cu[-1])], dtype=np.int32), np.int32),
+                seg_indptr=to_device(bounds, np.int32),
                 seg_adapter=to_device(np.array(adapters, dtype=np.int32), np.int32),
+                max_seg_len=int(np.diff(bounds).max()),
             )
         meta = AttentionMetadata(
             slot_mapping=to_device(slot_mapping, np.int64),

@@ -21,7 +21,7 @@ with the references (and the references with naive loops).
     build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
     linear(x, weight, bias=None, packed=None) -> out; pack_linear_weight(weight) -> packed | None
         (CPU only: weights in the GEMM library's own layout; see linear.py)
-    lora_delta(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed=None)
+    lora_delta(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed=None, max_seg_len=None)
         in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
 """
 
@@ -101,8 +101,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b, slice_offsets, seg_indptr: torch.Tensor,
-               seg_adapter: torch.Tensor, packed=None) -> None:
-    """`packed` (CPU): per adapter, its weights packed for the panel GEMM (lora.py)."""
+               seg_adapter: torch.Tensor, packed=None, max_seg_len: int | None = None) -> None:
+    """`packed` (CPU): per adapter, its weights packed for the panel GEMM; `max_seg_len`
+    (CUDA): the longest segment, which spares reading it from the device (lora.py)."""
     if x.is_cuda:
-        return lora_delta_triton(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter)
+        return lora_delta_triton(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, max_seg_len)
     return lora_delta_cpu(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed)

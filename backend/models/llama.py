@@ -64,6 +64,7 @@ class LoRABatch:
 
     seg_indptr: torch.Tensor  # int32 [num_segments + 1]
     seg_adapter: torch.Tensor  # int32 [num_segments], index into the stacked adapters
+    max_seg_len: int  # tokens in the longest segment (the GPU kernels' grid, known without a sync)
 
 
 @dataclass
@@ -94,7 +95,8 @@ class Linear(nn.Linear):
         y = kernels.linear(x, self.weight, self.bias, self.packed)
         if lora is not None and self.lora is not None:
             w = self.lora
-            kernels.lora_delta(x, y, w.lora_a, w.lora_b, w.slice_offsets, lora.seg_indptr, lora.seg_adapter, w.packed)
+            kernels.lora_delta(x, y, w.lora_a, w.lora_b, w.slice_offsets, lora.seg_indptr, lora.seg_adapter,
+                               w.packed, lora.max_seg_len)
         return y
 
 

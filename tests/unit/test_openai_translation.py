@@ -238,3 +238,14 @@ def test_completion_echo_puts_the_prompt_before_the_text():
     assert body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "2+2=4", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["completion_tokens"] == 1
+
+
+def test_a_lora_adapter_as_the_model_runs_on_its_base_model_with_lora_name():
+    req = parse_request(CompletionRequest, {"model": "sql", "prompt": "SELECT", "max_tokens": 4})
+    sampling = sampling_parameters(req)
+    job = Job.of(req, "SELECT", sampling, triton_model="llm")
+    assert (job.model, job.triton_model, job.sampling["lora_name"]) == ("sql", "llm", "sql")
+    assert "lora_name" not in sampling  # the caller's dict is left alone
+    plain = Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}, triton_model="llm")
+    assert plain.triton_model == "llm" and "lora_name" not in plain.sampling
+    assert Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}).triton_model == "llm"

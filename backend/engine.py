@@ -114,6 +114,9 @@ class LLMEngine:
         adapters = [load_adapter(name, path, self.arch, config.max_lora_rank) for name, path in lora_modules.items()]
         install_adapters(self.model, adapters, self.dtype, self.device)
         self.lora_adapters = {adapter.name: i for i, adapter in enumerate(adapters)}
+        for adapter in adapters:
+            log.info("LoRA adapter %r: r=%d on %s (%s)", adapter.name, adapter.rank,
+                     "/".join(adapter.target_modules), adapter.path)
 
         block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)

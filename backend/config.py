@@ -39,6 +39,9 @@ MAX_TENANT_WEIGHTS = 256
 # Longest context we size for when the checkpoint does not say, or says something huge:
 # the KV pool on a 2-core CPU box would never hold 128k tokens anyway.
 MAX_MODEL_LEN_CAP = 8192
+# LoRA adapters a model serves, in its model folder (beside config.pbtxt), as Triton's vLLM
+# backend names it: {"adapter name": "path"}, a relative path from that folder.
+MULTI_LORA_FILE = "multi_lora.json"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,14 @@ class EngineConfig:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    # Multi-LoRA (backend/lora.py), with vLLM's names. `lora_modules` {name: adapter folder}
+    # comes from the model folder's multi_lora.json; `enable_lora` None ("auto"): on when
+    # that file exists. `max_loras`: adapters in one step (a request of a further adapter
+    # waits); `max_lora_rank`: the largest rank an adapter may have.
+    enable_lora: bool | None = None
+    lora_modules: dict | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -121,6 +132,13 @@ class EngineConfig:
               "kv_events_replay_endpoint needs kv_events_endpoint")
         check(not self.kv_events_endpoint or self.enable_prefix_caching,
               "kv_events_endpoint needs enable_prefix_caching (the events describe the prefix cache)")
+        check(1 <= self.max_loras <= 1024, f"max_loras={self.max_loras} must be in [1, 1024]")
+        check(1 <= self.max_lora_rank <= 512, f"max_lora_rank={self.max_lora_rank} must be in [1, 512]")
+        modules = self.lora_modules or {}
+        check(isinstance(modules, dict) and all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                for k, v in modules.items()),
+              f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
+        check(not (modules and self.enable_lora is False), "lora_modules given but enable_lora=false")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":
@@ -144,6 +162,12 @@ class EngineConfig:
         elif not os.path.isabs(model_path):
             model_path = os.path.normpath(os.path.join(model_dir, model_path))
         values["model_path"] = model_path
+        if values.get("enable_lora") is not False and "lora_modules" not in values:
+            lora_file = os.path.join(os.path.dirname(os.path.normpath(model_dir)), MULTI_LORA_FILE)
+            if os.path.isfile(lora_file):
+                values["lora_modules"] = read_multi_lora(lora_file)
+            elif values.get("enable_lora"):
+                raise ValueError(f"invalid engine parameter: enable_lora=true but there is no {lora_file}")
         return cls(**values)
 
 
@@ -182,6 +206,19 @@ class ServingOptions:
         values = {field: _parse(name, fields[field].type, params[name])
                   for name, field in cls.PARAMETERS.items() if name in params}
         return cls(**values)
+
+
+def read_multi_lora(path: str) -> dict[str, str]:
+    """{adapter name: absolute folder} from a multi_lora.json; relative paths are from its folder."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in raw.items()):
+        raise ValueError(f'{path} must be a JSON object {{"adapter name": "path", ...}}')
+    base = os.path.dirname(os.path.abspath(path))
+    return {name: os.path.normpath(os.path.join(base, folder)) for name, folder in raw.items()}
 
 
 def _parse(name: str, annotation: Any, raw: str) -> Any:

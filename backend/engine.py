@@ -25,6 +25,7 @@ from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
+from backend.lora import install_adapters, load_adapter
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
@@ -115,6 +116,14 @@ class LLMEngine:
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        # Adapter name -> index among the stacked adapters (backend/lora.py), in multi_lora.json's order.
+        lora_modules = config.lora_modules or {}
+        adapters = [load_adapter(name, path, self.arch, config.max_lora_rank) for name, path in lora_modules.items()]
+        install_adapters(self.model, adapters, self.dtype, self.device)
+        self.lora_adapters = {adapter.name: i for i, adapter in enumerate(adapters)}
+        for adapter in adapters:
+            log.info("LoRA adapter %r: r=%d on %s (%s)", adapter.name, adapter.rank,
+                     "/".join(adapter.target_modules), adapter.path)
 
         block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)
@@ -234,6 +243,7 @@ class LLMEngine:
         if bad_ids:
             raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
         bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        lora_index = self._lora_index(params.lora_name)
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
                                         max_model_len=self.max_model_len, kv=self.kv)
         request = Request(
@@ -247,6 +257,8 @@ class LLMEngine:
             prompt_text=prompt_text,
             needs_logprobs=needs_logprobs or params.logprobs is not None,
             bad_words_token_ids=bad_words_token_ids,
+            lora_name=params.lora_name,
+            lora_index=lora_index,
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
@@ -255,6 +267,16 @@ class LLMEngine:
         if params.structured_outputs is not None:
             request.grammar = GrammarState(self.grammar_compiler.submit(params.structured_outputs))
         return request
+
+    def _lora_index(self, lora_name: str | None) -> int:
+        if lora_name is None:
+            return -1
+        index = self.lora_adapters.get(lora_name)
+        if index is None:
+            known = sorted(self.lora_adapters)
+            served = f"known adapters: {known}" if known else "this model serves no LoRA adapters (multi_lora.json)"
+            raise RequestError.invalid("lora_name", f"unknown LoRA adapter {lora_name!r}; {served}")
+        return index
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
         """The token sequences the sampler keeps out of a request's output, as vLLM derives
@@ -507,12 +529,19 @@ class LLMEngine:
         counts: dict[str, list[int]] = {}
         for request in self.scheduler.requests.values():
             counts.setdefault(request.tenant, [0, 0])[request.status is not RequestStatus.RUNNING] += 1
+        lora = {}
+        if self.lora_adapters:
+            lora = dict(
+                running_lora_adapters=tuple(sorted({r.lora_name for r in running if r.lora_name is not None})),
+                waiting_lora_adapters=tuple(sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name is not None})),
+                max_loras=self.config.max_loras,
+            )
         return EngineStats(
             num_running=len(running), num_waiting=self.num_waiting,
             num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
             num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
             requests_by_tenant=tuple((tenant, n[0], n[1]) for tenant, n in sorted(counts.items())),
-            step=step, totals=self._totals,
+            step=step, totals=self._totals, **lora,
         )
 
     def _advance_grammars(self, tokens: dict[Request, int]) -> dict[Request, RequestError]:

@@ -7,6 +7,7 @@ shared between requests through the prefix cache (reference counted).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -17,8 +18,16 @@ import numpy as np
 from backend import kv_events
 from backend.request import Request
 
-# Chain root: the parent hash of a sequence's first block.
+# Chain root: the parent hash of a sequence's first block (with no LoRA adapter).
 ROOT_HASH = b""
+
+
+@functools.lru_cache(maxsize=1024)
+def root_hash(lora_name: str | None) -> bytes:
+    """The parent hash of a sequence's first block: KV computed under a LoRA adapter differs
+    from the base model's and from every other adapter's for the same tokens, so each adapter
+    roots a chain of its own."""
+    return ROOT_HASH if lora_name is None else hashlib.sha256(b"lora\0" + lora_name.encode()).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -273,7 +282,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else root_hash(request.lora_name)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, request: Request) -> list[int]:

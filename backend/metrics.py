@@ -8,6 +8,7 @@ passed in so that `model.py` stays the one importer of `triton_python_backend_ut
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -29,6 +30,8 @@ LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 # How often vllm:lora_requests_info's timestamp moves on (vLLM refreshes it at every stats
 # record; each set here is an IPC round trip, so at most once a second).
 LORA_INFO_REFRESH_S = 1.0
+# Its series kept at most (one per adapter combination seen, as vLLM's; the oldest goes first).
+MAX_LORA_INFO_SERIES = 64
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
 
@@ -82,15 +85,17 @@ class EngineMetrics:
         # vLLM's pre-v1 name of the KV usage. llm-d's endpoint picker parses two info gauges by
         # their labels: cache_config_info's block_size and num_gpu_blocks (vLLM labels it with
         # every CacheConfig field; these are the ones this engine has), and lora_requests_info,
-        # whose value is the time of its last refresh (the picker keeps the newest sample).
-        # This engine serves no LoRA adapters: max_lora 0, both adapter lists empty.
+        # whose value is the time of its last refresh (the picker keeps the newest sample), one
+        # series per (max_lora, running adapters, waiting adapters) seen, as vLLM's.
         self.vllm_gpu_kv = gauge_family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.").Metric(labels=vllm)
         cache_info = gauge_family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")
         self.cache_info = cache_info.Metric(labels={**labels, **cache_config_labels(engine)})
         self.cache_info.set(1)
-        lora_info = gauge_family("vllm:lora_requests_info", "Running stats on lora requests.")
-        self.lora_info = lora_info.Metric(labels={**labels, "max_lora": "0", "running_lora_adapters": "",
-                                                  "waiting_lora_adapters": ""})
+        self._lora_family = gauge_family("vllm:lora_requests_info", "Running stats on lora requests.")
+        self._lora_labels = labels
+        self._lora_series: dict[tuple[str, str, str], object] = {}
+        self._lora_key = self._lora_info_key(engine.stats)
+        self._lora_series_of(self._lora_key)  # there for the first scrape
         self._lora_refreshed = 0.0
         success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
         self.success = {reason: success.Metric(labels={**vllm, "finished_reason": reason})
@@ -203,9 +208,11 @@ class EngineMetrics:
             ("tokens_per", config.block_size), ("reused", totals.prefix_hit_tokens // config.block_size),
             ("fraction", usage))]
         now = self._clock()
-        if now - self._lora_refreshed >= LORA_INFO_REFRESH_S:
-            gauges.append((self.lora_info, now))
-            self._lora_refreshed = now
+        lora_key = self._lora_info_key(stats)
+        if lora_key != self._lora_key or now - self._lora_refreshed >= LORA_INFO_REFRESH_S:
+            # The series is made where the update is applied: making one is an IPC call too.
+            updates.append((functools.partial(self._set_lora_info, lora_key), now))
+            self._lora_key, self._lora_refreshed = lora_key, now
         by_label = {label: [0, 0] for label in self.tenant_running}
         for tenant, running_n, waiting_n in stats.requests_by_tenant:
             counts = by_label[self.tenant_label(tenant)]
@@ -222,6 +229,27 @@ class EngineMetrics:
                 self._published[id(metric)] = value
         if updates:
             self._publish(updates)
+
+    @staticmethod
+    def _lora_info_key(stats) -> tuple[str, str, str]:
+        return (str(stats.max_loras), ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters))
+
+    def _lora_series_of(self, key: tuple[str, str, str]):
+        series = self._lora_series.get(key)
+        if series is None:
+            if len(self._lora_series) >= MAX_LORA_INFO_SERIES:
+                # The oldest series goes (Triton drops a metric whose object is collected): a
+                # router keeps the newest sample anyway.
+                del self._lora_series[next(iter(self._lora_series))]
+            max_lora, running, waiting = key
+            series = self._lora_family.Metric(labels={**self._lora_labels, "max_lora": max_lora,
+                                                       "running_lora_adapters": running,
+                                                       "waiting_lora_adapters": waiting})
+            self._lora_series[key] = series
+        return series
+
+    def _set_lora_info(self, key: tuple[str, str, str], value: float) -> None:
+        self._lora_series_of(key).set(value)
 
     def on_finished(self, output) -> None:
         """Once per ended request, from its final output: one count in request_success and

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from backend.config import EngineConfig
-from backend.models.llama import AttentionMetadata, ModelArch
+from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
@@ -86,6 +86,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.batch_invariant = resolve_batch_invariance(config.batch_invariant, device)
+        self.has_lora = bool(config.lora_modules)
         if device.type == "cpu":
             cpu_ext.load()  # at startup, not in the first request's forward pass
         shape = (num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim)
@@ -104,6 +105,14 @@ class ModelRunner:
         scheduled = plan.scheduled
         if not scheduled:
             return None
+        lora_indices = [r.lora_index for r, _ in scheduled] if self.has_lora else None
+        if lora_indices is not None and max(lora_indices) >= 0:
+            # Requests of one adapter side by side: one segment per adapter (kernels/lora.py).
+            order = sorted(range(len(scheduled)), key=lora_indices.__getitem__)
+            scheduled = [scheduled[i] for i in order]
+            lora_indices = [lora_indices[i] for i in order]
+        else:
+            lora_indices = None
         bs = self.block_size
         n = len(scheduled)
         # This runs every iteration for every request. Per request only a few flat Python
@@ -155,6 +164,19 @@ class ModelRunner:
             tensor = torch.from_numpy(array.astype(dtype, copy=False))
             return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
+        lora = None
+        if lora_indices is not None:
+            starts, adapters = [], []
+            for i, index in enumerate(lora_indices):
+                if index >= 0 and (not adapters or adapters[-1] != index):
+                    starts.append(int(cu[i]))
+                    adapters.append(index)
+            bounds = np.array(starts + [int(cu[-1])], dtype=np.int32)
+            lora = LoRABatch(
+                seg_indptr=to_device(bounds, np.int32),
+                seg_adapter=to_device(np.array(adapters, dtype=np.int32), np.int32),
+                max_seg_len=int(np.diff(bounds).max()),
+            )
         meta = AttentionMetadata(
             slot_mapping=to_device(slot_mapping, np.int64),
             block_tables=to_device(block_tables, np.int32),
@@ -163,6 +185,7 @@ class ModelRunner:
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=int(seq_lens.max()),
             batch_invariant=self.batch_invariant,
+            lora=lora,
         )
         return StepInputs(
             input_ids=to_device(input_ids, np.int64),

@@ -152,6 +152,8 @@ class SamplingParams(BaseModel):
     @classmethod
     def _structured_outputs_as_object(cls, value: Any) -> Any:
         return None if value is None else _json_object(value, "structured_outputs")
+    # The LoRA adapter to run the request with (a name from multi_lora.json); None: the base model.
+    lora_name: Optional[str] = Field(None, min_length=1, max_length=256)
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -326,6 +328,9 @@ class Request:
     needs_logprobs: bool = False
     # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The LoRA adapter (params.lora_name) and its index among the engine's adapters; -1: none.
+    lora_name: str | None = None
+    lora_index: int = -1
     # Set for a request whose client asked for its trace (backend/trace.py).
     trace: RequestTrace | None = None
     first_scheduled_time: float | None = None

@@ -218,10 +218,17 @@ class Scheduler:
 
         # Admitting while evicting would only thrash: wait for the pool to recover.
         admit = not plan.preempted and policy.may_admit(running_at_start)
+        # LoRA adapters of the running requests: at most max_loras in a step. A request of a
+        # further adapter stops admission rather than being passed over, so that it cannot
+        # starve: the running adapters' requests finish and make room for it.
+        active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
         while admit and len(policy) > 0 and (budget > 0 or policy.admits_beyond_budget):
             request = policy.peek()
             if request in plan.preempted:
                 break  # a victim of this very step: re-admitting it now would only thrash
+            lora = request.lora_name
+            if lora is not None and lora not in active_loras and len(active_loras) >= cfg.max_loras:
+                break
             if len(self.running) >= cfg.max_num_seqs:
                 if not self._preempt_for(request, plan, granted):
                     break
@@ -236,6 +243,8 @@ class Scheduler:
             policy.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                active_loras.add(lora)
             if num_new > 0:
                 granted[request] = num_new
                 budget -= num_new

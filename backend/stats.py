@@ -113,6 +113,12 @@ class EngineStats:
     requests_by_tenant: tuple[tuple[str, int, int], ...] = ()
     step: StepStats = StepStats()
     totals: Totals = Totals()
+    # LoRA adapters (names, sorted) of the running and of the waiting requests, and how many
+    # may run in one step: vLLM's lora_requests_info labels, which routers read for adapter
+    # affinity. Empty when the model serves no adapters.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def num_used_kv_blocks(self) -> int:

@@ -21,6 +21,8 @@ with the references (and the references with naive loops).
     build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
     linear(x, weight, bias=None, packed=None) -> out; pack_linear_weight(weight) -> packed | None
         (CPU only: weights in the GEMM library's own layout; see linear.py)
+    lora_delta(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed=None, max_seg_len=None)
+        in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
 from .kv_store import store_kv_reference, store_kv_triton
 from .linear import PackedWeight, linear, pack_linear_weight
+from .lora import lora_delta_cpu, lora_delta_reference, lora_delta_triton
 from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
@@ -42,6 +45,7 @@ __all__ = [
     "rms_norm_reference", "rms_norm_triton", "rms_norm_cpu",
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
+    "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
 ]
 
 
@@ -94,3 +98,12 @@ def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_cpu(x)
+
+
+def lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b, slice_offsets, seg_indptr: torch.Tensor,
+               seg_adapter: torch.Tensor, packed=None, max_seg_len: int | None = None) -> None:
+    """`packed` (CPU): per adapter, its weights packed for the panel GEMM; `max_seg_len`
+    (CUDA): the longest segment, which spares reading it from the device (lora.py)."""
+    if x.is_cuda:
+        return lora_delta_triton(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, max_seg_len)
+    return lora_delta_cpu(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed)

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .activation import _silu_and_mul_kernel
     from .kv_store import _store_kv_kernel
+    from .lora import _lora_expand_kernel, _lora_shrink_kernel
     from .paged_attention import _paged_attention_kernel, attention_config
     from .rms_norm import _rms_norm_kernel
     from .rotary import _rotary_kernel
@@ -69,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
              {"pos_ptr": "*i64", "q_ptr": p, "k_ptr": p, "q_out_ptr": p, "k_out_ptr": p, "cos_sin_ptr": "*fp32"},
              dict(HALF=64, HALF_PAD=64, BLOCK_HQ=32, BLOCK_HK=8, IS_NEOX=True)),
             ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024)),
+            ("lora_shrink", _lora_shrink_kernel,
+             {"x_ptr": p, "a_ptr": p, "buf_ptr": "*fp32", "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
+             dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64)),
+            ("lora_expand", _lora_expand_kernel,
+             {"buf_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
+             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16)),
         ]
         jobs = [job + (4,) for job in jobs]
         for hd, qpk, bs, max_q in attention:

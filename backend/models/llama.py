@@ -58,12 +58,37 @@ class AttentionMetadata:
     max_seqlen_k: int
     # Attention reduces in the same order for a token whatever chunk or batch it is in.
     batch_invariant: bool = False
+    # Which tokens run which LoRA adapter; None when no scheduled request has one.
+    lora: LoRABatch | None = None
+
+
+@dataclass
+class LoRABatch:
+    """The step's tokens cut into runs that share one adapter (kernels/lora.py's segments);
+    tokens of no adapter are in none."""
+
+    seg_indptr: torch.Tensor  # int32 [num_segments + 1]
+    seg_adapter: torch.Tensor  # int32 [num_segments], index into the stacked adapters
+    max_seg_len: int  # tokens in the longest segment (the GPU kernels' grid, known without a sync)
+
+
+@dataclass
+class LoRAWeights:
+    """Every loaded adapter's weights for one projection, stacked in kernels/lora.py's layout:
+    one slice per part of a fused projection (q|k|v, gate|up), rank padded to the largest."""
+
+    lora_a: torch.Tensor  # [num_adapters, num_slices * rank, in]
+    lora_b: list[torch.Tensor]  # per slice [num_adapters, slice_out, rank], scaling folded in
+    slice_offsets: list[int]
+    # CPU: per adapter, (lora_a, [lora_b per slice]) packed for the panel GEMM.
+    packed: list | None = None
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be packed once for the CPU's GEMM library (kernels.linear)."""
 
     packed: kernels.PackedWeight | None = None
+    lora: LoRAWeights | None = None  # set by backend/lora.py when adapters are loaded
 
     def pack(self) -> None:
         self.packed = kernels.pack_linear_weight(self.weight)
@@ -71,8 +96,13 @@ class Linear(nn.Linear):
             # The packed copy is the weight from now on; keep only its shape and dtype.
             self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        y = kernels.linear(x, self.weight, self.bias, self.packed)
+        if lora is not None and self.lora is not None:
+            w = self.lora
+            kernels.lora_delta(x, y, w.lora_a, w.lora_b, w.slice_offsets, lora.seg_indptr, lora.seg_adapter,
+                               w.packed, lora.max_seg_len)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +134,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, cos_sin_cache, k_cache, v_cache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, meta.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -117,7 +147,7 @@ class LlamaAttention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
             self.scale, meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant,
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), meta.lora)
 
 
 class LlamaMLP(nn.Module):
@@ -126,8 +156,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x, lora: LoRABatch | None = None):
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -146,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin_cache, k_cache, v_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -86,3 +86,33 @@ def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_sh
 SMALL_SHAPE = dict(TINY_SHAPE, initializer_range=0.1, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE}
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_random_adapter(dest: str, base_model: str, rank: int = 8, seed: int = 0,
+                        target_modules: tuple[str, ...] = LORA_TARGET_MODULES, lora_alpha: int | None = None,
+                        std: float = 0.1, use_rslora: bool = False) -> str:
+    """Write a random PEFT LoRA adapter for the checkpoint at `base_model` to `dest`
+    (idempotent) and return it.
+
+    PEFT itself makes and saves it (adapter_config.json + adapter_model.safetensors). Both A
+    and B are random (PEFT initialises B to zero, which would change nothing): entries of
+    std `std` / sqrt(fan-in), so the delta is a small but real change of every target's output.
+    """
+    if os.path.exists(os.path.join(dest, "adapter_config.json")):
+        return dest
+    import peft  # only for making adapters: the engine reads the files itself
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=lora_alpha or 2 * rank, target_modules=list(target_modules),
+                             lora_dropout=0.0, bias="none", use_rslora=use_rslora, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std / param.shape[1] ** 0.5)
+    os.makedirs(dest, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    return dest

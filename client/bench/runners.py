@@ -60,7 +60,7 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
                 priority=spec.priority, seed=seeded if spec.temperature > 0 else None, tenant=spec.tenant,
-                structured_outputs=structured_outputs if index % 2 == 0 else None,
+                lora_name=spec.lora_name, structured_outputs=structured_outputs if index % 2 == 0 else None,
             )
             engine.add_request(str(index), spec.prompt_token_ids, params)
             records[index].arrival = time.perf_counter()

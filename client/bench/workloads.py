@@ -35,6 +35,8 @@ class BenchRequest:
     tenant: str = "default"
     # The prompt as text, for servers; set by attach_text.
     prompt_text: str | None = None
+    # The LoRA adapter the request runs with (engine systems with adapters); None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass

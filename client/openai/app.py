@@ -28,7 +28,7 @@ from client.openai.translation import (
     sse_event,
     validate_sampling,
 )
-from client.openai.upstream import Catalog, ClientGone, Generation
+from client.openai.upstream import Catalog, ClientGone, Generation, ModelInfo
 
 log = logging.getLogger("inflight.openai")
 
@@ -147,13 +147,21 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         models = await state["catalog"].refresh()
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "inflight"} for m in models]}
+        by_name = {m.name: m for m in models}
+        return {"object": "list", "data": [model_card(m.name, m) for m in models] + [
+            model_card(name, by_name[parent]) for name, parent in state["catalog"].adapters().items()]}
+
+    def model_card(name: str, info: ModelInfo) -> dict[str, Any]:
+        """Model `info`, or, when `name` is one of its LoRA adapters, that adapter with the
+        model as its parent (vLLM's card for an adapter)."""
+        card = {"id": name, "object": "model", "created": info.created, "owned_by": "inflight"}
+        if name != info.name:
+            card["parent"] = info.name
+        return card
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str):
-        m = await state["catalog"].get(name)
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "inflight"}
+        return model_card(name, await state["catalog"].get(name))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -161,8 +169,8 @@ def create_app(settings: Settings) -> FastAPI:
         prompt = req.check()
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
-        await state["catalog"].get(req.model)
-        return await run(request, Job.of(req, prompt, sampling))
+        info = await state["catalog"].get(req.model)
+        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -173,7 +181,7 @@ def create_app(settings: Settings) -> FastAPI:
         info = await state["catalog"].get(req.model)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
         prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
-        return await run(request, Job.of(req, prompt, sampling))
+        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's kv_aware
     # policy asks a worker for them to match a request against the KV events' token ids.

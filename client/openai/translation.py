@@ -258,21 +258,30 @@ class Job:
     aliases: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    # The Triton model that runs the job: `model` itself, or the model serving the LoRA
+    # adapter that `model` names (then `sampling` carries its lora_name).
+    triton_model: str = ""
 
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
         self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        self.triton_model = self.triton_model or self.model
 
     @classmethod
-    def of(cls, req: CompletionRequest | ChatCompletionRequest, prompt: str, sampling: dict[str, Any]) -> "Job":
-        """The job for a checked request, its prompt text and its sampling_parameters."""
+    def of(cls, req: CompletionRequest | ChatCompletionRequest, prompt: str, sampling: dict[str, Any],
+           triton_model: str = "") -> "Job":
+        """The job for a checked request, its prompt text and its sampling_parameters; a
+        `triton_model` other than the request's model means the request's model is a LoRA
+        adapter of it."""
+        if triton_model and triton_model != req.model:
+            sampling = {**sampling, "lora_name": req.model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if isinstance(req, CompletionRequest):
             return cls("completion", req.model, prompt, sampling, req.stream, include_usage, req.logprobs,
-                       echo=req.echo, aliases=client_names(req))
+                       echo=req.echo, aliases=client_names(req), triton_model=triton_model)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
-                   forced_tool=req.forced_tool, aliases=client_names(req))
+                   forced_tool=req.forced_tool, aliases=client_names(req), triton_model=triton_model)
 
     def triton_inputs(self) -> list:
         """The inputs of the job's one Triton request, streamed, without the prompt in its text."""

@@ -9,13 +9,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from tritonclient.utils import InferenceServerException
 
+from backend.config import MULTI_LORA_FILE, read_multi_lora
 from client.openai.schema import ApiError
 from client.openai.settings import DEFAULT_MODEL_REPOSITORY, Settings
 from client.openai.translation import Job, Piece, piece_of
@@ -54,7 +55,7 @@ class Generation:
         inputs = job.triton_inputs()
 
         async def requests_iter():
-            yield {"model_name": job.model, "inputs": inputs, "request_id": job.request_id,
+            yield {"model_name": job.triton_model, "inputs": inputs, "request_id": job.request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}
 
         self._call = client.stream_infer(requests_iter(), stream_timeout=timeout_s)
@@ -89,7 +90,7 @@ class Generation:
         if not self.finished and not self.cancelled:
             self.cancelled = True
             self._call.cancel()
-            log.info("cancelled Triton request on model %s (client went away)", self.job.model)
+            log.info("cancelled Triton request on model %s (client went away)", self.job.triton_model)
 
 
 @dataclass
@@ -98,6 +99,8 @@ class ModelInfo:
     config: dict[str, Any]
     versions: list[str]
     created: int
+    # The LoRA adapters the model serves (its multi_lora.json in the model repository).
+    lora_names: list[str] = field(default_factory=list)
 
     @property
     def parameters(self) -> dict[str, str]:
@@ -119,6 +122,7 @@ class Catalog:
         self.settings = settings
         self.client = client
         self._models: dict[str, ModelInfo] = {}
+        self._adapters: dict[str, str] = {}
         self._tokenizers: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
         self._started = int(time.time())
@@ -165,13 +169,36 @@ class Catalog:
                 info = ModelInfo(name, config, versions, self._started)
             info.versions = versions
             models[name] = info
+        for info in models.values():
+            info.lora_names = self._lora_names(info.name)
         self._models = models
+        # An adapter is served under its own name, as vLLM lists it; the first model wins a name two share.
+        self._adapters = {}
+        for info in models.values():
+            for lora in info.lora_names:
+                if lora not in models:
+                    self._adapters.setdefault(lora, info.name)
         return list(models.values())
 
+    def _lora_names(self, model: str) -> list[str]:
+        path = Path(self.settings.model_repository or DEFAULT_MODEL_REPOSITORY) / model / MULTI_LORA_FILE
+        if not path.is_file():
+            return []
+        try:
+            return list(read_multi_lora(str(path)))
+        except ValueError as exc:
+            log.warning("ignoring the LoRA adapters of model %s: %s", model, exc)
+            return []
+
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter name -> the model that serves it (as of the last refresh)."""
+        return dict(self._adapters)
+
     async def get(self, name: str) -> ModelInfo:
-        if name not in self._models:
+        """The model called `name`, or the model that serves the LoRA adapter called `name`."""
+        if name not in self._models and name not in self._adapters:
             await self.refresh()
-        info = self._models.get(name)
+        info = self._models.get(name) or self._models.get(self._adapters.get(name, ""))
         if info is None:
             raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
         return info

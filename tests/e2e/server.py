@@ -71,9 +71,10 @@ def set_instance_count(config_text: str, count: int) -> str:
 
 
 def make_model_repository(root: Path, parameters: Mapping[str, str], name: str = "llm",
-                          instances: int | None = None) -> Path:
+                          instances: int | None = None, files: Mapping[str, str] | None = None) -> Path:
     """Copy model_repository/llm into `root`/`name` with `parameters` set (and `instances`
-    CPU instances when given); returns `root`."""
+    CPU instances when given), and `files` (name -> text) written into the model's folder
+    (e.g. multi_lora.json); returns `root`."""
     dst = root / name
     shutil.copytree(REPO_ROOT / "model_repository" / "llm", dst)
     config = (dst / "config.pbtxt").read_text()
@@ -82,6 +83,8 @@ def make_model_repository(root: Path, parameters: Mapping[str, str], name: str =
     if instances is not None:
         config = set_instance_count(config, instances)
     (dst / "config.pbtxt").write_text(config)
+    for filename, text in (files or {}).items():
+        (dst / filename).write_text(text)
     return root
 
 
@@ -142,16 +145,19 @@ class TritonServer:
 
 def start_tritonserver(root: Path, models: Mapping[str, Mapping[str, str]], env: Mapping[str, str] | None = None,
                        args: Sequence[str] = (), *, instances: Mapping[str, int] | None = None, log_verbose: int = 0,
-                       ready_timeout: float = READY_TIMEOUT_S) -> TritonServer:
+                       ready_timeout: float = READY_TIMEOUT_S,
+                       model_files: Mapping[str, Mapping[str, str]] | None = None) -> TritonServer:
     """tritonserver on free ports serving one inflight model per entry of `models` (name ->
     config.pbtxt parameters), with `env` added to this process's environment and `args`
-    after the launcher's own options; returns once it and its /metrics answer, or raises
+    after the launcher's own options, and `model_files` (model -> {file name: text}) in the
+    models' folders; returns once it and its /metrics answer, or raises
     RuntimeError with the log's tail."""
     from tools import serve
 
     repository = root / "model_repository"
     for name, parameters in models.items():
-        make_model_repository(repository, parameters, name=name, instances=(instances or {}).get(name))
+        make_model_repository(repository, parameters, name=name, instances=(instances or {}).get(name),
+                              files=(model_files or {}).get(name))
     http_port, grpc_port, metrics_port = free_ports(3)
     log_path = root / "tritonserver.log"
     with open(log_path, "wb") as log:

@@ -60,7 +60,8 @@ def oracle(tiny_llama) -> dict[tuple[int, ...], list[int]]:
 
 
 def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int], arrivals: list[int],
-               priorities: list[int] | None = None, on_engine=None, tenants: list[str] | None = None, **config):
+               priorities: list[int] | None = None, on_engine=None, tenants: list[str] | None = None,
+               lora_names: list[str | None] | None = None, **config):
     """Drive `engine.step()` with requests arriving at the given steps.
 
     Returns (engine, {request id: streamed token ids}, {request id: prompt}) and checks on
@@ -74,6 +75,7 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
         on_engine(engine)
     priorities = priorities or [0] * len(prompts)
     tenants = tenants or ["default"] * len(prompts)
+    lora_names = lora_names or [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     streamed: dict[str, list[int]] = collections.defaultdict(list)
     finals: collections.Counter = collections.Counter()
@@ -84,7 +86,7 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
         while order and arrivals[order[0]] <= step:
             i = order.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, priority=priorities[i],
-                                    tenant=tenants[i])
+                                    tenant=tenants[i], lora_name=lora_names[i])
             requests[f"r{i}"] = engine.add_request(f"r{i}", prompts[i], params)
         for out in engine.step():
             assert finals[out.request_id] == 0, f"output after the final one for {out.request_id}"

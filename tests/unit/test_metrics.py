@@ -126,6 +126,24 @@ def test_what_routers_read_follows_the_engine(tmp_path_factory):
     assert lora.value == clock[0]
 
 
+def test_lora_requests_info_has_a_series_per_adapter_combination(tmp_path_factory):
+    """vLLM's lora_requests_info: the adapters running and waiting and max_lora are labels, the
+    value the time of the sample; a new combination is a new series, at once."""
+    import dataclasses
+
+    engine = tiny_engine(tmp_path_factory)
+    clock = [1000.0]
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, clock=lambda: clock[0])
+    engine.stats = dataclasses.replace(engine.stats, max_loras=2, running_lora_adapters=("sql", "tone"),
+                                       waiting_lora_adapters=("poem",))
+    clock[0] += 0.25  # well inside the refresh interval: a change is published anyway
+    metrics.on_step()
+    series = value("vllm:lora_requests_info", max_lora="2", running_lora_adapters="sql,tone",
+                   waiting_lora_adapters="poem")
+    assert series.value == 1000.25
+    assert value("vllm:lora_requests_info", max_lora="0", running_lora_adapters="").value == 1000.0
+
+
 def test_metrics_move_and_return_to_idle(loop):
     done = []
     event = threading.Event()

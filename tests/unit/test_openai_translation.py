@@ -421,3 +421,14 @@ def test_bad_tool_requests_are_refused_naming_the_field(fields, param):
 
 def piece(text: str, reason: str | None, final: bool = True) -> Piece:
     return Piece(text=text, num_input_tokens=3, num_output_tokens=1, finish_reason=reason, logprobs=[], final=final)
+
+
+def test_a_lora_adapter_as_the_model_runs_on_its_base_model_with_lora_name():
+    req = parse_request(CompletionRequest, {"model": "sql", "prompt": "SELECT", "max_tokens": 4})
+    sampling = sampling_parameters(req)
+    job = Job.of(req, "SELECT", sampling, triton_model="llm")
+    assert (job.model, job.triton_model, job.sampling["lora_name"]) == ("sql", "llm", "sql")
+    assert "lora_name" not in sampling  # the caller's dict is left alone
+    plain = Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}, triton_model="llm")
+    assert plain.triton_model == "llm" and "lora_name" not in plain.sampling
+    assert Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}).triton_model == "llm"

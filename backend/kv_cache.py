@@ -122,7 +122,7 @@ class BlockPool:
                 self.free_list[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...],
-                    parent_hash: bytes = ROOT_HASH) -> None:
+                    parent_hash: bytes = ROOT_HASH, lora_id: int | None = None, lora_name: str | None = None) -> None:
         """Register a full block. If an equal block is already indexed, keep that one."""
         if not self.enable_prefix_caching:
             return
@@ -133,7 +133,7 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block_id
         if self.events is not None:
-            self.events.append(kv_events.block_stored(block_hash, parent_hash, token_ids))
+            self.events.append(kv_events.block_stored(block_hash, parent_hash, token_ids, lora_id, lora_name))
 
     def reset_prefix_cache(self) -> None:
         events, self.events = self.events, None  # one AllBlocksCleared stands for every removal
@@ -353,10 +353,13 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         tokens = request.token_ids
+        # vLLM's LoRA ids count from 1; the events name the adapter a block was computed under.
+        lora_id = request.lora_index + 1 if request.lora_name is not None else None
         for i in range(request.num_registered_blocks, num_full):
+            # A first block has no parent in the events, as vLLM's, whatever its adapter.
             parent = request.block_hashes[i - 1] if i else ROOT_HASH
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]),
-                                  parent)
+                                  parent, lora_id, request.lora_name)
         request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:

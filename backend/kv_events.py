@@ -85,11 +85,12 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
-def block_stored(block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> BlockStored:
+def block_stored(block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...],
+                 lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
     return BlockStored(
         block_hashes=[external_hash(block_hash)],
         parent_block_hash=external_hash(parent_hash) if parent_hash else None,
-        token_ids=list(token_ids), block_size=len(token_ids), lora_id=None, medium=MEDIUM, lora_name=None,
+        token_ids=list(token_ids), block_size=len(token_ids), lora_id=lora_id, medium=MEDIUM, lora_name=lora_name,
         group_idx=0)
 
 

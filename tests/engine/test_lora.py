@@ -177,6 +177,29 @@ def test_prefix_cache_keys_on_the_adapter(base, adapters, oracle):
     assert hits == [0, 0, 0, 32, 32, 32]
 
 
+def test_kv_events_name_the_adapter_a_block_was_computed_under(base, adapters):
+    """vLLM's BlockStored carries lora_id (from 1) and lora_name, so a cache-aware router keeps
+    one adapter's blocks apart from another's; a first block has no parent under any adapter."""
+    from backend.kv_events import BlockStored
+
+    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+                                    **CONFIG))
+    engine.kv.pool.events = []  # record, as kv_events_endpoint does, without a socket
+    for k, name in enumerate([None, "qv-r16"]):
+        engine.add_request(f"e{k}", PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=2, lora_name=name))
+        while engine.has_unfinished():
+            engine.step()
+    stored = [e for e in engine.kv.pool.take_events() if isinstance(e, BlockStored)]
+    base_blocks = [e for e in stored if e.lora_name is None]
+    adapter_blocks = [e for e in stored if e.lora_name == "qv-r16"]
+    assert len(base_blocks) == len(adapter_blocks) == 2 and len(stored) == 4
+    assert {e.lora_id for e in base_blocks} == {None}
+    assert {e.lora_id for e in adapter_blocks} == {engine.lora_adapters["qv-r16"] + 1}
+    assert base_blocks[0].parent_block_hash is None and adapter_blocks[0].parent_block_hash is None
+    assert adapter_blocks[1].parent_block_hash == adapter_blocks[0].block_hashes[0]
+    assert base_blocks[0].block_hashes != adapter_blocks[0].block_hashes  # same tokens, other adapter
+
+
 def test_unknown_lora_name_lists_the_known_ones(base, adapters):
     engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters, **CONFIG))
     with pytest.raises(RequestError) as err:

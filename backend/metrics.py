@@ -123,6 +123,8 @@ class EngineMetrics:
         self.prefix_hit_rate = our_gauge("inflight_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.")
         self.occupancy = our_gauge("inflight_slot_occupancy", "running / max_num_seqs in the last iteration.")
         self.tokens_per_iteration = our_gauge("inflight_tokens_per_iteration", "Tokens computed in the last iteration.")
+        self.lora_adapters_running = our_gauge("inflight_lora_adapters_running",
+                                               "LoRA adapters of the running batch (at most max_loras).")
         self.preemptions = counter("inflight_preemptions_total", "Requests preempted for lack of KV blocks or by priority.")
         self.cancellations = counter("inflight_cancellations_total", "Requests cancelled by the client or the server.")
         self.iterations = counter("inflight_iterations_total", "Engine iterations (forward passes).")
@@ -199,6 +201,7 @@ class EngineMetrics:
             (self.vllm_waiting, waiting), (self.kv_usage, usage), (self.vllm_kv, usage), (self.vllm_gpu_kv, usage),
             (self.prefix_hit_rate, totals.prefix_hit_rate), (self.occupancy, running / config.max_num_seqs),
             (self.tokens_per_iteration, stats.step.num_scheduled_tokens),
+            (self.lora_adapters_running, len(stats.running_lora_adapters)),
         ]
         gauges += [(self.trt_requests[kind], value) for kind, value in (
             ("active", running), ("max", config.max_num_seqs), ("scheduled", running),

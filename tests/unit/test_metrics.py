@@ -141,6 +141,7 @@ def test_lora_requests_info_has_a_series_per_adapter_combination(tmp_path_factor
     series = value("vllm:lora_requests_info", max_lora="2", running_lora_adapters="sql,tone",
                    waiting_lora_adapters="poem")
     assert series.value == 1000.25
+    assert value("inflight_lora_adapters_running").value == 2
     assert value("vllm:lora_requests_info", max_lora="0", running_lora_adapters="").value == 1000.0
 
 

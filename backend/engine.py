@@ -442,6 +442,7 @@ class LLMEngine:
                 sampled = self.sampler(logits, sample_requests) if logits is not None else None
             except StepInterrupted:
                 log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
+                self.scheduler.refund(plan)  # its tokens are computed, and charged, by a later step
             except Exception as exc:  # every in-flight request must end, whatever broke
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))

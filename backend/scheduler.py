@@ -132,6 +132,11 @@ class Scheduler:
         candidates = [r for r in self.running if not self.is_protected(r)]
         return max(candidates, key=self.policy.victim_key) if candidates else None
 
+    def refund(self, plan: SchedulerOutput) -> None:
+        """Take back the charges of a plan whose step computed nothing (interrupted)."""
+        for request, num_new in plan.scheduled:
+            self._charge(request, num_new, plan, sign=-1)
+
     def _charge(self, request: Request, num_new: int, plan: SchedulerOutput, sign: int = 1) -> None:
         """Charge `request`'s tenant for a grant of `num_new` tokens (`sign` -1: take it back).
         A grant that reaches the end of the request's tokens samples one output token; its

@@ -350,10 +350,10 @@ def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_m
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["an interrupted prefill of some length " * 3, "and a second request beside it"]
 
-    def run(interrupt_steps: set[int]) -> list[list[int]]:
+    def run(interrupt_steps: set[int]) -> tuple[list[list[int]], float]:
         engine = LLMEngine(config)
         requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-        step = 0
+        step, charged = 0, 0.0
         while engine.has_unfinished():
             if step in interrupt_steps:
                 layers = []
@@ -361,9 +361,13 @@ def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_m
                 outputs = engine.step(interrupt=lambda: layers.append(1) or len(layers) > 1)
                 assert outputs == [] and not engine.stats.step.ran
                 assert [r.num_computed_tokens for r in requests] == computed
+                assert sum(s for _, s in engine.stats.step.service_by_tenant) == 0  # charged, then refunded
             else:
                 engine.step()
+            charged += sum(s for _, s in engine.stats.step.service_by_tenant)
             step += 1
-        return [r.output_token_ids for r in requests]
+        return [r.output_token_ids for r in requests], charged
 
-    assert run({0, 2, 3, 7}) == run(set())
+    interrupted, plain = run({0, 2, 3, 7}), run(set())
+    # The same tokens, and each tenant charged once for them (no step's grant paid twice).
+    assert interrupted == plain

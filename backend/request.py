@@ -39,6 +39,8 @@ class RequestError(Exception):
 MAX_STOP_ENTRIES = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# Most sequences one request may ask for (`n`, `best_of`): each is a running sequence of its own.
+MAX_SEQUENCES = 16
 
 
 class SamplingParams(BaseModel):
@@ -67,10 +69,14 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # Parallel sampling: `best_of` sequences share the prompt's KV, the `n` with the highest
+    # cumulative logprob are returned (all of them when best_of is not given).
+    n: int = Field(1, ge=1, le=MAX_SEQUENCES)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_SEQUENCES)
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", mode="before",
+        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", "n", "best_of", mode="before",
     )
     @classmethod
     def _numbers_are_not_booleans(cls, value: Any) -> Any:
@@ -104,6 +110,11 @@ class SamplingParams(BaseModel):
         return value
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for the request: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
@@ -131,7 +142,36 @@ class SamplingParams(BaseModel):
             raise RequestError.invalid(
                 "min_tokens", f"must be <= max_tokens ({params.min_tokens} > {params.max_tokens})"
             )
+        if params.best_of is not None and params.best_of < params.n:
+            raise RequestError.invalid("best_of", f"must be >= n ({params.best_of} < {params.n})")
         return params
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request with more than one (`n` or `best_of` > 1).
+
+    The leader (`seqs[0]`, which carries the client's request id) prefills the prompt alone;
+    when that prefill ends the engine forks the others off it (`forked`), and each samples
+    its first token from the leader's last logits row. From then on every sequence is a
+    request of its own to the scheduler, sharing the prompt's KV blocks by reference.
+    The group ends, with one final output, when all its sequences have.
+    """
+
+    request_id: str
+    n: int
+    best_of: int
+    seqs: list["Request"] = field(default_factory=list)
+    forked: bool = False
+    # Sequence index -> whether its final output has been collected (engine's group outputs).
+    done: set[int] = field(default_factory=set)
+    # The leader's trace, kept from its final output for the group's.
+    trace: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has ended (before the fork the leader is the only one)."""
+        return len(self.done) == len(self.seqs)
 
 
 class RequestStatus(enum.Enum):
@@ -191,6 +231,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     cumulative_logprob: float = 0.0
+    # Parallel sampling: the request's group, and this sequence's index in it (0: the leader).
+    group: SequenceGroup | None = None
+    seq_index: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -220,6 +263,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def seqs_to_fork(self) -> int:
+        """Sequences this request's prefill will fork off (a group leader not yet forked)."""
+        group = self.group
+        return group.best_of - 1 if group is not None and not group.forked and self.seq_index == 0 else 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -247,7 +247,7 @@ def test_bad_parameter_is_400_with_openai_error_json(client, frontend):
     assert info.value.body["param"] == "temperature" and info.value.body["type"] == "invalid_request_error"
 
     cases = [
-        ({"prompt": PROMPT, "n": 2}, "n"),
+        ({"prompt": PROMPT, "n": 17}, "n"),
         ({"prompt": PROMPT, "top_p": 0}, "top_p"),
         ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),  # refused by the engine (max_model_len)
@@ -263,7 +263,7 @@ def test_bad_parameter_is_400_with_openai_error_json(client, frontend):
         assert error_of(r)["param"] == param, (fields, r.text)
 
     r = requests.post(f"{frontend.url}/v1/chat/completions", timeout=60,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True})
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0, "stream": True})
     assert r.status_code == 400 and error_of(r)["param"] == "n"
     r = requests.post(f"{frontend.url}/v1/completions", data=b"{not json", timeout=60)
     assert r.status_code == 400 and error_of(r)["code"] == "invalid_json"

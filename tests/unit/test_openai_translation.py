@@ -133,7 +133,7 @@ def test_completion_stop_max_tokens_and_logprobs():
     ({"model": "llm"}, "messages", "missing_required_parameter"),
     ({"model": "llm", "messages": HI, "temperature": "hot"}, "temperature", "invalid_value"),
     ({"model": "llm", "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_value"),
-    ({"model": "llm", "messages": HI, "n": 2}, "n", "unsupported_value"),
+    ({"model": "llm", "messages": HI, "n": 17}, "n", "invalid_value"),  # the backend's limit: 16
     ({"model": "llm", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
     ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -19,13 +19,20 @@ from client.bench.workloads import Workload
 
 
 def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
-               concurrency: int | None = None) -> SystemRun:
-    """The workload through this engine in-process, open loop, or closed loop with `concurrency`."""
+               concurrency: int | None = None, separate_sequences: bool = False) -> SystemRun:
+    """The workload through this engine in-process, open loop, or closed loop with `concurrency`.
+
+    A request with n > 1 sequences is one request with `n` (its sequences seeded s, s+1, ...),
+    or with `separate_sequences` n requests of one sequence each, seeded the same (W7's peer).
+    Either way its record counts all its sequences' tokens, and it ends when the last does."""
     config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
     engine = LLMEngine(config)
     _warm_up(engine)
     requests = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival_s)
-    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
+    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens * r.n, label=r.label)
+               for r in workload.requests]
+    # Request ids the engine still runs, per workload request.
+    live: dict[int, int] = {}
     totals_before = engine.stats.totals
     next_index = 0
     start = time.perf_counter()
@@ -43,11 +50,20 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         while next_index < len(requests) and due(now):
             index, spec = requests[next_index]
             seeded += 1
+            seed = seeded if spec.temperature > 0 else None
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
-                priority=spec.priority, seed=seeded if spec.temperature > 0 else None,
+                priority=spec.priority, seed=seed, n=spec.n,
             )
-            engine.add_request(str(index), spec.prompt_token_ids, params)
+            if separate_sequences and spec.n > 1:
+                for i in range(spec.n):
+                    one = params.model_copy(update={"n": 1, "seed": None if seed is None else seed + i})
+                    engine.add_request(f"{index}.{i}", spec.prompt_token_ids, one)
+                live[index] = spec.n
+            else:
+                engine.add_request(str(index), spec.prompt_token_ids, params)
+                live[index] = 1
+            seeded += spec.n - 1
             records[index].arrival = time.perf_counter()
             next_index += 1
             in_flight += 1
@@ -57,11 +73,16 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         outputs = engine.step()
         now_abs = time.perf_counter()
         for out in outputs:
-            record = records[int(out.request_id)]
-            if out.token_ids_delta:
-                record.token_times.extend([now_abs] * len(out.token_ids_delta))
-            record.num_output_tokens = out.num_output_tokens
+            index = int(out.request_id.split(".")[0])
+            record = records[index]
+            new_tokens = (sum(len(s.token_ids_delta) for s in out.sequences if s) if out.sequences
+                          else len(out.token_ids_delta))
+            if new_tokens:
+                record.token_times.extend([now_abs] * new_tokens)
+            record.num_output_tokens += new_tokens
             if out.finished:
+                live[index] -= 1
+            if out.finished and not live[index]:
                 in_flight -= 1
                 record.finish_reason = out.finish_reason
                 if out.error is not None:

@@ -22,6 +22,7 @@ RATIOS = {
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
+    "W7": [("continuous", "separate-no-prefix-cache")],
 }
 # Every workload: what serving through Triton (or a frontend) costs against the engine in-process.
 SERVER_RATIOS = [("triton-grpc", "continuous"), ("triton-http", "continuous"), ("openai", "continuous")]

@@ -1,4 +1,4 @@
-"""Seeded benchmark workloads of BENCHMARKS.md (W1-W6), as plain request lists.
+"""Seeded benchmark workloads of BENCHMARKS.md (W1-W7), as plain request lists.
 
 A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset
 and priority. EOS is ignored so output lengths are exactly as drawn.
@@ -31,6 +31,8 @@ class BenchRequest:
     label: str = ""
     # The prompt as text, for servers; set by attach_text.
     prompt_text: str | None = None
+    # Sequences sampled for the prompt (parallel sampling, W7): n * max_tokens output tokens.
+    n: int = 1
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Workload:
             "prompts": self.prompt_source,
             "num_requests": len(self.requests),
             "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
-            "total_output_tokens": sum(r.max_tokens for r in self.requests),
+            "total_output_tokens": sum(r.max_tokens * r.n for r in self.requests),
             "engine_overrides": self.engine_overrides,
             **self.params,
         }
@@ -260,6 +262,22 @@ def w6_overload(seed: int = 0, num_requests: int = 1000, pool_for: int = 50, pro
     )
 
 
+def w7_parallel_sampling(seed: int = 0, num_requests: int = 64, n: int = 4, input_len: int = 128,
+                         output_len: int = 64, source: PromptSource | None = None) -> Workload:
+    """Parallel sampling: each request samples `n` sequences (temperature 0.8) of one prompt,
+    which is prefilled once and whose KV blocks the sequences share."""
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    requests = [BenchRequest(source.tokens(rng, input_len), output_len, temperature=0.8, n=n)
+                for _ in range(num_requests)]
+    return Workload(
+        "W7", f"{num_requests} requests with n={n} at once, {input_len} in / {output_len} out per sequence, "
+        "temperature 0.8, EOS ignored",
+        requests, {}, {"seed": seed, "n": n, "input_len": input_len, "output_len": output_len},
+        prompt_source=source.name,
+    )
+
+
 def attach_text(workload: Workload, tokenizer, source: PromptSource | None = None, seed: int = 0) -> Workload:
     """Give every request a `prompt_text` that `tokenizer.encode` turns into exactly its ids.
 
@@ -304,4 +322,5 @@ WORKLOADS = {
     "W4": w4_shared_prefix,
     "W5": w5_priority,
     "W6": w6_overload,
+    "W7": w7_parallel_sampling,
 }

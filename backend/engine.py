@@ -366,8 +366,10 @@ class LLMEngine:
         """End a request (every sequence of it) now, freeing its blocks in this call; its
         final output comes with the next step."""
         group = self._groups.get(request_id)
-        # Any live sequence of a group: finishing one ends them all (`finish`).
-        request = next((r for r in group.seqs if not r.is_finished), None) if group else self.scheduler.requests.get(request_id)
+        if group is not None:  # any live sequence: finishing one ends them all (`finish`)
+            request = next((r for r in group.seqs if not r.is_finished), None)
+        else:
+            request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
         self._pending.append(self.finish(request, FinishReason.ABORT))

@@ -7,8 +7,9 @@ tests share one table and one parser:
   requests from them (``client/triton.py``) and ``model.py`` declares them to Triton.
 - ``parse_request``: one request's inputs (numpy arrays by name) and request parameters
   into a ``ParsedRequest``, or ``BadRequest`` naming the input and the limit.
-- ``ResponseEncoder`` and ``encode_response``: one request's engine outputs into the numpy
-  arrays of its responses, by output name.
+- ``ResponseEncoder`` and ``encode_sequences``: one request's engine outputs into the numpy
+  arrays of its responses, by output name; per-sequence outputs have shape [n] for a request
+  with ``n`` sequences (``encode_response``: the one-sequence case).
 
 Responses: ``stream`` true sends one response per new piece of text, and the last
 response (which may carry an empty string) is the final one. ``stream`` false sends

@@ -4,11 +4,13 @@ own with seed s + i, and best_of > n refused when streaming."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 
 from backend.protocol import CUMULATIVE_LOGPROB, FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, TEXT_OUTPUT
-from tests.e2e.e2e_util import generate, inputs_for
+from tests.e2e.e2e_util import generate, inputs_for, scrape, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +46,12 @@ def test_grpc_stream_sends_arrays_of_n_and_one_final_flag(triton_server):
     assert len(set(streamed)) > 1
 
 
-def test_http_generate_returns_every_sequence_whole(triton_server):
-    r = requests.post(f"{triton_server.http_url}/v2/models/{triton_server.model}/generate", timeout=300, json={
+def test_http_generate_returns_every_sequence_whole_counted_once(triton_server):
+    model = triton_server.model
+    before = scrape(triton_server.metrics_port)
+    r = requests.post(f"{triton_server.http_url}/v2/models/{model}/generate", timeout=300, json={
         "text_input": PROMPT, "exclude_input_in_output": True,
-        "parameters": {**SAMPLING, "n": 2, "best_of": 3},
+        "parameters": {**SAMPLING, "n": 2, "best_of": 3, "return_trace": True},
     })
     assert r.status_code == 200, r.text
     body = r.json()
@@ -55,6 +59,18 @@ def test_http_generate_returns_every_sequence_whole(triton_server):
     assert body[FINISH_REASON] == ["length", "length"] and body[NUM_OUTPUT_TOKENS] == [12, 12]
     # best_of 3: the two with the highest cumulative logprob, best first.
     assert body[CUMULATIVE_LOGPROB][0] >= body[CUMULATIVE_LOGPROB][1]
+    trace = json.loads(body["trace"])  # the leader's: it prefilled the prompt
+    assert trace["events"][0]["event"] == "queued" and trace["events"][-1]["event"] == "finished"
+
+    def delta(name: str, **labels) -> float:
+        return scrape(triton_server.metrics_port).get(name, model=model, **labels) - before.get(name, model=model,
+                                                                                               **labels)
+
+    # The request once, its tokens per sequence: all 3 of best_of sampled 12.
+    wait_until(lambda: delta("vllm:request_success_total", finished_reason="length") == 1, what="request counted")
+    assert delta("vllm:generation_tokens_total") == 36
+    assert delta("vllm:prompt_tokens_total") == body[NUM_INPUT_TOKENS]
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
 
 
 def test_streaming_with_best_of_above_n_is_refused_naming_best_of(triton_server):

@@ -14,7 +14,7 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
-from client.openai.translation import Job, client_names, piece_of, sampling_parameters, validate_sampling
+from client.openai.translation import Job, client_names, piece_of, pieces_of, sampling_parameters, validate_sampling
 
 
 def translate(model_cls, body: dict) -> Job:
@@ -238,3 +238,50 @@ def test_completion_echo_puts_the_prompt_before_the_text():
     assert body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "2+2=4", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["completion_tokens"] == 1
+
+
+def triton_response_of_n(texts: list[str], reasons: list[str | None], num_output_tokens: list[int],
+                         final: bool = False) -> InferResult:
+    """A stream response of a request with n sequences: outputs of shape [n] (num_input_tokens [1])."""
+    response = service_pb2.ModelInferResponse(model_name="llm", id="1")
+
+    def add(name: str, datatype: str, array: np.ndarray) -> None:
+        response.outputs.add(name=name, datatype=datatype, shape=[array.size])
+        raw = serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes()
+        response.raw_output_contents.append(raw)
+
+    add("text_output", "BYTES", np.array([t.encode() for t in texts], dtype=np.object_))
+    add("finish_reason", "BYTES", np.array([str(r).encode() for r in reasons], dtype=np.object_))
+    add("num_input_tokens", "UINT32", np.array([7], dtype=np.uint32))
+    add("num_output_tokens", "UINT32", np.array(num_output_tokens, dtype=np.uint32))
+    add("logprobs", "BYTES", np.array([b"null"] * len(texts), dtype=np.object_))
+    response.parameters["triton_final_response"].bool_param = final
+    return InferResult(response)
+
+
+def test_n_is_passed_on_and_each_sequence_becomes_a_choice():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "x", "n": 2, "seed": 4})
+    assert job.sampling["n"] == 2 and job.n == 2
+    responses = [
+        triton_response_of_n(["a", "b"], [None, None], [1, 1]),
+        triton_response_of_n(["", "c"], ["length", None], [0, 1]),
+        triton_response_of_n(["", ""], ["length", "stop"], [0, 0], final=True),
+    ]
+    pieces = [p for r in responses for p in pieces_of(r)]
+    assert [(p.index, p.text, p.final) for p in pieces[:2]] == [(0, "a", False), (1, "b", False)]
+    body = job.whole(pieces)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "a", "length"),
+                                                                                      (1, "bc", "stop")]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def test_streamed_chat_with_n_sends_each_choice_with_its_index():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "n": 2, "stream": True})
+    heads = [sse_payload(c)["choices"][0] for c in job.first_chunks()]
+    assert [(h["index"], h["delta"]) for h in heads] == [(0, {"role": "assistant", "content": ""}),
+                                                         (1, {"role": "assistant", "content": ""})]
+    one, two = pieces_of(triton_response_of_n(["", "Hi"], ["stop", None], [0, 1]))
+    assert sse_payload(job.chunk(one, 0))["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert sse_payload(job.chunk(two, 0))["choices"] == [
+        {"index": 1, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]

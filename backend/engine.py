@@ -29,7 +29,7 @@ from backend.lora import install_adapters, load_adapter
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, load_arch, load_model
-from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
+from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams, SequenceGroup
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
 from backend.stats import EngineStats, StepStats, Totals
@@ -68,6 +68,15 @@ class RequestOutput:
     finish_time: float | None = None
     # The request's trace (backend/trace.py), on its final output when it asked for one.
     trace: dict | None = None
+    # Parallel sampling (n or best_of > 1). A group's output: `sequences[i]` is what this step
+    # produced for its sequence i (None: nothing), over all best_of sequences; `returned` the
+    # indices of the n sequences the client gets, in order (on the final output, the n with the
+    # highest cumulative logprob when best_of > n). Its top-level counts cover the whole group.
+    sequences: list[RequestOutput | None] | None = None
+    returned: list[int] | None = None
+    # A sequence's own output, before the engine folds it into its group's.
+    group: SequenceGroup | None = None
+    seq_index: int = 0
 
     @classmethod
     def of(cls, request: Request, text_delta: str, token_ids_delta: list[int], logprobs_delta: list[dict] | None = None,
@@ -95,6 +104,48 @@ class RequestOutput:
             first_token_time=request.first_token_time,
             finish_time=time.monotonic() if finished else None,
             trace=request.trace.to_json() if finished and request.trace is not None else None,
+            group=request.group,
+            seq_index=request.seq_index,
+        )
+
+    @classmethod
+    def of_group(cls, group: SequenceGroup, sequences: list[RequestOutput | None]) -> RequestOutput:
+        """The group's output for one step, from its sequences' (indexed by sequence)."""
+        leader = group.seqs[0]
+        finished = group.finished
+        errors = [o.error for o in sequences if o is not None and o.error is not None]
+        returned = list(range(group.n))
+        reason = None
+        if finished:
+            seqs = group.seqs
+            if group.best_of > group.n and len(seqs) == group.best_of:
+                returned = sorted(range(len(seqs)), key=lambda i: -seqs[i].cumulative_logprob)[: group.n]
+            reasons = {r.finish_reason for r in seqs}
+            for worst in (FinishReason.ERROR, FinishReason.ABORT):
+                if worst in reasons:
+                    reason = worst.value
+                    break
+            else:
+                reason = seqs[returned[0]].finish_reason.value
+        return cls(
+            request_id=group.request_id,
+            text_delta="",
+            token_ids_delta=[],
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=leader.num_prompt_tokens,
+            num_output_tokens=sum(r.num_output_tokens for r in group.seqs),
+            prompt_text=leader.prompt_text,
+            error=errors[0] if errors else None,
+            num_cached_prompt_tokens=leader.num_cached_prompt_tokens,
+            num_preemptions=leader.num_preemptions,
+            arrival_time=leader.arrival_time,
+            first_scheduled_time=leader.first_scheduled_time,
+            first_token_time=leader.first_token_time,
+            finish_time=time.monotonic() if finished else None,
+            trace=group.trace if finished else None,
+            sequences=sequences,
+            returned=returned,
         )
 
 
@@ -148,6 +199,8 @@ class LLMEngine:
         self._totals = Totals()
         self.stats = self._snapshot(StepStats())
         self._pending: list[RequestOutput] = []
+        # Parallel-sampling groups by request id, until their final output.
+        self._groups: dict[str, SequenceGroup] = {}
         self._arrival_seq = itertools.count()
         self._step_index = 0  # iterations so far: the step numbers of request traces
         self._num_traced = 0  # unfinished requests with a trace: none, and tracing costs nothing
@@ -246,6 +299,9 @@ class LLMEngine:
         lora_index = self._lora_index(params.lora_name)
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
                                         max_model_len=self.max_model_len, kv=self.kv)
+        num_seqs = params.num_sequences
+        if num_seqs > 1:
+            self._check_group_fits(params, len(prompt_ids), max_tokens)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -255,13 +311,16 @@ class LLMEngine:
             arrival_seq=next(self._arrival_seq),
             eos_token_ids=self.eos_token_ids,
             prompt_text=prompt_text,
-            needs_logprobs=needs_logprobs or params.logprobs is not None,
+            # best_of > n ranks the sequences by cumulative logprob.
+            needs_logprobs=needs_logprobs or params.logprobs is not None or num_seqs > params.n,
             bad_words_token_ids=bad_words_token_ids,
             lora_name=params.lora_name,
             lora_index=lora_index,
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
+        if num_seqs > 1:
+            request.group = SequenceGroup(request_id, params.n, num_seqs, seqs=[request])
         if trace:
             request.trace = RequestTrace(request.arrival_time)
         if params.structured_outputs is not None:
@@ -277,6 +336,21 @@ class LLMEngine:
             served = f"known adapters: {known}" if known else "this model serves no LoRA adapters (multi_lora.json)"
             raise RequestError.invalid("lora_name", f"unknown LoRA adapter {lora_name!r}; {served}")
         return index
+
+    def _check_group_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a group that could never run whole: more sequences than max_num_seqs, or
+        more KV blocks than the pool has (the prompt's once, each sequence's own tail)."""
+        name = "best_of" if params.best_of is not None else "n"
+        num_seqs = params.num_sequences
+        if num_seqs > self.config.max_num_seqs:
+            raise RequestError.invalid(name, f"{num_seqs} sequences exceed max_num_seqs {self.config.max_num_seqs}")
+        kv = self.kv
+        shared = num_prompt_tokens // kv.block_size
+        blocks = shared + num_seqs * (kv.blocks_needed(num_prompt_tokens + max_tokens - 1) - shared)
+        if blocks > kv.num_blocks:
+            raise RequestError.invalid(
+                name, f"{num_seqs} sequences of prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                f"need {blocks} KV blocks of {kv.block_size} tokens; the whole pool has {kv.num_blocks}")
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
         """The token sequences the sampler keeps out of a request's output, as vLLM derives
@@ -313,11 +387,9 @@ class LLMEngine:
         self.check_queue_room()
         if request.request_id in self.scheduler.requests or request.request_id in self._awaiting_grammar:
             raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
-        params = request.params
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output, decode=self._decoders[params.spaces_between_special_tokens],
-        )
+        self._add_detokenizer(request)
+        if request.group is not None:
+            self._groups[request.request_id] = request.group
         if request.trace is not None:
             request.trace.queued(self._step_index, running=self.num_running, waiting_ahead=self.num_waiting)
             self._num_traced += 1
@@ -342,9 +414,21 @@ class LLMEngine:
                 self.scheduler.add_request(request)
         return outputs
 
+    def _add_detokenizer(self, request: Request) -> None:
+        params = request.params
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output, decode=self._decoders[params.spaces_between_special_tokens],
+        )
+
     def abort(self, request_id: str) -> bool:
-        """End a request now (its blocks are freed in this call); its final output comes with the next step."""
-        request = self.scheduler.requests.get(request_id) or self._awaiting_grammar.get(request_id)
+        """End a request (every sequence of it) now, freeing its blocks in this call; its
+        final output comes with the next step."""
+        group = self._groups.get(request_id)
+        if group is not None:  # any live sequence: finishing one ends them all (`finish`)
+            request = next((r for r in group.seqs if not r.is_finished), None)
+        else:
+            request = self.scheduler.requests.get(request_id) or self._awaiting_grammar.get(request_id)
         if request is None:
             return False
         self._pending.append(self.finish(request, FinishReason.ABORT))
@@ -368,8 +452,13 @@ class LLMEngine:
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
                 text = detok.take_delta(finished=True)
-            if reason is FinishReason.ABORT:
+            if reason is FinishReason.ABORT and request.seq_index == 0:
                 self._totals = self._totals.plus(aborts=1)
+            if request.group is not None and reason in (FinishReason.ABORT, FinishReason.ERROR):
+                # An aborted or failed sequence takes its group with it: no sequence runs on alone.
+                for sibling in request.group.seqs:
+                    if not sibling.is_finished:
+                        self._pending.append(self.finish(sibling, reason, error=error))
         return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
 
     def has_unfinished(self) -> bool:
@@ -439,6 +528,8 @@ class LLMEngine:
                 inputs = self.runner.prepare(plan)
                 prepared = time.perf_counter()
                 logits, sample_requests = self.runner.execute(plan, inputs, interrupt)
+                if logits is not None and self.scheduler.has_unforked_leaders:
+                    logits, sample_requests = self._fork_groups(logits, sample_requests)
                 sampled = self.sampler(logits, sample_requests) if logits is not None else None
             except StepInterrupted:
                 log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
@@ -474,7 +565,88 @@ class LLMEngine:
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()
-        return outputs
+        return self._fold_groups(outputs) if self._groups else outputs
+
+    def _fork_groups(self, logits: torch.Tensor, sample_requests: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        """Fork each group leader that samples its first token now: its sequences join the
+        running batch sharing its blocks, and sample from its logits row, each with its own
+        generator (sequence i of a request with seed s uses seed s + i)."""
+        rows: list[int] = []
+        requests: list[Request] = []
+        for row, request in enumerate(sample_requests):
+            rows.append(row)
+            requests.append(request)
+            num_children = request.seqs_to_fork
+            for i in range(1, num_children + 1):
+                child = self._fork(request, i)
+                rows.append(row)
+                requests.append(child)
+        if len(requests) == len(sample_requests):
+            return logits, sample_requests
+        return logits[torch.tensor(rows, device=logits.device)], requests
+
+    def _fork(self, leader: Request, seq_index: int) -> Request:
+        group = leader.group
+        params = leader.params
+        child = Request(
+            request_id=f"{leader.request_id}/{seq_index}",
+            prompt_token_ids=leader.prompt_token_ids,
+            params=params,
+            max_tokens=leader.max_tokens,
+            arrival_time=leader.arrival_time,
+            arrival_seq=leader.arrival_seq,
+            eos_token_ids=leader.eos_token_ids,
+            prompt_text=leader.prompt_text,
+            needs_logprobs=leader.needs_logprobs,
+            bad_words_token_ids=leader.bad_words_token_ids,
+            num_cached_prompt_tokens=leader.num_cached_prompt_tokens,
+            first_scheduled_time=leader.first_scheduled_time,
+            group=group,
+            seq_index=seq_index,
+            lora_name=leader.lora_name,
+            lora_index=leader.lora_index,
+        )
+        if leader.grammar is not None:  # the same compiled grammar, a matcher of its own
+            child.grammar = GrammarState(leader.grammar.compiled)
+        # Computed once the step that forks it ends: the leader's whole prefill.
+        child.num_computed_tokens = leader.num_tokens
+        if params.seed is not None:
+            child.generator = Sampler.make_request_generator(params.seed + seq_index)
+        group.seqs.append(child)
+        if len(group.seqs) == group.best_of:
+            group.forked = True
+        self._add_detokenizer(child)
+        self.scheduler.fork(leader, child)
+        return child
+
+    def _fold_groups(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per group per step in place of its sequences' (RequestOutput.of_group);
+        the group's final output once every sequence has ended."""
+        folded: list[RequestOutput | SequenceGroup] = []
+        by_group: dict[SequenceGroup, list[RequestOutput | None]] = {}
+        for output in outputs:
+            group = output.group
+            if group is None:
+                folded.append(output)
+                continue
+            sequences = by_group.get(group)
+            if sequences is None:
+                sequences = by_group[group] = [None] * group.best_of
+                folded.append(group)
+            sequences[output.seq_index] = output
+            if output.finished:
+                group.done.add(output.seq_index)
+                if output.seq_index == 0:
+                    group.trace = output.trace
+        result = []
+        for item in folded:
+            if isinstance(item, SequenceGroup):
+                output = RequestOutput.of_group(item, by_group[item])
+                if output.finished:
+                    self._groups.pop(item.request_id, None)
+                item = output
+            result.append(item)
+        return result
 
     def _trace_plan(self, plan: SchedulerOutput) -> None:
         """What this step's plan did to traced requests before it ran: preemptions and returns."""

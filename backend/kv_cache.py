@@ -1,8 +1,11 @@
 """Paged KV-cache bookkeeping: block allocation, prefix caching, swap space.
 
 Only ids and counts live here; the KV tensors themselves belong to the model runner.
-A block holds `block_size` consecutive tokens of one sequence. Full blocks may be
-shared between requests through the prefix cache (reference counted).
+A block holds `block_size` consecutive tokens of one sequence. Blocks may be shared,
+reference counted: full blocks between requests through the prefix cache, and any block of
+a prompt between the sequences of one parallel-sampling group (`fork`). A sequence about to
+write into a block it shares gets its own copy first (`copy_on_write`): a block's reference
+count is the number of block tables that hold it, and the prefix cache holds none.
 """
 
 from __future__ import annotations
@@ -206,6 +209,10 @@ class BlockTable:
         self.ids[row, start:end] = block_ids[start:]
         self.lengths[row] = end
 
+    def replace(self, request: Request, index: int) -> None:
+        """Rewrite entry `index` of the request's row (copy-on-write swapped that block)."""
+        self.ids[self.row_of[request], index] = request.block_ids[index]
+
     def release(self, request: Request) -> None:
         row = self.row_of.pop(request, None)
         if row is None:
@@ -362,6 +369,37 @@ class KVCacheManager:
                                   parent, lora_id, request.lora_name)
         request.num_registered_blocks = num_full
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` (no blocks yet) a reference to every block of `parent` that holds its
+        computed tokens, as of `child.num_computed_tokens`. Full blocks stay shared for the
+        sequences' lives; a shared partial block is copied by the first writer (`copy_on_write`)."""
+        assert not child.block_ids
+        shared = parent.block_ids[: self.blocks_needed(child.num_computed_tokens)]
+        self.pool.touch(shared)
+        child.block_ids.extend(shared)
+        child.block_hashes = list(parent.block_hashes)
+        self.block_table.sync(child)
+
+    def copy_on_write(self, request: Request, copies: dict[int, int]) -> bool:
+        """Make the block the request writes next its own: if another block table holds it too,
+        move the request onto a fresh block and record the copy (destination -> source) in
+        `copies`, which the model runner makes before the step's forward pass. False, changing
+        nothing, when no block is free. O(1); only sequences of a group can share a block they write."""
+        index = request.num_computed_tokens // self.block_size
+        if index >= len(request.block_ids):
+            return True
+        source = request.block_ids[index]
+        if self.pool.blocks[source].ref_count == 1:
+            return True
+        if self.pool.num_free == 0:
+            return False
+        (copy,) = self.pool.allocate(1)
+        copies[copy] = source
+        self.pool.free([source])
+        request.block_ids[index] = copy
+        self.block_table.replace(request, index)
+        return True
+
     def free(self, request: Request) -> None:
         self.block_table.release(request)
         self.pool.free(list(reversed(request.block_ids)))
@@ -369,8 +407,17 @@ class KVCacheManager:
         request.num_registered_blocks = 0
 
     def check_invariants(self) -> None:
+        """The pool's and the table's, and: every block's reference count is the number of
+        block tables (requests) that hold it; the prefix cache holds no reference."""
         self.pool.check_invariants()
         self.block_table.check_invariants()
+        holders = np.bincount(
+            np.fromiter((b for r in self.block_table.row_of for b in r.block_ids), dtype=np.int64),
+            minlength=self.pool.num_blocks,
+        )
+        for block in self.pool.blocks:
+            assert block.ref_count == holders[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, held by {holders[block.block_id]} block tables")
 
 
 class SwapSpace:

@@ -268,6 +268,10 @@ class TritonPythonModel:
                 parsed = parse_request(_input_reader(request), request.parameters(),
                                        request.requested_output_names())
                 params = SamplingParams.from_dict(parsed.sampling)
+                if parsed.stream and params.num_sequences > params.n:
+                    # Which sequences are returned is known only once all have ended (as in vLLM).
+                    raise RequestError.invalid("best_of", f"streaming is not supported with best_of > n "
+                                                          f"({params.best_of} > {params.n})")
             except BadRequest as exc:
                 self._send_error(sender, str(exc), "INVALID_ARG")
                 continue

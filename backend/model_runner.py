@@ -196,13 +196,20 @@ class ModelRunner:
         )
 
     def swap(self, plan: SchedulerOutput) -> None:
-        """Swap-outs before swap-ins: a block freed by a victim may be refilled in the same step."""
+        """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a victim may
+        be refilled in the same step. Each copy gathers all its sources before it writes."""
         if plan.swap_out:
             device_ids = torch.tensor([d for d, _ in plan.swap_out], device=self.device)
             host_ids = torch.tensor([h for _, h in plan.swap_out])
             for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
                 hk[host_ids] = k[device_ids].to("cpu")
                 hv[host_ids] = v[device_ids].to("cpu")
+        if plan.block_copies:
+            destinations = torch.tensor(list(plan.block_copies), device=self.device)
+            sources = torch.tensor(list(plan.block_copies.values()), device=self.device)
+            for k, v in self.kv_caches:
+                k[destinations] = k[sources]
+                v[destinations] = v[sources]
         if plan.swap_in:
             host_ids = torch.tensor([h for h, _ in plan.swap_in])
             device_ids = torch.tensor([d for _, d in plan.swap_in], device=self.device)

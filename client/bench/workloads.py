@@ -1,4 +1,4 @@
-"""Seeded benchmark workloads of BENCHMARKS.md (W1-W6) and of the fair policy (W8a, W8b),
+"""Seeded benchmark workloads of BENCHMARKS.md (W1-W7) and of the fair policy (W8a, W8b),
 as plain request lists.
 
 A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset,
@@ -37,6 +37,8 @@ class BenchRequest:
     prompt_text: str | None = None
     # The LoRA adapter the request runs with (engine systems with adapters); None: the base model.
     lora_name: str | None = None
+    # Sequences sampled for the prompt (parallel sampling, W7): n * max_tokens output tokens.
+    n: int = 1
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Workload:
             "prompts": self.prompt_source,
             "num_requests": len(self.requests),
             "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
-            "total_output_tokens": sum(r.max_tokens for r in self.requests),
+            "total_output_tokens": sum(r.max_tokens * r.n for r in self.requests),
             "engine_overrides": self.engine_overrides,
             **({"tenant_concurrency": self.tenant_concurrency} if self.tenant_concurrency else {}),
             **self.params,
@@ -285,6 +287,22 @@ def w6_overload(seed: int = 0, num_requests: int = 1000, pool_for: int = 50, pro
     )
 
 
+def w7_parallel_sampling(seed: int = 0, num_requests: int = 64, n: int = 4, input_len: int = 128,
+                         output_len: int = 64, source: PromptSource | None = None) -> Workload:
+    """Parallel sampling: each request samples `n` sequences (temperature 0.8) of one prompt,
+    which is prefilled once and whose KV blocks the sequences share."""
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    requests = [BenchRequest(source.tokens(rng, input_len), output_len, temperature=0.8, n=n)
+                for _ in range(num_requests)]
+    return Workload(
+        "W7", f"{num_requests} requests with n={n} at once, {input_len} in / {output_len} out per sequence, "
+        "temperature 0.8, EOS ignored",
+        requests, {}, {"seed": seed, "n": n, "input_len": input_len, "output_len": output_len},
+        prompt_source=source.name,
+    )
+
+
 def w8a_flood(seed: int = 0, num_requests: int = 20, rate_per_s: float = 0.3, in_flight: int = 24,
               long_output: int = 512, chat_output: int = 64, prompt_len: int = 64, max_num_seqs: int = 16,
               source: PromptSource | None = None) -> Workload:
@@ -386,6 +404,7 @@ WORKLOADS = {
     "W4": w4_shared_prefix,
     "W5": w5_priority,
     "W6": w6_overload,
+    "W7": w7_parallel_sampling,
     "W8a": w8a_flood,
     "W8b": w8b_long_job,
 }

@@ -209,7 +209,7 @@ def create_app(settings: Settings) -> FastAPI:
         generation = Generation(state["client"], settings.triton_url, job, settings.request_timeout_s)
         if not job.stream:
             async def collect() -> list[Piece]:
-                return [piece async for piece in generation]
+                return [piece async for pieces in generation for piece in pieces]
 
             try:
                 pieces = await _unless_disconnected(request, collect(), generation)
@@ -231,22 +231,28 @@ def create_app(settings: Settings) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                  background=BackgroundTask(cancel_upstream))
 
-    async def sse_events(job: Job, generation: Generation, first: Piece) -> AsyncIterator[bytes]:
+    async def sse_events(job: Job, generation: Generation, first: list[Piece]) -> AsyncIterator[bytes]:
         prompt_tokens = completion_tokens = 0
-        offset = len(job.prompt) if job.echo else 0
+        offsets = [len(job.prompt) if job.echo else 0] * job.n  # per choice
+        ended: set[int] = set()  # choices whose finish reason was sent
         try:
             for chunk in job.first_chunks():
                 yield chunk
-            piece: Piece | None = first
-            while piece is not None:
-                completion_tokens += piece.num_output_tokens
-                if piece.num_input_tokens is not None:
-                    prompt_tokens = piece.num_input_tokens
-                chunk = job.chunk(piece, offset)
-                offset += len(piece.text)
-                if chunk is not None:
-                    yield chunk
-                piece = None if piece.final else await generation.__anext__()
+            pieces: list[Piece] | None = first
+            while pieces is not None:
+                for piece in pieces:
+                    completion_tokens += piece.num_output_tokens
+                    if piece.num_input_tokens is not None:
+                        prompt_tokens = piece.num_input_tokens
+                    if piece.index in ended:
+                        continue
+                    chunk = job.chunk(piece, offsets[piece.index])
+                    offsets[piece.index] += len(piece.text)
+                    if piece.finish_reason is not None:
+                        ended.add(piece.index)
+                    if chunk is not None:
+                        yield chunk
+                pieces = None if pieces[0].final else await generation.__anext__()
             if job.include_usage:
                 yield job.usage_chunk(prompt_tokens, completion_tokens)
         except ApiError as exc:

@@ -79,9 +79,6 @@ class _Common(_Strict):
     guided_choice: Optional[list[str]] = None
 
     def check_common(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported: this server returns exactly one choice (n=1)", "n",
-                           "unsupported_value")
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:

@@ -9,13 +9,14 @@ import json
 import re
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.protocol import RETURN_FINISH_REASON, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS
 from backend.request import RequestError, SamplingParams
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
-from client.triton import is_final, make_inputs, output_value
+from client.triton import is_final, make_inputs
 
 # The backend outputs that every OpenAI response is built from: finish_reason and usage.
 # return_logprobs is added only when the client asks for logprobs.
@@ -24,7 +25,7 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "spaces_between_special_tokens",
-                    "bad_words", "priority")
+                    "bad_words", "priority", "n")
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
@@ -165,31 +166,50 @@ def rendered(model: str, token_ids: list[int], sampling: dict[str, Any], stream:
 
 @dataclass
 class Piece:
-    """One backend response."""
+    """What one backend response carries for one sequence (choice `index`)."""
 
     text: str
     num_input_tokens: int | None
     num_output_tokens: int
+    # The sequence's finish reason, once it has ended (then in every later response too).
     finish_reason: str | None
     logprobs: list[dict[str, dict[str, Any]]]
-    final: bool
+    final: bool  # the request's last response
+    index: int = 0
 
 
-def piece_of(result) -> Piece:
-    """The Piece a Triton stream response (tritonclient's InferResult) carries."""
-    reason = output_value(result, "finish_reason")
-    n_in = output_value(result, "num_input_tokens")
-    n_out = output_value(result, "num_output_tokens")
-    raw_logprobs = output_value(result, "logprobs")
+def _element(result, name: str, index: int):
+    """Element `index` of a response's output `name` (str for BYTES), or None when it lacks it."""
+    array = result.as_numpy(name)
+    if array is None or array.size <= index:
+        return None
+    value = array.reshape(-1)[index]
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def piece_of(result, index: int = 0) -> Piece:
+    """The Piece of sequence `index` in a Triton stream response (tritonclient's InferResult).
+    A request with n sequences gets outputs of shape [n] (num_input_tokens stays [1])."""
+    reason = _element(result, "finish_reason", index)
+    n_in = _element(result, "num_input_tokens", 0)
+    n_out = _element(result, "num_output_tokens", index)
+    raw_logprobs = _element(result, "logprobs", index)
     logprobs = json.loads(raw_logprobs) if raw_logprobs is not None else None
     return Piece(
-        text=output_value(result, "text_output") or "",
+        text=_element(result, "text_output", index) or "",
         num_input_tokens=int(n_in) if n_in is not None else None,
         num_output_tokens=int(n_out) if n_out is not None else 0,
         finish_reason=None if reason in (None, "None") else reason,
         logprobs=logprobs or [],
         final=is_final(result),
+        index=index,
     )
+
+
+def pieces_of(result) -> list[Piece]:
+    """One Piece per sequence of a Triton stream response."""
+    texts = result.as_numpy("text_output")
+    return [piece_of(result, i) for i in range(max(1, texts.size if texts is not None else 0))]
 
 
 def _completion_logprobs(entries: list[dict], offset: int) -> dict[str, list]:
@@ -262,6 +282,11 @@ class Job:
     # adapter that `model` names (then `sampling` carries its lora_name).
     triton_model: str = ""
 
+    @property
+    def n(self) -> int:
+        """Choices to return."""
+        return int(self.sampling.get("n", 1))
+
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
         self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -318,19 +343,24 @@ class Job:
 
     # non-streamed
     def whole(self, pieces: list[Piece]) -> dict[str, Any]:
+        """The completion from every piece of every response (each choice's pieces in order)."""
+        by_index: dict[int, list[Piece]] = defaultdict(list)
+        for p in pieces:
+            by_index[p.index].append(p)
+        prompt_tokens = next((p.num_input_tokens for p in pieces if p.num_input_tokens is not None), 0)
+        usage = _usage(prompt_tokens, sum(p.num_output_tokens for p in pieces))
+        return self._envelope([self._choice(i, by_index[i]) for i in sorted(by_index)], usage)
+
+    def _choice(self, index: int, pieces: list[Piece]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
         entries = [e for p in pieces for e in p.logprobs]
         reason = _finish_reason(pieces[-1].finish_reason)
-        prompt_tokens = next((p.num_input_tokens for p in pieces if p.num_input_tokens is not None), 0)
-        usage = _usage(prompt_tokens, sum(p.num_output_tokens for p in pieces))
         if self.kind == "completion":
             offset = len(self.prompt) if self.echo else 0
-            choice = {"index": 0, "text": (self.prompt if self.echo else "") + text,
-                      "logprobs": self._logprobs(entries, offset), "finish_reason": reason}
-        else:
-            message, reason = self._message(text, reason)
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
-        return self._envelope([choice], usage)
+            return {"index": index, "text": (self.prompt if self.echo else "") + text,
+                    "logprobs": self._logprobs(entries, offset), "finish_reason": reason}
+        message, reason = self._message(text, reason)
+        return {"index": index, "message": message, "logprobs": self._logprobs(entries, 0), "finish_reason": reason}
 
     def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message and finish_reason: text, or the calls a forced tool choice made
@@ -344,26 +374,30 @@ class Job:
     # streamed
     def first_chunks(self) -> list[bytes]:
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            def choice(i: int) -> dict[str, Any]:
+                return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
         elif self.echo:
-            choice = {"index": 0, "text": self.prompt, "logprobs": None, "finish_reason": None}
+            def choice(i: int) -> dict[str, Any]:
+                return {"index": i, "text": self.prompt, "logprobs": None, "finish_reason": None}
         else:
             return []
-        return [sse_event(self._envelope([choice]))]
+        return [sse_event(self._envelope([choice(i)])) for i in range(self.n)]
 
     def chunk(self, piece: Piece, offset: int) -> bytes | None:
+        """The event of one choice's piece: its new text, and its finish reason once it has
+        one (a choice's later pieces repeat that reason: the caller sends them no more)."""
         if self.forced_tool:
             return self._tool_chunk(piece)
-        reason = _finish_reason(piece.finish_reason) if piece.final else None
+        reason = _finish_reason(piece.finish_reason)
         if not piece.text and reason is None:
             return None
         logprobs = self._logprobs(piece.logprobs, offset)
         if self.kind == "completion":
-            choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": piece.index, "text": piece.text, "logprobs": logprobs, "finish_reason": reason}
         else:
             delta = {"content": piece.text} if piece.text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": piece.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse_event(self._envelope([choice]))
 
     def _tool_chunk(self, piece: Piece) -> bytes | None:

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from backend.config import MULTI_LORA_FILE, read_multi_lora
 from client.openai.schema import ApiError
 from client.openai.settings import DEFAULT_MODEL_REPOSITORY, Settings
-from client.openai.translation import Job, Piece, piece_of
+from client.openai.translation import Job, Piece, pieces_of
 
 log = logging.getLogger("inflight.openai")
 
@@ -44,7 +44,8 @@ def _grpc_error(exc: Exception, url: str) -> ApiError | None:
 class Generation:
     """One request on its own Triton gRPC stream; ``cancel()`` cancels it on the server.
 
-    Iterate with ``async for piece in generation``; errors surface as ``ApiError``.
+    Iterate with ``async for pieces in generation``: per response, one Piece per sequence
+    (choice); errors surface as ``ApiError``.
     """
 
     def __init__(self, client, url: str, job: Job, timeout_s: float):
@@ -63,7 +64,7 @@ class Generation:
     def __aiter__(self) -> "Generation":
         return self
 
-    async def __anext__(self) -> Piece:
+    async def __anext__(self) -> list[Piece]:
         if self.finished:
             raise StopAsyncIteration
         try:
@@ -80,10 +81,10 @@ class Generation:
         if error is not None:
             self.finished = True
             raise self.job.backend_error(error.message() or str(error))
-        piece = piece_of(result)
-        if piece.final:
+        pieces = pieces_of(result)
+        if pieces[0].final:
             self.finished = True
-        return piece
+        return pieces
 
     def cancel(self) -> None:
         """Cancel the stream unless its final response came (idempotent)."""

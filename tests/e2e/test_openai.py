@@ -247,7 +247,7 @@ def test_bad_parameter_is_400_with_openai_error_json(client, frontend):
     assert info.value.body["param"] == "temperature" and info.value.body["type"] == "invalid_request_error"
 
     cases = [
-        ({"prompt": PROMPT, "n": 2}, "n"),
+        ({"prompt": PROMPT, "n": 17}, "n"),
         ({"prompt": PROMPT, "top_p": 0}, "top_p"),
         ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),  # refused by the engine (max_model_len)
@@ -263,7 +263,7 @@ def test_bad_parameter_is_400_with_openai_error_json(client, frontend):
         assert error_of(r)["param"] == param, (fields, r.text)
 
     r = requests.post(f"{frontend.url}/v1/chat/completions", timeout=60,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True})
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0, "stream": True})
     assert r.status_code == 400 and error_of(r)["param"] == "n"
     r = requests.post(f"{frontend.url}/v1/completions", data=b"{not json", timeout=60)
     assert r.status_code == 400 and error_of(r)["code"] == "invalid_json"
@@ -356,3 +356,28 @@ def test_non_streamed_disconnect_cancels_and_frees_kv_blocks(frontend, triton_se
 def test_server_still_serves_after_disconnects(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].text
+
+
+@pytest.mark.e2e
+def test_n_returns_n_choices_and_streams_them_by_index(client):
+    sampling = {"model": MODEL, "max_tokens": 8, "temperature": 0.8, "seed": 11}
+    out = client.completions.create(prompt=PROMPT, n=2, **sampling)
+    assert [c.index for c in out.choices] == [0, 1]
+    for i, choice in enumerate(out.choices):  # choice i is sampled with seed 11 + i
+        alone = client.completions.create(prompt=PROMPT, **{**sampling, "seed": 11 + i})
+        assert choice.text == alone.choices[0].text and choice.finish_reason == alone.choices[0].finish_reason
+    assert out.usage.completion_tokens == sum(
+        client.completions.create(prompt=PROMPT, **{**sampling, "seed": 11 + i}).usage.completion_tokens for i in (0, 1))
+
+    messages = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(messages=messages, n=2, **sampling)
+    assert [c.index for c in whole.choices] == [0, 1]
+    streamed, reasons = {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **sampling):
+        for choice in chunk.choices:
+            assert choice.index not in reasons, "a choice's chunk after its finish_reason"
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert streamed == {c.index: c.message.content for c in whole.choices}

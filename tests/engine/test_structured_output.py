@@ -250,3 +250,25 @@ def test_preemption_by_recompute_rebuilds_the_matcher(tiny_model):
     engine, got, rebuilt = run(block_size=8, num_kv_blocks=12, max_num_seqs=6, max_preemptions=3)
     assert engine.stats.totals.preemptions > 0 and rebuilt, "no constrained request was preempted and rebuilt"
     assert got == want
+
+
+def test_every_sequence_of_a_parallel_request_keeps_the_constraint(tiny_model):
+    """n > 1: each forked sequence gets a matcher of its own on the one compiled grammar."""
+    engine = make_engine(tiny_model)
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=256, structured_outputs={"choice": CHOICES})
+    request = engine.add_request("group", PROMPT, params)
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            for i, seq in enumerate(out.sequences or []):
+                if seq is not None:
+                    tokens[i].extend(seq.token_ids_delta)
+            if out.finished:
+                final = out
+    assert final is not None and final.error is None
+    texts = [engine.tokenizer.decode(tokens[i], skip_special_tokens=True) for i in range(4)]
+    assert all(text in CHOICES for text in texts), texts
+    assert len(set(texts)) > 1, "the sequences sampled one choice only"
+    assert engine.grammar_compiler.num_compiled == 1
+    assert_no_grammar_state(engine, request.group.seqs)

@@ -176,6 +176,19 @@ def test_w8b_report_has_the_ratios_and_a_service_plot(tiny, tmp_path):
     assert (tmp_path / "w8b.png").stat().st_size > 10_000
 
 
+def test_w7_runs_groups_and_their_sequences_as_separate_requests_alike(tiny, tmp_path):
+    out = tmp_path / "w7.json"
+    code = cli.main(["W7", "--model", tiny, "--num-requests", "3", "--input-len", "20", "--output-len", "5",
+                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["results"]] == ["continuous", "separate-no-prefix-cache"]
+    assert report["workload"]["n"] == 4 and report["workload"]["total_output_tokens"] == 3 * 4 * 5
+    for r in report["results"]:  # every request's record counts all 4 sequences' tokens
+        assert r["num_completed"] == 3 and r["all_token_counts_right"] and r["output_tokens"] == 60
+    assert "continuous/separate-no-prefix-cache" in report["ratios"]
+
+
 def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
     out = tmp_path / "results" / "w3_sweep.json"
     code = cli.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",

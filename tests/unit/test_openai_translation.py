@@ -14,7 +14,15 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
-from client.openai.translation import Job, Piece, client_names, piece_of, sampling_parameters, validate_sampling
+from client.openai.translation import (
+    Job,
+    Piece,
+    client_names,
+    piece_of,
+    pieces_of,
+    sampling_parameters,
+    validate_sampling,
+)
 
 
 def translate(model_cls, body: dict) -> Job:
@@ -180,7 +188,7 @@ def test_the_reasoning_switches_are_accepted_whatever_their_value():
     ({"model": "llm"}, "messages", "missing_required_parameter"),
     ({"model": "llm", "messages": HI, "temperature": "hot"}, "temperature", "invalid_value"),
     ({"model": "llm", "messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "invalid_value"),
-    ({"model": "llm", "messages": HI, "n": 2}, "n", "unsupported_value"),
+    ({"model": "llm", "messages": HI, "n": 17}, "n", "invalid_value"),  # the backend's limit: 16
     ({"model": "llm", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools.0.function", "missing_required_parameter"),
     # tool_choice "auto" (the default with tools) would need the model's own tool-call format.
@@ -432,3 +440,50 @@ def test_a_lora_adapter_as_the_model_runs_on_its_base_model_with_lora_name():
     plain = Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}, triton_model="llm")
     assert plain.triton_model == "llm" and "lora_name" not in plain.sampling
     assert Job.of(parse_request(CompletionRequest, {"model": "llm", "prompt": "x"}), "x", {}).triton_model == "llm"
+
+
+def triton_response_of_n(texts: list[str], reasons: list[str | None], num_output_tokens: list[int],
+                         final: bool = False) -> InferResult:
+    """A stream response of a request with n sequences: outputs of shape [n] (num_input_tokens [1])."""
+    response = service_pb2.ModelInferResponse(model_name="llm", id="1")
+
+    def add(name: str, datatype: str, array: np.ndarray) -> None:
+        response.outputs.add(name=name, datatype=datatype, shape=[array.size])
+        raw = serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes()
+        response.raw_output_contents.append(raw)
+
+    add("text_output", "BYTES", np.array([t.encode() for t in texts], dtype=np.object_))
+    add("finish_reason", "BYTES", np.array([str(r).encode() for r in reasons], dtype=np.object_))
+    add("num_input_tokens", "UINT32", np.array([7], dtype=np.uint32))
+    add("num_output_tokens", "UINT32", np.array(num_output_tokens, dtype=np.uint32))
+    add("logprobs", "BYTES", np.array([b"null"] * len(texts), dtype=np.object_))
+    response.parameters["triton_final_response"].bool_param = final
+    return InferResult(response)
+
+
+def test_n_is_passed_on_and_each_sequence_becomes_a_choice():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "x", "n": 2, "seed": 4})
+    assert job.sampling["n"] == 2 and job.n == 2
+    responses = [
+        triton_response_of_n(["a", "b"], [None, None], [1, 1]),
+        triton_response_of_n(["", "c"], ["length", None], [0, 1]),
+        triton_response_of_n(["", ""], ["length", "stop"], [0, 0], final=True),
+    ]
+    pieces = [p for r in responses for p in pieces_of(r)]
+    assert [(p.index, p.text, p.final) for p in pieces[:2]] == [(0, "a", False), (1, "b", False)]
+    body = job.whole(pieces)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "a", "length"),
+                                                                                      (1, "bc", "stop")]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def test_streamed_chat_with_n_sends_each_choice_with_its_index():
+    job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "n": 2, "stream": True})
+    heads = [sse_payload(c)["choices"][0] for c in job.first_chunks()]
+    assert [(h["index"], h["delta"]) for h in heads] == [(0, {"role": "assistant", "content": ""}),
+                                                         (1, {"role": "assistant", "content": ""})]
+    one, two = pieces_of(triton_response_of_n(["", "Hi"], ["stop", None], [0, 1]))
+    assert sse_payload(job.chunk(one, 0))["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert sse_payload(job.chunk(two, 0))["choices"] == [
+        {"index": 1, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]

@@ -163,17 +163,16 @@ def create_app(settings: Settings) -> FastAPI:
     async def get_model(name: str):
         return model_card(name, await state["catalog"].get(name))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completion_job(request: Request) -> tuple[CompletionRequest, str, dict, ModelInfo]:
+        """A completion request read and checked: (request, prompt, sampling_parameters, model)."""
         req = parse_request(CompletionRequest, await read_json(request))
         prompt = req.check()
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
-        info = await state["catalog"].get(req.model)
-        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
+        return req, prompt, sampling, await state["catalog"].get(req.model)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_job(request: Request) -> tuple[ChatCompletionRequest, str, dict, ModelInfo]:
+        """A chat request read and checked, its messages rendered by the chat template."""
         req = parse_request(ChatCompletionRequest, await read_json(request))
         messages = req.check()
         sampling = sampling_parameters(req)
@@ -181,28 +180,28 @@ def create_app(settings: Settings) -> FastAPI:
         info = await state["catalog"].get(req.model)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
         prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
+        return req, prompt, sampling, info
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, prompt, sampling, info = await completion_job(request)
+        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, prompt, sampling, info = await chat_job(request)
         return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's kv_aware
     # policy asks a worker for them to match a request against the KV events' token ids.
     @app.post("/v1/completions/render")
     async def render_completion(request: Request):
-        req = parse_request(CompletionRequest, await read_json(request))
-        prompt = req.check()
-        sampling = sampling_parameters(req)
-        validate_sampling(sampling, client_names(req))
-        info = await state["catalog"].get(req.model)
+        req, prompt, sampling, info = await completion_job(request)
         return [rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_json(request))
-        messages = req.check()
-        sampling = sampling_parameters(req)
-        validate_sampling(sampling, client_names(req))
-        info = await state["catalog"].get(req.model)
-        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
-        prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
+        req, prompt, sampling, info = await chat_job(request)
         return rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)
 
     async def run(request: Request, job: Job):

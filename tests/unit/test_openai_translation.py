@@ -393,6 +393,12 @@ def test_required_is_an_array_of_calls_of_the_tools():
         {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
 
 
+def test_tools_with_several_choices_are_refused_naming_n():
+    error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "n": 2,
+                                            "tool_choice": "required"})
+    assert (error.status, error.param) == (400, "n") and "tools" in error.message
+
+
 def test_a_call_cut_short_is_returned_as_text():
     job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": "required"})
     reply = job.whole([piece('[{"name": "get_wea', "length")])

@@ -149,8 +149,10 @@ def test_render_gives_the_token_ids_the_engine_computes(cluster):
                          timeout=30).json()
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat["token_ids"] == tokenizer.encode(text)
-    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "n": 2}, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    # What generation would refuse, render refuses too, naming the field.
+    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "best_of": 3},
+                            timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
 
 
 def test_load_spreads_over_both_replicas(cluster):

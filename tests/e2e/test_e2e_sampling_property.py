@@ -20,12 +20,15 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from backend.request import RequestError, SamplingParams
 from client.soak import descendants
-from tests.e2e.e2e_util import Stream, inputs_for, output, wait_for, wait_idle
+from tests.e2e.e2e_util import Stream, inputs_for, wait_for, wait_idle
 
 pytestmark = pytest.mark.e2e
 
-# Limits the engine checks at admission, against the loaded model (backend/engine.py).
-MODEL_LIMITED = {"top_k", "stop_token_ids", "max_tokens"}
+# Limits the engine checks at admission, against the loaded model (backend/engine.py): its
+# vocabulary, max_model_len, adapters (lora_name), seats and KV pool (n, best_of), and the
+# tokenizer (bad_words that tokenize to nothing, structured_outputs that do not compile).
+MODEL_LIMITED = {"top_k", "stop_token_ids", "max_tokens", "lora_name", "n", "best_of", "bad_words",
+                 "structured_outputs"}
 
 # Values of every JSON type: NaN, infinities, numbers far beyond any limit, strings...
 junk_scalars = st.one_of(
@@ -66,29 +69,30 @@ def server(triton_server):
     assert descendants(triton_server.proc.pid) == stubs, "the Python backend stub was replaced (it crashed)"
 
 
-def answer(server, transport: str, text: str) -> tuple[str | None, str]:
-    """(error message or None, finish_reason or '')."""
+def answer(server, transport: str, text: str) -> tuple[str | None, list[str]]:
+    """(error message or None, the finish_reason of each sequence: n of them, none on an error)."""
     if transport == "grpc":
         with Stream(server.grpc_url) as stream:
             got = wait_for(stream.send(server.model, inputs_for("Hello", text)), 60)
         assert got.finals == 1 and got.after_final == 0
         if got.error is not None:
             assert not got.responses
-            return got.message, ""
-        return None, output(got.last, "finish_reason")
+            return got.message, []
+        return None, [r.decode() for r in got.last.as_numpy("finish_reason").reshape(-1)]
     r = requests.post(f"{server.http_url}/v2/models/{server.model}/generate",
                       json={"text_input": "Hello", "sampling_parameters": text}, timeout=60)
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code != 200:
-        return r.json()["error"], ""
-    return None, r.json().get("finish_reason", "")
+        return r.json()["error"], []
+    reasons = r.json().get("finish_reason", [])
+    return None, reasons if isinstance(reasons, list) else [reasons]
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sampling=sampling_objects, transport=st.sampled_from(["grpc", "http"]))
 def test_generated_sampling_parameters_are_served_or_refused_by_name(server, sampling, transport):
     text = json.dumps(sampling, allow_nan=True)
-    error, finish_reason = answer(server, transport, text)
+    error, finish_reasons = answer(server, transport, text)
     refused = expected_refusal(sampling)
     event("served" if error is None else "refused")
     if refused is not None:
@@ -97,4 +101,5 @@ def test_generated_sampling_parameters_are_served_or_refused_by_name(server, sam
     elif error is not None:
         assert any(error.startswith(f"{name}: ") for name in MODEL_LIMITED & set(sampling)), (text, error)
     else:
-        assert finish_reason in ("stop", "length"), (text, finish_reason)
+        n = SamplingParams.from_dict(sampling).n
+        assert len(finish_reasons) == n and set(finish_reasons) <= {"stop", "length"}, (text, finish_reasons)

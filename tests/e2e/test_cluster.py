@@ -95,6 +95,17 @@ def in_flight(replica: scaleout.Replica) -> float:
     return replica_metric(replica, "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
+def streams_on(victim: scaleout.Replica, survivor: scaleout.Replica, total: int, timeout_s: float = 10.0) -> float:
+    """The streams in flight on `victim`, once the two replicas' gauges account for all `total`:
+    a replica publishes its gauges after the step whose responses a client already has, so a
+    scrape right after the last stream's first response can still read the step before."""
+    deadline = time.monotonic() + timeout_s
+    while (on_victim := in_flight(victim)) + in_flight(survivor) != total:
+        assert time.monotonic() < deadline, "the replicas' gauges never showed every stream"
+        time.sleep(0.05)
+    return on_victim
+
+
 def openai_client(cluster):
     from openai import OpenAI
 
@@ -183,7 +194,7 @@ def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
             assert time.monotonic() < deadline, "64 streams never all started"
             assert not any(o.done.is_set() for o in outcomes), "a stream ended before the kill"
             time.sleep(0.05)
-        on_victim = in_flight(victim)
+        on_victim = streams_on(victim, survivor, 64)
         assert 0 < on_victim < 64
         killed_at = time.monotonic()
         cluster.kill_triton(victim)

@@ -29,6 +29,7 @@ from tests.e2e.test_cluster import (
     in_flight,
     openai_client,
     served,
+    streams_on,
 )
 from tools import netns, scaleout
 
@@ -79,7 +80,7 @@ def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
             assert time.monotonic() < deadline, "the streams never all started"
             assert not any(o.done.is_set() for o in outcomes), "a stream ended before the cut"
             time.sleep(0.05)
-        on_victim = in_flight(victim)
+        on_victim = streams_on(victim, survivor, NUM_STREAMS)
         assert 0 < on_victim < NUM_STREAMS
         cut_at = time.monotonic()
         hosts.cut(victim.index)

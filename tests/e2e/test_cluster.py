@@ -212,20 +212,28 @@ def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
             s.close()
 
     # From 10 s after the kill, every request succeeds through both routers.
-    time.sleep(max(0.0, killed_at + 10 - time.monotonic()))
+    client = assert_survivor_serves(cluster, survivor, failed_at=killed_at, rounds=6)
+
+    # The replica rejoins: once it is ready, each router sends it requests again.
+    cluster.restart_triton(victim)
+    assert_rejoins(cluster, victim, client)
+
+
+def assert_survivor_serves(cluster, survivor: scaleout.Replica, failed_at: float, rounds: int):
+    """From 10 s after a replica failed at `failed_at`, every request succeeds through both
+    routers (a tritonclient stream and curl SSE through haproxy, the openai client through
+    vllm-router), and the survivor serves all of them; returns the openai client."""
+    time.sleep(max(0.0, failed_at + 10 - time.monotonic()))
     before = served(survivor)
     client = openai_client(cluster)
-    for i in range(6):
+    for i in range(rounds):
         outcome = generate(cluster.grpc_url, MODEL, inputs_for(f"After {i}", GREEDY, stream=True), grace=0)
         assert outcome.error is None and outcome.finals == 1, outcome.message
         events = curl_sse(cluster.http_url, f"After {i}")
         assert events and "error" not in events[-1], events
         assert client.completions.create(model=MODEL, prompt=f"After {i}", max_tokens=4, temperature=0).choices
-    assert served(survivor) - before == 18
-
-    # The replica rejoins: once it is ready, each router sends it requests again.
-    cluster.restart_triton(victim)
-    assert_rejoins(cluster, victim, client)
+    assert served(survivor) - before == 3 * rounds
+    return client
 
 
 def assert_rejoins(cluster, victim: scaleout.Replica, client, timeout_s: float = 30.0) -> None:

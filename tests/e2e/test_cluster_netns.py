@@ -18,17 +18,14 @@ import time
 import pytest
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
+from tests.e2e.e2e_util import Stream, inputs_for, wait_for
 from tests.e2e.server import free_ports
 from tests.e2e.test_cluster import (
-    GREEDY,
     MODEL,
     PARAMETERS,
     assert_rejoins,
-    curl_sse,
+    assert_survivor_serves,
     in_flight,
-    openai_client,
-    served,
     streams_on,
 )
 from tools import netns, scaleout
@@ -97,16 +94,7 @@ def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
         for s in streams:
             s.close()
 
-    time.sleep(max(0.0, cut_at + 10 - time.monotonic()))
-    before = served(survivor)
-    client = openai_client(cluster)
-    for i in range(4):
-        outcome = generate(cluster.grpc_url, MODEL, inputs_for(f"After {i}", GREEDY, stream=True), grace=0)
-        assert outcome.error is None and outcome.finals == 1, outcome.message
-        events = curl_sse(cluster.http_url, f"After {i}")
-        assert events and "error" not in events[-1], events
-        assert client.completions.create(model=MODEL, prompt=f"After {i}", max_tokens=4, temperature=0).choices
-    assert served(survivor) - before == 12
+    client = assert_survivor_serves(cluster, survivor, failed_at=cut_at, rounds=4)
 
     hosts.restore(victim.index)
     # The cut-off streams ran on (nothing told the replica); let them end before counting.

@@ -1,34 +1,33 @@
 // Paged attention on the CPU over a ragged batch: decodes and prefill chunks, keys and
-// values read in place from the paged KV cache (no gather into a padded copy, no padding).
+// values taken from the paged KV cache with no padding.
 //
-// One task per (query token, KV head): the token's causal prefix of that KV head's cache
-// and the query heads that share it (GQA: query head h reads KV head h / (Hq / Hkv)).
-// Tasks are independent, so a batch of one decode still spreads its KV heads over the
-// cores. Scores for the whole prefix are kept (group x len floats), then softmax, then the
-// V pass. Accumulation is float32 whatever the cache dtype. A prefill chunk's tokens re-read
-// their shared prefix (from cache, not memory) where a GEMM-based kernel would share each
-// load among a tile of queries: long chunks at long contexts are faster in SDPA, and
-// kernels/paged_attention.py sends those there.
+// One task per run of up to 16 consecutive query tokens of one sequence (a decode is a run of
+// one), over every KV head, or over one KV head when there are too few runs to keep the cores
+// busy (a batch of a few decodes). A task first copies its context's rows out of the scattered
+// blocks into a buffer of its own, then scores every token of the run against it; softmax; then
+// the same for the values. Scores for the whole prefix are kept (heads x len floats per token).
+// Accumulation is float32 whatever the cache dtype. A run's tokens share the copy but not the
+// arithmetic, where a GEMM-based kernel would share each load among a tile of queries: long
+// chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
+// (unless the engine runs batch-invariant).
 //
-// A decode step reads every cached K and V byte of the batch once (~220 MB for SmolLM2 in
-// float32 at batch 32, contexts ~150): memory-bound when the arithmetic keeps up, which sets
-// the shape of the vector path (head sizes that are a multiple of 8: every Llama-family model):
+// A decode step reads every cached K and V byte of the batch once (~150 MB for SmolLM2 in
+// bfloat16 at batch 32, contexts ~200), so the memory side sets the pace:
+// - the copy: read in place by the compute loops, the cache came in at ~8 GB/s (they keep few
+//   loads in flight, and memory idles while they compute); a copy loop that asks for the next
+//   block's lines (prefetcht2) while it copies this one, with the values' lines asked for while
+//   the keys are scored, makes the kernel 2x faster: 17.6 to 8.4 ms a step (30 layers' own
+//   caches, batch 32, contexts ~200, 2-core AVX512-BF16 EPYC; the cache streams at ~17 GB/s);
 // - QK scores 8 rows at a time: 8 independent dot-product accumulators (no FMA latency
 //   chain), folded into 8 scores by one transposing reduction (hadd: 9 instructions for 8
 //   rows, where a horizontal sum per row costs ~6 each);
 // - the query heads of a GQA group share each K and V row load (and its bf16 widening): up to
-//   3 heads per pass with AVX-512, one with AVX2's 16 registers (2-core AVX512-BF16 EPYC, bf16,
-//   batch 32: 1.4x faster than one head per pass with the cache in L2/L3, ~9% over a W1 run,
-//   where reading the cache from memory takes most of the time);
+//   3 heads per pass with AVX-512, one with AVX2's 16 registers;
 // - the V pass keeps the heads' outputs in registers across a block's rows;
 // - vectors of 8 floats (AVX2) or 16 (AVX-512; kernels/paged_attention.py picks the machine's
 //   widest, `lanes`), the 16-lane sums folded to 8 before the reduction.
 // In every path a token's reduction order depends on its context length only, never on the
-// batch or the chunk it is in (the engine's batch invariance).
-// On a 2-core AVX2 EPYC, SmolLM2-135M's shapes, batch 32, contexts ~150, 30 layers' own
-// caches: 21 ms a step (~11 GB/s of KV), against 47-53 ms for one task per sequence with a
-// horizontal sum per row; at batch 1, 0.5 ms against 2.7. Software prefetch of the next
-// block (the block table scatters blocks) measured no different, so there is none.
+// batch, the run or the task it is in (the engine's batch invariance).
 // The plain loops remain for any other head size.
 
 #include <ATen/ATen.h>
@@ -262,51 +261,170 @@ inline void for_head_passes(int64_t group, Body&& body) {
   }
 }
 
-// One (token, KV head) over `len` keys, head_dim = kVectors * L (vectors of L floats). `q` is
-// the group's first query head ([group, head_dim] contiguous), `out` receives the group's heads
-// as float32. `query` holds group * head_dim floats, `scores` group * round_up(len, 8).
+// A task's share of the work: `num_tokens` consecutive query tokens of one sequence (a decode is
+// a run of one), over KV heads [head_begin, head_end). `first_len` is the first token's context
+// length; token i of the run sees first_len + i keys.
+struct Task {
+  int64_t seq, first_token, num_tokens, first_len, head_begin, head_end;
+};
+
+// The task's context, copied out of the paged cache into a buffer of its own (rows of its KV heads,
+// back to back) before it is computed on. Reading the cache where it lies, the compute loops keep
+// few loads in flight and memory sits idle while they run (2-core AVX512-BF16 EPYC, SmolLM2 bf16,
+// batch 32, contexts ~200: ~8 GB/s of KV); a copy loop that asks for the next block's lines while
+// it copies this one streams at the machine's rate, after which the arithmetic reads from L1/L2.
+// At most kGatherBytes at a time (a quarter of a Zen 4 core's L2): longer contexts are computed
+// in segments of whole blocks.
+constexpr int64_t kGatherBytes = 256 * 1024;
+
+template <typename T>
+struct Gatherer {
+  const T* cache;
+  const int32_t* table;
+  int64_t block_stride, block_size, row_width, column, width;  // the task's columns of a row
+  T* local;
+
+  static void prefetch(const T* p, int64_t bytes) {
+    // To L2 (prefetcht2): to L1 the prefetches compete with the copy's own loads and gained nothing.
+    // As an asm statement: g++ 12 drops __builtin_prefetch's loop from this function once inlined.
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(c[off]));
+  }
+  void prefetch_block(int64_t b, int64_t rows) const {
+    const T* src = cache + table[b] * block_stride + column;
+    if (width == row_width) {
+      prefetch(src, rows * row_width * int64_t(sizeof(T)));
+    } else {
+      for (int64_t r = 0; r < rows; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(T)));
+    }
+  }
+  // Rows [b_begin * block_size, end_row) into local (row r at (r - b_begin * block_size) * width),
+  // asking for the next block's lines (and, past the last, for `next_rows` rows of block `next`).
+  void gather(int64_t b_begin, int64_t end_row, int64_t next, int64_t next_rows) const {
+    const int64_t b_end = (end_row + block_size - 1) / block_size;
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t rows = std::min(block_size, end_row - b * block_size);
+      if (b + 1 < b_end)
+        prefetch_block(b + 1, std::min(block_size, end_row - (b + 1) * block_size));
+      else if (next >= 0)
+        prefetch_block(next, next_rows);
+      const T* src = cache + table[b] * block_stride + column;
+      T* dst = local + (b - b_begin) * block_size * width;
+      if (width == row_width) {
+        std::memcpy(dst, src, rows * row_width * sizeof(T));
+      } else {
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * width, src + r * row_width, width * sizeof(T));
+      }
+    }
+  }
+};
+
+// Scratch buffers only ever grow: resizing up and down would zero their new parts on every task.
+template <typename T>
+inline void grow(std::vector<T>& buffer, size_t size) {
+  if (buffer.size() < size) buffer.resize(size);
+}
+
+// One task, head_dim = kVectors * L (vectors of L floats). `q` points at the first token's row
+// of queries [num_q_heads, head_dim]; `out` receives each token's query heads of the task's KV
+// heads as float32, [num_tokens][heads_in_task * group][head_dim]. Every token is computed as if
+// alone: its scores, softmax and value sums run in the order its context length sets, whatever
+// tokens and heads share the task.
 template <typename T, int L, int kVectors>
-void attend_kv_head_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-                               int64_t kv_head, float* out, const Shape& shape, float scale, float* query,
-                               float* scores) {
+void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Task& task,
+                            float* out, const Shape& shape, float scale, std::vector<float>& query,
+                            std::vector<float>& scores, std::vector<T>& local) {
   constexpr int64_t kHeadDim = kVectors * L;
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  const int64_t scores_stride = (len + kTileRows - 1) / kTileRows * kTileRows;
-  const int64_t head_offset = kv_head * kHeadDim;
-  const auto block = [&](const T* cache, int64_t b) { return cache + table[b] * shape.block_stride() + head_offset; };
+  const int64_t num_heads = task.head_end - task.head_begin, heads_width = num_heads * group * kHeadDim;
+  const int64_t width = num_heads * kHeadDim;  // one row of the local copy
+  const int64_t max_len = task.first_len + task.num_tokens - 1;
+  const int64_t num_blocks = (max_len + block_size - 1) / block_size;
+  const int64_t scores_stride = (max_len + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t segment_blocks =
+      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(T))));
+  const int64_t token_scores = num_heads * group * scores_stride;  // one token's rows of scores
 
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < kVectors; ++j)
-      store_vector<L>(query + g * kHeadDim + j * L, load_vector<L>(q + g * kHeadDim + j * L) * scale);
+  grow(query, task.num_tokens * heads_width);
+  grow(scores, task.num_tokens * token_scores);
+  grow(local, std::min(segment_blocks, num_blocks) * block_size * width);
+  float* const query_data = query.data();
+  float* const scores_data = scores.data();
+  T* const local_data = local.data();
+  for (int64_t t = 0; t < task.num_tokens; ++t)
+    for (int64_t g = 0; g < num_heads * group; ++g)
+      for (int j = 0; j < kVectors; ++j)
+        store_vector<L>(query_data + t * heads_width + g * kHeadDim + j * L,
+                        load_vector<L>(q + t * shape.num_q_heads * kHeadDim + task.head_begin * group * kHeadDim +
+                                       g * kHeadDim + j * L) *
+                            scale);
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* keys = block(k_cache, b);
-    const int64_t first = b * block_size, count = std::min(block_size, len - first);
-    for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-      const T* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
-      for (int64_t i = 0; i < kTileRows; ++i) rows[i] = keys + std::min(r0 + i, count - 1) * row_width;
-      const int64_t valid = std::min(kTileRows, count - r0);
-      for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-        score_tile<T, L, kVectors, decltype(heads)::value>(rows, query + g * kHeadDim,
-                                                           scores + g * scores_stride + first + r0, scores_stride,
-                                                           valid);
-      });
+  Gatherer<T> keys{k_cache, table, shape.block_stride(), block_size, row_width, task.head_begin * kHeadDim, width,
+                   local_data};
+  Gatherer<T> values = keys;
+  values.cache = v_cache;
+  // With the whole context in one segment, the values' lines are asked for (to L2) while the
+  // scores are computed, so that their copy finds them near.
+  const bool one_segment = segment_blocks >= num_blocks;
+
+  for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
+    const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
+    keys.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
+    for (int64_t b = s0; b < s1; ++b) {
+      const int64_t first = b * block_size;
+      if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
+      const T* block_rows = local_data + (b - s0) * block_size * width;
+      for (int64_t t = 0; t < task.num_tokens; ++t) {
+        const int64_t len = task.first_len + t;
+        if (first >= len) continue;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+          const T* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+          for (int64_t i = 0; i < kTileRows; ++i) rows[i] = block_rows + std::min(r0 + i, count - 1) * width;
+          const int64_t valid = std::min(kTileRows, count - r0);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const T* const head_rows[kTileRows] = {rows[0] + h * kHeadDim, rows[1] + h * kHeadDim,
+                                                   rows[2] + h * kHeadDim, rows[3] + h * kHeadDim,
+                                                   rows[4] + h * kHeadDim, rows[5] + h * kHeadDim,
+                                                   rows[6] + h * kHeadDim, rows[7] + h * kHeadDim};
+            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+              const int64_t row = h * group + g;
+              score_tile<T, L, kVectors, decltype(heads)::value>(
+                  head_rows, query_data + t * heads_width + row * kHeadDim,
+                  scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
+            });
+          }
+        }
+      }
     }
   }
 
-  for (int64_t g = 0; g < group; ++g) softmax(scores + g * scores_stride, len);
+  for (int64_t t = 0; t < task.num_tokens; ++t)
+    for (int64_t row = 0; row < num_heads * group; ++row)
+      softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t);
 
-  std::fill(out, out + group * kHeadDim, 0.f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* values = block(v_cache, b);
-    const int64_t first = b * block_size, count = std::min(block_size, len - first);
-    for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-      accumulate_values<T, L, kVectors, decltype(heads)::value>(values, row_width, count,
-                                                                scores + g * scores_stride + first, scores_stride,
-                                                                out + g * kHeadDim);
-    });
+  std::fill(out, out + task.num_tokens * heads_width, 0.f);
+  for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
+    const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
+    values.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
+    for (int64_t b = s0; b < s1; ++b) {
+      const int64_t first = b * block_size;
+      const T* block_rows = local_data + (b - s0) * block_size * width;
+      for (int64_t t = 0; t < task.num_tokens; ++t) {
+        const int64_t len = task.first_len + t;
+        if (first >= len) continue;
+        const int64_t count = std::min(block_size, len - first);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+            const int64_t row = h * group + g;
+            accumulate_values<T, L, kVectors, decltype(heads)::value>(
+                block_rows + h * kHeadDim, width, count, scores_data + t * token_scores + row * scores_stride + first,
+                scores_stride, out + t * heads_width + row * kHeadDim);
+          });
+        }
+      }
+    }
   }
 }
 
@@ -350,44 +468,67 @@ void store_row(const float* src, T* dst, int64_t n) {
 }
 
 // Every query token attends to its own causal prefix of its sequence's cache, so a prefill
-// chunk's token is computed exactly like a decode over a shorter context: one code path
-// for decodes, prefill chunks and mixed batches, and one parallel loop over (token, KV head)
-// tasks. Tasks differ in length (contexts vary, and a chunk's later tokens see more), hence
-// OpenMP's dynamic schedule rather than at::parallel_for's equal ranges.
+// chunk's token is computed exactly like a decode over a shorter context: one code path for
+// decodes, prefill chunks and mixed batches, and one parallel loop over tasks. A task is a run of
+// up to kRunTokens consecutive tokens of one sequence, which share one copy of their context, over
+// every KV head, or over one KV head where there are too few runs to keep the cores busy (a batch
+// of a few decodes). Tasks differ in length (contexts vary, and a chunk's later tokens see more),
+// hence OpenMP's dynamic schedule rather than at::parallel_for's equal ranges.
+constexpr int64_t kRunTokens = 16;
+// A run's scores stay under this many bytes (runs are shorter at long contexts).
+constexpr int64_t kRunScoresBytes = 1 << 20;
+
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
             const int32_t* cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, T* out, const Shape& shape,
             float scale, int64_t lanes) {
-  std::vector<int64_t> token_seq(num_tokens), token_len(num_tokens);  // len: keys the token attends to
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
-    for (int64_t i = 0; i < count; ++i) {
-      token_seq[first + i] = seq;
-      token_len[first + i] = seq_lens[seq] - count + i + 1;
-    }
-  }
   const int64_t token_width = shape.num_q_heads * shape.head_dim, group = shape.group();
-  const int64_t group_width = group * shape.head_dim, max_len = shape.max_blocks * shape.block_size;
-  const auto table = [&](int64_t token) { return block_tables + token_seq[token] * shape.max_blocks; };
-  // The kernel for head_dim = VECTORS * LANES, over every (token, KV head) task.
+  const int64_t max_len = shape.max_blocks * shape.block_size;
+  const int64_t threads = at::get_num_threads();
+  const auto table = [&](int64_t seq) { return block_tables + seq * shape.max_blocks; };
+  // The kernel for head_dim = VECTORS * LANES, over every task.
   const auto run_vectorised = [&](auto kernel) {
-    const int64_t num_tasks = num_tokens * shape.num_kv_heads;
-#pragma omp parallel num_threads(at::get_num_threads())
+    std::vector<Task> tasks;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
+      const int64_t first_len = seq_lens[seq] - count + 1;
+      const int64_t run = std::clamp<int64_t>(
+          kRunScoresBytes / (int64_t(sizeof(float)) * shape.num_q_heads * std::max<int64_t>(seq_lens[seq], 1)), 1,
+          kRunTokens);
+      for (int64_t i = 0; i < count; i += run)
+        tasks.push_back({seq, first + i, std::min(run, count - i), first_len + i, 0, shape.num_kv_heads});
+    }
+    if (int64_t(tasks.size()) < 2 * threads && shape.num_kv_heads > 1) {
+      std::vector<Task> split;
+      for (const Task& task : tasks)
+        for (int64_t h = 0; h < shape.num_kv_heads; ++h) split.push_back({task.seq, task.first_token, task.num_tokens,
+                                                                           task.first_len, h, h + 1});
+      tasks.swap(split);
+    }
+    const int64_t num_tasks = tasks.size();
+#pragma omp parallel num_threads(threads)
     {
-      std::vector<float> query(group_width), result(group_width), scores(group * (max_len + kTileRows));
+      // Kept from call to call (a step calls once per layer): freed and allocated again, they
+      // would take fresh pages from the kernel, page faults and all, every time.
+      thread_local std::vector<float> query, scores, result;
+      thread_local std::vector<T> local;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < num_tasks; ++task) {
-        const int64_t token = task / shape.num_kv_heads, kv_head = task % shape.num_kv_heads;
-        const int64_t offset = token * token_width + kv_head * group_width;
-        kernel(q + offset, k_cache, v_cache, table(token), token_len[token], kv_head, result.data(), shape, scale,
-               query.data(), scores.data());
-        store_row(result.data(), out + offset, group_width);
+      for (int64_t i = 0; i < num_tasks; ++i) {
+        const Task& task = tasks[i];
+        const int64_t heads_width = (task.head_end - task.head_begin) * group * shape.head_dim;
+        grow(result, task.num_tokens * heads_width);
+        kernel(q + task.first_token * token_width, k_cache, v_cache, table(task.seq), task, result.data(), shape,
+               scale, query, scores, local);
+        for (int64_t t = 0; t < task.num_tokens; ++t)
+          store_row(result.data() + t * heads_width,
+                    out + (task.first_token + t) * token_width + task.head_begin * group * shape.head_dim,
+                    heads_width);
       }
     }
   };
-#define INFLIGHT_VECTORISED(LANES, VECTORS)                           \
-  case VECTORS:                                                       \
-    run_vectorised(attend_kv_head_vectorised<T, LANES, VECTORS>);    \
+#define INFLIGHT_VECTORISED(LANES, VECTORS)                          \
+  case VECTORS:                                                      \
+    run_vectorised(attend_task_vectorised<T, LANES, VECTORS>);       \
     return;
 #if defined(__AVX512F__)
   if (lanes == 16 && shape.head_dim % 16 == 0) {
@@ -412,15 +553,24 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
     INFLIGHT_VECTORISED(8, 16)
     INFLIGHT_VECTORISED(8, 32)
 #undef INFLIGHT_VECTORISED
-    default:
-#pragma omp parallel num_threads(at::get_num_threads())
-    {
-      std::vector<float> scores(shape.num_q_heads * max_len), row(shape.row_width()), result(token_width);
+    default: {
+      std::vector<int64_t> token_seq(num_tokens), token_len(num_tokens);  // len: keys the token attends to
+      for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
+        for (int64_t i = 0; i < count; ++i) {
+          token_seq[first + i] = seq;
+          token_len[first + i] = seq_lens[seq] - count + i + 1;
+        }
+      }
+#pragma omp parallel num_threads(threads)
+      {
+        std::vector<float> scores(shape.num_q_heads * max_len), row(shape.row_width()), result(token_width);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t token = 0; token < num_tokens; ++token) {
-        attend_token_scalar(q + token * token_width, k_cache, v_cache, table(token), token_len[token],
-                               result.data(), shape, scale, scores.data(), row);
-        store_row(result.data(), out + token * token_width, token_width);
+        for (int64_t token = 0; token < num_tokens; ++token) {
+          attend_token_scalar(q + token * token_width, k_cache, v_cache, table(token_seq[token]), token_len[token],
+                              result.data(), shape, scale, scores.data(), row);
+          store_row(result.data(), out + token * token_width, token_width);
+        }
       }
     }
   }

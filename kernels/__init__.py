@@ -23,6 +23,8 @@ with the references (and the references with naive loops).
         (CPU only: weights in the GEMM library's own layout; see linear.py)
     lora_delta(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed=None, max_seg_len=None)
         in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
+    cpu_decoder_layer(...) -> layer | None; cpu_step_meta(...) (CPU only: a Llama decoder layer's
+        kernels above in one C++ call, the same bits; see decoder_layer.py)
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ from __future__ import annotations
 import torch
 
 from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
+from .decoder_layer import cpu_decoder_layer, cpu_step_meta
 from .kv_store import store_kv_reference, store_kv_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .lora import lora_delta_cpu, lora_delta_reference, lora_delta_triton
-from .paged_attention import paged_attention_cpu, paged_attention_reference, paged_attention_triton
+from .paged_attention import (
+    paged_attention_cpu,
+    paged_attention_cpu_kernel_only,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
 
@@ -46,6 +54,7 @@ __all__ = [
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
+    "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
 ]
 
 

@@ -77,8 +77,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
                                       lens.to(torch.int32), cu.to(torch.int32), scale, lanes).to(query.dtype)
 
-    if (batch_invariant or (max_seqlen_q is not None and max_seqlen_q < _SDPA_MIN_QUERY)
-            or (max_seqlen_k is not None and max_seqlen_k < _SDPA_MIN_MEAN_CONTEXT)):
+    if paged_attention_cpu_kernel_only(max_seqlen_q, max_seqlen_k, batch_invariant):
         return kernel(query, block_tables, seq_lens, cu_seqlens_q)  # the usual step: no host-side look at the batch
     cu = cu_seqlens_q.to(torch.int64)
     q_lens, ctx = cu[1:] - cu[:-1], seq_lens.to(torch.int64)
@@ -106,6 +105,13 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # average context (the chunk's middle token's) reaches ~320 positions.
 _SDPA_MIN_QUERY = 64
 _SDPA_MIN_MEAN_CONTEXT = 320
+
+
+def paged_attention_cpu_kernel_only(max_seqlen_q: int | None, max_seqlen_k: int | None, batch_invariant: bool) -> bool:
+    """Whether `paged_attention_cpu` sends every token of a batch with these bounds to the C++
+    kernel, known without looking at the batch (no chunk is long enough for SDPA)."""
+    return (batch_invariant or (max_seqlen_q is not None and max_seqlen_q < _SDPA_MIN_QUERY)
+            or (max_seqlen_k is not None and max_seqlen_k < _SDPA_MIN_MEAN_CONTEXT))
 
 
 def _uses_sdpa(q_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

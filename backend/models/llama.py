@@ -192,6 +192,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # The tied embedding packed as an output projection (the embedding keeps its own).
         self.tied_lm_head_packed: kernels.PackedWeight | None = None
+        # CPU: each layer as one C++ call (kernels.cpu_decoder_layer), set by pack_weights where
+        # every layer can run that way; the modules stay for the steps that cannot (LoRA, SDPA).
+        self.cpu_layers: list | None = None
         self.register_buffer(
             "cos_sin_cache",
             kernels.build_cos_sin_cache(
@@ -209,6 +212,18 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight)
+        layers = [self._cpu_layer(layer) for layer in self.layers]
+        self.cpu_layers = layers if all(layer is not None for layer in layers) else None
+
+    def _cpu_layer(self, layer: LlamaDecoderLayer):
+        attn, mlp = layer.self_attn, layer.mlp
+        return kernels.cpu_decoder_layer(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+            *((p.packed, p.bias) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            attn.q_norm.weight if attn.q_norm is not None else None,
+            attn.k_norm.weight if attn.k_norm is not None else None,
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
                 interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -216,10 +231,19 @@ class LlamaForCausalLM(nn.Module):
         before each layer, abandons the pass (StepInterrupted) when it answers True."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            if interrupt is not None and interrupt():
-                raise StepInterrupted()
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, k_cache, v_cache, meta)
+        if (self.cpu_layers is not None and meta.lora is None
+                and kernels.paged_attention_cpu_kernel_only(meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant)):
+            step = kernels.cpu_step_meta(positions, self.cos_sin_cache, meta.slot_mapping, meta.block_tables,
+                                         meta.seq_lens, meta.cu_seqlens_q)
+            for layer, (k_cache, v_cache) in zip(self.cpu_layers, kv_caches):
+                if interrupt is not None and interrupt():
+                    raise StepInterrupted()
+                hidden, residual = layer.forward(hidden, residual, k_cache, v_cache, step)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                if interrupt is not None and interrupt():
+                    raise StepInterrupted()
+                hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, k_cache, v_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -12,4 +12,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, "x [M, K] times the packed weight's transpose, plus an optional bias");
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE on query and key, key and value into the paged cache");
+  pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
+      .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
+           pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"));
+  pybind11::class_<StepMeta>(m, "StepMeta", "What every layer of a step shares, for DecoderLayer")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
+           pybind11::arg("positions"), pybind11::arg("cos_sin_cache"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cu_seqlens_q"));
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-family decoder layer in one call")
+      .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
+                          int64_t, int64_t, double, std::optional<at::Tensor>, std::optional<at::Tensor>, bool,
+                          int64_t>())
+      .def("forward", &DecoderLayer::forward);
 }

@@ -30,3 +30,39 @@ int64_t gemm_isa();
 at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa);
+
+// decoder_layer.cpp: a Llama-family decoder layer in one call, the kernels above in the order
+// backend/models/llama.py's modules call them.
+struct Projection {
+  at::Tensor panels;               // pack_panels' layout
+  std::optional<at::Tensor> bias;  // in the dtype the GEMM computes in
+  int64_t n;                       // output columns
+  int64_t isa;
+  bool upcast;  // a bfloat16 weight packed as float32: the input is widened, the output rounded
+};
+
+// What every layer of a step shares.
+struct StepMeta {
+  at::Tensor positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q;
+};
+
+class DecoderLayer {
+ public:
+  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
+               Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double scale, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, bool is_neox,
+               int64_t lanes);
+  // (hidden, residual) after the layer; residual absent on the first layer.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
+                                             at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta) const;
+
+ private:
+  at::Tensor input_norm_, post_norm_;
+  double eps_;
+  Projection qkv_, o_, gate_up_, down_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  std::optional<at::Tensor> q_norm_, k_norm_;
+  bool is_neox_;
+  int64_t lanes_;
+};

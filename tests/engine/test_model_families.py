@@ -25,6 +25,8 @@ from backend.engine import LLMEngine
 from backend.models.llama import AttentionMetadata
 from backend.models.loader import CheckpointError, checkpoint_dtype, load_arch, load_model
 from backend.request import SamplingParams
+from kernels import cpu_ext
+from kernels.cpu_ext import Isa
 from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 
 PROMPTS = [
@@ -142,6 +144,56 @@ def test_family_greedy_matches_transformers(ckpt_root, case):
     assert got == expected, f"{case}: engine output differs from transformers"
     # Random weights can collapse to one repeated token, which would prove little.
     assert len({t for out in expected for t in out}) > MAX_TOKENS // 2
+
+
+# One C++ call per layer where the CPU has the C++ kernels, the modules' kernels one by one otherwise.
+GEMM_PATHS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_ext.isa() < isa, reason=f"no {isa.name} path here"),
+                           id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16)]
+
+
+@pytest.mark.parametrize("isa", GEMM_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, dtype, isa):
+    """Each layer as one C++ call (kernels.cpu_decoder_layer) runs the modules' kernels in their
+    order, so hidden states and KV writes are the same bits: every family, both dtypes, every
+    GEMM path here (bf16 below AVX512-BF16 is the float32 upcast), on a batch that mixes a
+    prefill chunk over cached context, a fresh prompt and decodes."""
+    monkeypatch.setattr(cpu_ext, "isa", lambda: isa)
+    model, _ = load_model(case_checkpoint(ckpt_root, case), dtype, torch.device("cpu"), 256)
+    assert model.cpu_layers is not None and len(model.cpu_layers) == model.arch.num_layers
+    arch, block = model.arch, 16
+    new_tokens, cached = [7, 5, 1, 1], [9, 0, 20, 33]
+    seq_lens = [n + c for n, c in zip(new_tokens, cached)]
+    blocks_per_seq = -(-max(seq_lens) // block)
+    tables = torch.randperm(len(seq_lens) * blocks_per_seq, generator=torch.Generator().manual_seed(1))
+    tables = tables.to(torch.int32).view(len(seq_lens), blocks_per_seq)
+    positions = torch.cat([torch.arange(c, c + n) for n, c in zip(new_tokens, cached)])
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(new_tokens))
+    slots = tables[seq_of, positions // block].to(torch.int64) * block + positions % block
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32),
+        max_seqlen_q=max(new_tokens), max_seqlen_k=max(seq_lens), batch_invariant=True,
+    )
+    gen = torch.Generator().manual_seed(2)
+    shape = (tables.numel(), block, arch.num_kv_heads, arch.head_dim)
+    cache = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+             for _ in range(arch.num_layers)]
+    ids = torch.randint(0, arch.vocab_size, (len(positions),), generator=gen)
+
+    def forward(fused: bool):
+        kv = [(k.clone(), v.clone()) for k, v in cache]
+        layers, model.cpu_layers = model.cpu_layers, (model.cpu_layers if fused else None)
+        try:
+            with torch.inference_mode():
+                return model(ids, positions, kv, meta), kv
+        finally:
+            model.cpu_layers = layers
+
+    (fused, fused_kv), (modules, modules_kv) = forward(True), forward(False)
+    assert torch.equal(fused, modules)
+    assert all(torch.equal(a, b) for pair, other in zip(fused_kv, modules_kv) for a, b in zip(pair, other))
 
 
 @pytest.mark.parametrize("case, rope_type, theta", [

@@ -34,11 +34,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 
 #include "ops.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -142,9 +144,13 @@ struct Avx512Bf16 {
 // One tile: Rows rows of x against Panels adjacent panels (Panels * 16 columns, of which
 // `cols` are stored). A group's first tile finds its panels in memory, not cache (a step
 // reads each weight once), so while the tiles of a group run, they ask for the next group's
-// lines: `prefetch` points at this tile's share of them (`prefetch_steps` steps' lines, one
-// per step of its own loop), or is nullptr. The shares spread the next group's lines over
-// all of the group's tiles, so that memory sees a steady stream rather than a burst.
+// lines, into L2: `prefetch` points at this tile's share of them (`prefetch_steps` steps' lines,
+// one per step of its own loop), or is nullptr. The shares spread the next group's lines over
+// all of the group's tiles, so that memory sees a steady stream rather than a burst. Into L2
+// rather than L1, and with every chunk's first group announced by the chunk before (gemm()
+// below), a step's projections ran 20% faster at 8 rows, 15% at 32 and 5% at 80-160 (SmolLM2
+// bf16, 30 layers' own weights, 2-core AVX512-BF16 EPYC; 9.3 ms at 8 rows: the weights streamed
+// at the machine's ~29 GB/s).
 template <class V, int Rows, int Panels>
 inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* panels, int64_t panel_elems,
                  int64_t steps, bool odd_k, const float* bias, typename V::Out* out, int64_t ldo, int64_t cols,
@@ -176,7 +182,7 @@ inline void tile(const typename V::In* x, int64_t ldx, const typename V::In* pan
   for (int64_t s = 0; s < steps; ++s) {
     if (s < prefetch_steps) {
 #pragma GCC unroll 4
-      for (int p = 0; p < Panels; ++p) __builtin_prefetch(prefetch + p * panel_elems + s * kLine);
+      for (int p = 0; p < Panels; ++p) inflight_cpu::prefetch_l2(prefetch + p * panel_elems + s * kLine);
     }
     step(s, [](const typename V::In* p) { return V::broadcast(p); });
   }
@@ -236,7 +242,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
 
   // Work items ordered row block first: consecutive items share a row block, so a core
   // keeps its x rows in cache and streams panels past them.
-  auto run = [&](int64_t begin, int64_t end) {
+  // Items [begin, end), then `after` (-1: nothing known), whose panels the last item's tiles ask for.
+  auto run = [&](int64_t begin, int64_t end, int64_t after) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / groups, g = item % groups;
       const int64_t row_end = std::min(m, (block + 1) * block_rows);
@@ -246,7 +253,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
       const float* group_bias = bias != nullptr ? bias + col : nullptr;
       // The group this core computes next, whose lines the tiles below prefetch. (Past the last
       // panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
-      const In* next = item + 1 < end ? wp + (item + 1) % groups * kGroup * panel_elems : nullptr;
+      const int64_t next_item = item + 1 < end ? item + 1 : after;
+      const In* next = next_item >= 0 ? wp + next_item % groups * kGroup * panel_elems : nullptr;
       const int64_t first_row = block * block_rows, tiles = (row_end - first_row + kRows - 1) / kRows;
       const int64_t prefetch_total = next != nullptr ? steps + odd_k : 0;
       for (int64_t t = 0; t < tiles; ++t) {
@@ -264,17 +272,27 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
   const int64_t items = row_blocks * groups;
   const int64_t threads = at::get_num_threads();
   if (m * n * k < kMinParallelMacs || threads == 1) {
-    run(0, items);
+    run(0, items, -1);
     return out;
   }
   // Handed out in chunks, several per core, as each core comes back for more (not one equal
   // range per core, as at::parallel_for does): when another thread of the process (Triton's
   // response thread, the gRPC server) or of the machine takes a core for a while, the other
   // core does that core's remaining chunks instead of the whole GEMM waiting for it.
+  // A core claims its next chunk before it starts this one, so that this chunk's last tiles can
+  // ask for the next chunk's first panels (OpenMP's dynamic schedule says which chunk comes next
+  // only once it is taken: every chunk's first group would come from memory unannounced).
   const int64_t chunk = std::max<int64_t>(1, items / (threads * kChunksPerThread));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t first = 0; first < items; first += chunk) {
-    run(first, std::min(items, first + chunk));
+  const int64_t chunks = (items + chunk - 1) / chunk;
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
+    while (mine < chunks) {
+      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
+      run(mine * chunk, std::min(items, (mine + 1) * chunk), following < chunks ? following * chunk : -1);
+      mine = following;
+    }
   }
   return out;
 }

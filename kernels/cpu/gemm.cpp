@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "ops.h"
 #include "prefetch.h"
@@ -56,9 +57,12 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 // Below this many multiply-adds one core finishes before a second would have started.
 constexpr int64_t kMinParallelMacs = 1 << 18;
-// Work chunks per thread in a parallel GEMM: enough that a core that falls behind hands
-// its share to the others, few enough that taking a chunk costs nothing measurable.
-constexpr int64_t kChunksPerThread = 8;
+// A parallel GEMM's next chunk is 1 / (this x threads) of the items left: the first chunks
+// large enough that taking one costs nothing measurable, the last ones single items, so that a
+// core that falls behind hands its share to the others and none waits long for the last chunk
+// (a step's projections 3-8% faster than equal chunks of 1/16, SmolLM2 bf16 at 1 to 200 rows,
+// 2-core AVX512-BF16 EPYC).
+constexpr int64_t kShareOfWhatIsLeft = 8;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define INFLIGHT_HAVE_AVX2 1
@@ -278,19 +282,25 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
   // Handed out in chunks, several per core, as each core comes back for more (not one equal
   // range per core, as at::parallel_for does): when another thread of the process (Triton's
   // response thread, the gRPC server) or of the machine takes a core for a while, the other
-  // core does that core's remaining chunks instead of the whole GEMM waiting for it.
+  // core does that core's remaining chunks instead of the whole GEMM waiting for it. Chunks
+  // shrink as the work runs out (each a share of what is left, single items at the end), so
+  // that the cores finish together.
   // A core claims its next chunk before it starts this one, so that this chunk's last tiles can
   // ask for the next chunk's first panels (OpenMP's dynamic schedule says which chunk comes next
   // only once it is taken: every chunk's first group would come from memory unannounced).
-  const int64_t chunk = std::max<int64_t>(1, items / (threads * kChunksPerThread));
-  const int64_t chunks = (items + chunk - 1) / chunk;
+  std::vector<int64_t> bounds{0};
+  while (bounds.back() < items) {
+    const int64_t left = items - bounds.back(), share = kShareOfWhatIsLeft * threads;
+    bounds.push_back(bounds.back() + (left + share - 1) / share);
+  }
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
   {
     int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
     while (mine < chunks) {
       const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
-      run(mine * chunk, std::min(items, (mine + 1) * chunk), following < chunks ? following * chunk : -1);
+      run(bounds[mine], bounds[mine + 1], following < chunks ? bounds[following] : -1);
       mine = following;
     }
   }

@@ -53,12 +53,13 @@ from backend.protocol import INPUTS, OUTPUTS, BadRequest, ResponseEncoder, parse
 from backend.readiness import HttpReadinessProbe
 from backend.request import RequestStatus
 
-# How often live requests that sent nothing lately are asked whether they were cancelled
-# (a streaming request is asked after each response it sends). A request in prefill is
-# asked more often: it sends nothing until its first token, and a prefill can end well
-# within 0.25 s, after which a request whose client is gone would generate tokens. Each ask
-# is one IPC round trip (~50 us): ~0.5% of a core per request in prefill, of which there
-# are few at a time.
+# How often each live request is asked whether it was cancelled, streaming or not. Each ask
+# is an IPC round trip through the stub's queue to a tritonserver thread; asked after every
+# response, a stream paid two round trips a token instead of one, which on 2 busy cores cost
+# the engine CPU it needed (the response thread's send already waits ~0.6 ms a token for
+# tritonserver at 32 streams). A request in prefill is asked more often: it sends nothing
+# until its first token, and a prefill can end well within 0.25 s, after which a request
+# whose client is gone would generate tokens.
 CANCEL_POLL_INTERVAL_S = 0.25
 PREFILL_CANCEL_POLL_INTERVAL_S = 0.01
 # How often, while requests are live, the model checks that Triton still has it READY
@@ -473,5 +474,3 @@ class TritonPythonModel:
             live.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         live.sender.send(response, flags=0)
-        live.last_cancel_poll = time.monotonic()
-        live.cancelled = live.cancelled or bool(live.sender.is_cancelled())

@@ -40,6 +40,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -331,7 +332,8 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 // tokens and heads share the task.
 template <typename T, int L, int kVectors>
 void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Task& task,
-                            float* out, const Shape& shape, float scale, std::vector<float>& query,
+                            const Task* next, const int32_t* next_table, float* out, const Shape& shape, float scale,
+                            std::vector<float>& query,
                             std::vector<float>& scores, std::vector<T>& local) {
   constexpr int64_t kHeadDim = kVectors * L;
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
@@ -403,12 +405,27 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
     for (int64_t row = 0; row < num_heads * group; ++row)
       softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t);
 
+  // The core's next task's keys are asked for while this one's values are summed, spread over
+  // its blocks, so that its copy starts from L2 rather than from memory.
+  Gatherer<T> next_keys = keys;
+  int64_t next_blocks = 0, next_len = 0;
+  if (next != nullptr) {
+    next_keys.table = next_table;
+    next_keys.column = next->head_begin * kHeadDim;
+    next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
+    next_len = next->first_len + next->num_tokens - 1;
+    next_blocks = std::min((next_len + block_size - 1) / block_size,
+                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(T)))));
+  }
+
   std::fill(out, out + task.num_tokens * heads_width, 0.f);
   for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
     const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
     values.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
+      for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
+        next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
       const T* block_rows = local_data + (b - s0) * block_size * width;
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = task.first_len + t;
@@ -505,23 +522,29 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
       tasks.swap(split);
     }
     const int64_t num_tasks = tasks.size();
+    std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
     {
       // Kept from call to call (a step calls once per layer): freed and allocated again, they
       // would take fresh pages from the kernel, page faults and all, every time.
       thread_local std::vector<float> query, scores, result;
       thread_local std::vector<T> local;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_tasks; ++i) {
-        const Task& task = tasks[i];
+      // Tasks are taken as cores come free, each core claiming its next task before it starts
+      // one, so that it can ask for that task's first keys while it finishes this one.
+      int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
+      while (mine < num_tasks) {
+        const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
+        const Task& task = tasks[mine];
+        const Task* next = following < num_tasks ? &tasks[following] : nullptr;
         const int64_t heads_width = (task.head_end - task.head_begin) * group * shape.head_dim;
         grow(result, task.num_tokens * heads_width);
-        kernel(q + task.first_token * token_width, k_cache, v_cache, table(task.seq), task, result.data(), shape,
-               scale, query, scores, local);
+        kernel(q + task.first_token * token_width, k_cache, v_cache, table(task.seq), task, next,
+               next != nullptr ? table(next->seq) : nullptr, result.data(), shape, scale, query, scores, local);
         for (int64_t t = 0; t < task.num_tokens; ++t)
           store_row(result.data() + t * heads_width,
                     out + (task.first_token + t) * token_width + task.head_begin * group * shape.head_dim,
                     heads_width);
+        mine = following;
       }
     }
   };

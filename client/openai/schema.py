@@ -107,8 +107,6 @@ class CompletionRequest(_Common):
     def check(self) -> str:
         """Validate what the backend cannot; return the prompt text."""
         self.check_common()
-        if self.best_of is not None and self.best_of != 1:
-            raise ApiError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of", "unsupported_value")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix", "unsupported_parameter")
         if self.echo and self.logprobs is not None:

@@ -122,6 +122,8 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             values["logprobs"] = req.logprobs
+        if req.best_of is not None:
+            values["best_of"] = req.best_of
         return values
     if req.max_completion_tokens is not None:
         values["max_tokens"] = req.max_completion_tokens
@@ -287,6 +289,11 @@ class Job:
         """Choices to return."""
         return int(self.sampling.get("n", 1))
 
+    @property
+    def ranks_at_end(self) -> bool:
+        """best_of > n: which sequences are returned is known only when all have ended."""
+        return int(self.sampling.get("best_of") or self.n) > self.n
+
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
         self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -309,9 +316,13 @@ class Job:
                    forced_tool=req.forced_tool, aliases=client_names(req), triton_model=triton_model)
 
     def triton_inputs(self) -> list:
-        """The inputs of the job's one Triton request, streamed, without the prompt in its text."""
+        """The inputs of the job's one Triton request, without the prompt in its text: streamed
+        (the backend's responses become events or are collected), except a best_of > n request that
+        the client does not stream, whose one response the backend sends when the ranking is known
+        (the backend streams no such request; a client that asks gets the backend's refusal)."""
         flags = OPENAI_RETURN_FLAGS + ((RETURN_LOGPROBS,) if self.logprobs is not None else ())
-        return make_inputs(self.prompt, self.sampling, stream=True, exclude_input=True, returns=flags)
+        stream = self.stream or not self.ranks_at_end
+        return make_inputs(self.prompt, self.sampling, stream=stream, exclude_input=True, returns=flags)
 
     def backend_error(self, message: str) -> ApiError:
         """The ApiError for an error the backend answered this job with, naming the client's field."""

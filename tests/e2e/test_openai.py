@@ -252,7 +252,8 @@ def test_bad_parameter_is_400_with_openai_error_json(client, frontend):
         ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"prompt": PROMPT, "max_tokens": 100000}, "max_tokens"),  # refused by the engine (max_model_len)
         ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
-        ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+        ({"prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
+        ({"prompt": PROMPT, "best_of": 3, "stream": True}, "best_of"),  # refused by the backend: ranked at the end
         ({"prompt": [PROMPT, PROMPT]}, "prompt"),
         ({"prompt": PROMPT, "frobnicate": True}, "frobnicate"),
         ({}, "prompt"),
@@ -381,3 +382,19 @@ def test_n_returns_n_choices_and_streams_them_by_index(client):
                 reasons[choice.index] = choice.finish_reason
     assert reasons == {c.index: c.finish_reason for c in whole.choices}
     assert streamed == {c.index: c.message.content for c in whole.choices}
+
+
+@pytest.mark.e2e
+def test_best_of_returns_the_n_most_likely_of_its_sequences(client):
+    """n=2, best_of=3: the two of the three sequences (sequence i sampled with seed s + i, as the
+    same request with n=3) with the highest cumulative logprob, best first."""
+    sampling = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 21}
+    out = client.completions.create(n=2, best_of=3, **sampling)
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.prompt_tokens > 0
+    three = client.completions.create(n=3, logprobs=0, **sampling).choices
+    ranked = sorted(three, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    scores = [sum(c.logprobs.token_logprobs) for c in ranked]
+    if scores[1] - scores[2] > 1e-3:  # clear of float noise between the sums here and the engine's
+        assert [c.text for c in out.choices] == [c.text for c in ranked[:2]], scores
+    assert {c.text for c in out.choices} <= {c.text for c in three}
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)

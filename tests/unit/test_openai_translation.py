@@ -225,7 +225,10 @@ def test_an_aliased_field_is_named_in_the_message_too():
     ({"model": "llm", "prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"model": "llm", "prompt": ["x", "y"]}, "prompt"),
     ({"model": "llm", "prompt": ""}, "prompt"),
-    ({"model": "llm", "prompt": "x", "best_of": 2}, "best_of"),
+    # The backend's table decides best_of (1-16, at least n).
+    ({"model": "llm", "prompt": "x", "best_of": 0}, "best_of"),
+    ({"model": "llm", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ({"model": "llm", "prompt": "x", "best_of": 17}, "best_of"),
     ({"model": "llm", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"model": "llm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "", "prompt": "x"}, "model"),
@@ -397,6 +400,18 @@ def test_tools_with_several_choices_are_refused_naming_n():
     error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "n": 2,
                                             "tool_choice": "required"})
     assert (error.status, error.param) == (400, "n") and "tools" in error.message
+
+
+def test_best_of_is_passed_on_and_a_whole_reply_is_asked_for_in_one_response():
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "x", "n": 2, "best_of": 3, "seed": 1})
+    assert job.sampling == {"n": 2, "best_of": 3, "seed": 1} and job.ranks_at_end
+    # The backend streams no best_of > n request: it answers once the ranking is known.
+    assert inputs_of(job)["stream"] is False
+    for body in ({"n": 2, "best_of": 2}, {"n": 2}, {}):
+        assert inputs_of(translate(CompletionRequest, {"model": "llm", "prompt": "x", **body}))["stream"] is True
+    # A streamed one goes as asked, for the backend to refuse naming best_of.
+    streamed = translate(CompletionRequest, {"model": "llm", "prompt": "x", "best_of": 2, "stream": True})
+    assert inputs_of(streamed)["stream"] is True
 
 
 def test_a_call_cut_short_is_returned_as_text():

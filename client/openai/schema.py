@@ -262,9 +262,6 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
                                 f"{names}", "tool_choice", "invalid_value")
-        if self.n is not None and self.n > 1:
-            # A forced tool call is assembled from one choice's whole text (Job._tool_chunk).
-            raise ApiError(400, f"n={self.n} with tools is not supported: send n=1", "n", "unsupported_value")
 
 
 def parse_request(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:

@@ -275,7 +275,8 @@ class Job:
     echo: bool = False
     # chat with tools: "required" or the function's name (ChatCompletionRequest.forced_tool)
     forced_tool: str | None = None
-    _tool_text: str = field(default="", init=False, repr=False)  # a streamed forced tool call so far
+    # Per choice, streamed: a forced tool call's text so far.
+    _tool_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     # backend parameter name -> the name this endpoint's client used
     aliases: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
@@ -412,17 +413,19 @@ class Job:
         return sse_event(self._envelope([choice]))
 
     def _tool_chunk(self, piece: Piece) -> bytes | None:
-        """A forced tool call streams as one delta holding the whole calls, when they are complete
-        (arguments that are not yet JSON are no use to a client)."""
-        self._tool_text += piece.text
-        if not piece.final:
+        """A forced tool call streams as one delta holding the choice's whole calls once it has
+        ended (arguments that are not yet JSON are no use to a client)."""
+        text = self._tool_texts[piece.index] = self._tool_texts.get(piece.index, "") + piece.text
+        # A choice ends with its finish reason; with n > 1 that may come before the request's final response.
+        if piece.finish_reason is None and not piece.final:
             return None
-        message, reason = self._message(self._tool_text, _finish_reason(piece.finish_reason))
+        message, reason = self._message(text, _finish_reason(piece.finish_reason))
         if "tool_calls" in message:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
         else:
-            delta = {"content": self._tool_text} if self._tool_text else {}
-        return sse_event(self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]))
+            delta = {"content": text} if text else {}
+        return sse_event(self._envelope([{"index": piece.index, "delta": delta, "logprobs": None,
+                                          "finish_reason": reason}]))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse_event(self._envelope([], _usage(prompt_tokens, completion_tokens)))

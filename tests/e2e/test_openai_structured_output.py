@@ -120,6 +120,27 @@ def test_a_named_tool_choice_streamed(client):
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_tool_choice_required_with_n_choices_streamed_and_not(client):
+    kwargs = dict(model=MODEL, messages=ask("What is the weather in Paris?"), max_tokens=60, temperature=0.8, seed=4,
+                  tools=[WEATHER, TIME], tool_choice="required", n=2)
+    whole = client.chat.completions.create(**kwargs)
+    by_name = {"get_weather": WEATHER, "get_time": TIME}
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
+    streamed, reasons = {0: [], 1: []}, {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    assert streamed == {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+                        for c in whole.choices}
+
+
 def test_tool_choice_auto_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=8, tools=[WEATHER])

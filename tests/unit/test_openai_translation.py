@@ -396,10 +396,24 @@ def test_required_is_an_array_of_calls_of_the_tools():
         {"name": "get_time", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
 
 
-def test_tools_with_several_choices_are_refused_naming_n():
-    error = refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "n": 2,
-                                            "tool_choice": "required"})
-    assert (error.status, error.param) == (400, "n") and "tools" in error.message
+def test_a_forced_tool_choice_with_several_choices_parses_each():
+    body = {"model": "llm", "messages": HI, "tools": [WEATHER], "n": 2, "tool_choice": "required"}
+    calls = ['[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+             '[{"name": "get_weather", "arguments": {"city": "Rome"}}]']
+    reply = translate(ChatCompletionRequest, body).whole([piece(calls[0], "stop"), piece(calls[1], "stop", index=1)])
+    assert [(c["index"], c["finish_reason"], c["message"]["tool_calls"][0]["function"]["arguments"])
+            for c in reply["choices"]] == [(0, "tool_calls", '{"city": "Oslo"}'), (1, "tool_calls", '{"city": "Rome"}')]
+    # Streamed, each choice's text is its own, and a choice that ends before the request's last
+    # response sends its calls then, with its index.
+    job = translate(ChatCompletionRequest, {**body, "stream": True})
+    half = len(calls[0]) // 2
+    assert job.chunk(piece(calls[0][:half], None, final=False), 0) is None
+    assert job.chunk(piece(calls[1][:half], None, final=False, index=1), 0) is None
+    ended = sse_payload(job.chunk(piece(calls[1][half:], "stop", final=False, index=1), 0))["choices"]
+    last = sse_payload(job.chunk(piece(calls[0][half:], "stop"), 0))["choices"]
+    for [choice], index, city in ((ended, 1, "Rome"), (last, 0, "Oslo")):
+        assert (choice["index"], choice["finish_reason"]) == (index, "tool_calls")
+        assert choice["delta"]["tool_calls"][0]["function"]["arguments"] == json.dumps({"city": city})
 
 
 def test_best_of_is_passed_on_and_a_whole_reply_is_asked_for_in_one_response():
@@ -448,8 +462,9 @@ def test_bad_tool_requests_are_refused_naming_the_field(fields, param):
     assert refusal(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields}).param == param
 
 
-def piece(text: str, reason: str | None, final: bool = True) -> Piece:
-    return Piece(text=text, num_input_tokens=3, num_output_tokens=1, finish_reason=reason, logprobs=[], final=final)
+def piece(text: str, reason: str | None, final: bool = True, index: int = 0) -> Piece:
+    return Piece(text=text, num_input_tokens=3, num_output_tokens=1, finish_reason=reason, logprobs=[], final=final,
+                 index=index)
 
 
 def test_a_lora_adapter_as_the_model_runs_on_its_base_model_with_lora_name():

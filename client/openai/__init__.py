@@ -33,6 +33,7 @@ unknown request fields are refused rather than silently ignored.
 Each module imports only those on the lines above its own:
 
     schema, settings   request models and OpenAI's error JSON; the command line's settings
+    tool_calls         a model's own tool-call format: found in its chat template, parsed from its reply
     translation        OpenAI request -> sampling_parameters; backend responses -> OpenAI objects
     upstream           Triton over gRPC: the models it serves, one stream per generation
     app                the FastAPI app: routes, API key, body limits, client disconnects

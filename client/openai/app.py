@@ -178,7 +178,10 @@ def create_app(settings: Settings) -> FastAPI:
         sampling = sampling_parameters(req)
         validate_sampling(sampling, client_names(req))
         info = await state["catalog"].get(req.model)
-        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.forced_tool else None
+        if req.auto_tools:
+            await state["catalog"].check_auto_tools(info)
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] \
+            if req.forced_tool or req.auto_tools else None
         prompt = await state["catalog"].chat_prompt(info, messages, bool(req.continue_final_message), tools)
         return req, prompt, sampling, info
 

@@ -240,6 +240,12 @@ class ChatCompletionRequest(_Common):
         return messages
 
     @property
+    def auto_tools(self) -> bool:
+        """Whether the model may call the tools or answer in text, its calls parsed from its own
+        tool-call format (tool_choice "auto", the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @property
     def forced_tool(self) -> Literal["required"] | str | None:
         """What the reply must be: "required" (one or more calls of the tools), a function's
         name (a call of that function), or None (text)."""
@@ -255,10 +261,6 @@ class ChatCompletionRequest(_Common):
         names = [tool.function.name for tool in self.tools]
         if len(set(names)) != len(names):
             raise ApiError(400, f"tool names must be distinct (got {names})", "tools", "invalid_value")
-        if self.tool_choice in (None, "auto"):
-            raise ApiError(400, "tool_choice 'auto' (the default with tools) is not supported: this server does not "
-                                "parse a model's own tool-call format; send tool_choice 'required' or "
-                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "unsupported_value")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
                                 f"{names}", "tool_choice", "invalid_value")

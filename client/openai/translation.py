@@ -16,6 +16,7 @@ from typing import Any, Literal
 from backend.protocol import RETURN_FINISH_REASON, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS
 from backend.request import RequestError, SamplingParams
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
+from client.openai.tool_calls import ToolCall, ToolCallSplitter, call_id, split_tool_calls
 from client.triton import is_final, make_inputs
 
 # The backend outputs that every OpenAI response is built from: finish_reason and usage.
@@ -77,7 +78,7 @@ def tool_calls_of(text: str, forced_tool: str) -> list[dict[str, Any]] | None:
     except ValueError:
         return None
     calls = [{"name": forced_tool, "arguments": value}] if forced_tool != "required" else value
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return [{"id": call_id(), "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
             for call in calls]
 
@@ -251,6 +252,12 @@ def _finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop"}.get(reason, reason) if reason else None
 
 
+def _auto_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that stopped after calling tools ends with "tool_calls", as OpenAI's; one cut short
+    (length) keeps its reason, which a client needs to know."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -275,8 +282,11 @@ class Job:
     echo: bool = False
     # chat with tools: "required" or the function's name (ChatCompletionRequest.forced_tool)
     forced_tool: str | None = None
-    # Per choice, streamed: a forced tool call's text so far.
+    # chat with tool_choice "auto": the model's <tool_call> blocks become tool_calls (tool_calls.py)
+    auto_tools: bool = False
+    # Per choice, streamed: a forced tool call's text so far; the auto tool-call splitter.
     _tool_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _splitters: dict[int, ToolCallSplitter] = field(default_factory=dict, init=False, repr=False)
     # backend parameter name -> the name this endpoint's client used
     aliases: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
@@ -314,7 +324,8 @@ class Job:
                        echo=req.echo, aliases=client_names(req), triton_model=triton_model)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
-                   forced_tool=req.forced_tool, aliases=client_names(req), triton_model=triton_model)
+                   forced_tool=req.forced_tool, auto_tools=req.auto_tools, aliases=client_names(req),
+                   triton_model=triton_model)
 
     def triton_inputs(self) -> list:
         """The inputs of the job's one Triton request, without the prompt in its text: streamed
@@ -376,7 +387,15 @@ class Job:
 
     def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message and finish_reason: text, or the calls a forced tool choice made
-        (finish_reason "tool_calls" for "required", "stop" for a named function, as OpenAI)."""
+        (finish_reason "tool_calls" for "required", "stop" for a named function, as OpenAI), or
+        with tool_choice "auto" the text outside the model's tool-call blocks (null when none) and
+        the calls they hold (finish_reason "tool_calls" when there are some and it stopped)."""
+        if self.auto_tools:
+            content, auto_calls = split_tool_calls(text)
+            if not auto_calls:
+                return {"role": "assistant", "content": text}, reason
+            return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in auto_calls]}, \
+                _auto_reason(reason, True)
         calls = tool_calls_of(text, self.forced_tool) if self.forced_tool and reason == "stop" else None
         if calls is None:
             return {"role": "assistant", "content": text}, reason
@@ -401,6 +420,8 @@ class Job:
         one (a choice's later pieces repeat that reason: the caller sends them no more)."""
         if self.forced_tool:
             return self._tool_chunk(piece)
+        if self.auto_tools:
+            return self._auto_tool_chunk(piece)
         reason = _finish_reason(piece.finish_reason)
         if not piece.text and reason is None:
             return None
@@ -426,6 +447,38 @@ class Job:
             delta = {"content": text} if text else {}
         return sse_event(self._envelope([{"index": piece.index, "delta": delta, "logprobs": None,
                                           "finish_reason": reason}]))
+
+    def _auto_tool_chunk(self, piece: Piece) -> bytes | None:
+        """The events of a choice's piece under tool_choice "auto": content deltas for the text
+        outside the tool-call blocks, never a part of a tag (ToolCallSplitter holds it back), and
+        for each block once it is closed, two tool_call deltas (id, type and name; then arguments).
+        The piece's logprobs ride on its first event (an empty delta when it has none)."""
+        splitter = self._splitters.setdefault(piece.index, ToolCallSplitter())
+        ended = piece.finish_reason is not None or piece.final
+        events = splitter.feed(piece.text) + (splitter.finish() if ended else [])
+        deltas: list[dict[str, Any]] = []
+        call_index = splitter.calls - sum(isinstance(e, ToolCall) for e in events)  # the choice's calls so far
+        for event in events:
+            if isinstance(event, ToolCall):
+                head = {"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}}
+                deltas += [{"tool_calls": [{"index": call_index, **head}]},
+                           {"tool_calls": [{"index": call_index, "function": {"arguments": event.arguments}}]}]
+                call_index += 1
+            elif deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += event
+            else:
+                deltas.append({"content": event})
+        logprobs = self._logprobs(piece.logprobs, 0) if piece.logprobs else None
+        if not deltas and (ended or logprobs is not None):
+            deltas.append({})
+        reason = _auto_reason(_finish_reason(piece.finish_reason), splitter.calls > 0)
+        chunks = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunks.append(sse_event(self._envelope([{
+                "index": piece.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                "finish_reason": reason if last else None}])))
+        return b"".join(chunks) or None
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse_event(self._envelope([], _usage(prompt_tokens, completion_tokens)))

@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from backend.config import MULTI_LORA_FILE, read_multi_lora
 from client.openai.schema import ApiError
 from client.openai.settings import DEFAULT_MODEL_REPOSITORY, Settings
+from client.openai.tool_calls import has_tool_call_format
 from client.openai.translation import Job, Piece, pieces_of
 
 log = logging.getLogger("inflight.openai")
@@ -238,6 +239,16 @@ class Catalog:
         """The prompt's token ids as the backend's engine encodes them (backend/engine.py)."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
         return await asyncio.to_thread(tokenizer.encode, prompt)
+
+    async def check_auto_tools(self, info: ModelInfo) -> None:
+        """Refuse tool_choice "auto" (400 naming it) unless the model's chat template has a
+        tool-call format whose calls this frontend parses (tool_calls.py)."""
+        tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
+        if not has_tool_call_format(getattr(tokenizer, "chat_template", None)):
+            raise ApiError(400, f"tool_choice 'auto' (the default with tools) needs a chat template with a tool-call "
+                                f"format (<tool_call> blocks, as Qwen2.5's and Qwen3's), and model `{info.name}`'s "
+                                "has none: send tool_choice 'required' or {'type': 'function', 'function': "
+                                "{'name': ...}}", "tool_choice", "unsupported_value")
 
     async def chat_prompt(self, info: ModelInfo, messages: list[dict], continue_final_message: bool = False,
                           tools: list[dict] | None = None) -> str:

@@ -1,7 +1,8 @@
 """Structured outputs through the OpenAI-compatible frontend, driven by the official `openai`
 client against the session's tritonserver (SmolLM2): `response_format` json_schema (also via
-the client's own `parse()` with a pydantic model), json_object, vLLM's `guided_choice`, and a
-schema that does not compile answered with a 400 naming `response_format`."""
+the client's own `parse()` with a pydantic model), json_object, vLLM's `guided_choice`, a
+schema that does not compile answered with a 400 naming `response_format`, and forced tool
+choices (also with n > 1); tool_choice "auto" is test_openai_tools.py's, on a Qwen template."""
 
 from __future__ import annotations
 
@@ -142,6 +143,10 @@ def test_tool_choice_required_with_n_choices_streamed_and_not(client):
 
 
 def test_tool_choice_auto_is_a_clear_400(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=8, tools=[WEATHER])
-    assert info.value.body["param"] == "tool_choice" and "auto" in info.value.body["message"]
+    """SmolLM2's chat template has no tool-call format, so there is nothing to parse a call from."""
+    for tool_choice in (openai.NOT_GIVEN, "auto"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=8, tools=[WEATHER],
+                                           tool_choice=tool_choice)
+        assert info.value.body["param"] == "tool_choice", info.value.body
+        assert "auto" in info.value.body["message"] and "chat template" in info.value.body["message"]

@@ -191,9 +191,6 @@ def test_the_reasoning_switches_are_accepted_whatever_their_value():
     ({"model": "llm", "messages": HI, "n": 17}, "n", "invalid_value"),  # the backend's limit: 16
     ({"model": "llm", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"model": "llm", "messages": HI, "tools": [{"type": "function"}]}, "tools.0.function", "missing_required_parameter"),
-    # tool_choice "auto" (the default with tools) would need the model's own tool-call format.
-    ({"model": "llm", "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     "unsupported_value"),
     ({"model": "llm", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "unsupported_value"),
     # The backend's own table (backend/request.py) decides, under the name the client used.

@@ -161,7 +161,7 @@ def test_render_gives_the_token_ids_the_engine_computes(cluster):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat["token_ids"] == tokenizer.encode(text)
     # What generation would refuse, render refuses too, naming the field.
-    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "best_of": 3},
+    refused = requests.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "x", "n": 3, "best_of": 2},
                             timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
 

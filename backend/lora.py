@@ -184,3 +184,4 @@ def install_adapters(model: LlamaForCausalLM, adapters: list[LoRAAdapter], dtype
                           for i in range(len(adapters))]
             target = layer.get_submodule(module_path)
             target.lora = LoRAWeights(lora_a, lora_b, [sum(outs[:s]) for s in range(len(outs))], packed)
+    model.build_cpu_layers()

@@ -7,12 +7,17 @@ at batch 1 for SmolLM2-135M.
 
     layer = cpu_decoder_layer(input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
                               num_kv_heads, head_dim, scale, q_norm=None, k_norm=None)
-    step = cpu_step_meta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+    step = cpu_step_meta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                         seg_indptr=None, seg_adapter=None)
     hidden, residual = layer.forward(hidden, residual_or_None, k_cache, v_cache, step)
 
-Each projection is a `(PackedWeight, bias)` pair. `cpu_decoder_layer` answers None where the
-layer cannot run in one call: no C++ kernels, a projection not in the panel GEMM's layout, or
-norm weights of another dtype than the layer's.
+Each projection is a `(PackedWeight, bias, lora)` triple, `lora` None or, where LoRA adapters
+are loaded on it, `(packed, slice_offsets, rank)` in kernels/lora.py's terms (`packed[a]`:
+adapter a's `(lora_a, [lora_b per slice])`); a step's LoRA segments (`seg_indptr`,
+`seg_adapter`) then go into its `cpu_step_meta`, and each segment's delta is added as
+`lora_delta_cpu` adds it. `cpu_decoder_layer` answers None where the layer cannot run in one
+call: no C++ kernels, a weight not in the panel GEMM's layout, or norm weights of another dtype
+than the layer's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ def _projection(module, packed: PackedWeight | None, bias: torch.Tensor | None):
     return module.Projection(packed.data, bias, packed.shape_only.shape[0], int(packed.isa), packed.upcast)
 
 
+def _lora_projection(module, lora):
+    """None where any adapter weight is not in the panel GEMM's layout."""
+    packed, slice_offsets, rank = lora
+    a = [_projection(module, packed_a, None) for packed_a, _ in packed]
+    b = [[_projection(module, packed_b, None) for packed_b in slices] for _, slices in packed]
+    if any(p is None for p in a) or any(p is None for slices in b for p in slices):
+        return None
+    return module.LoraProjection(a, b, list(slice_offsets), rank)
+
+
 def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                       qkv: tuple, o: tuple, gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int,
                       head_dim: int, scale: float, q_norm: torch.Tensor | None = None,
@@ -41,16 +56,21 @@ def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: fl
     norms = [input_norm, post_norm] + ([q_norm, k_norm] if q_norm is not None else [])
     if any(n.dtype != qkv[0].shape_only.dtype for n in norms):
         return None  # the C++ RMSNorm wants the weight in x's dtype (rms_norm_cpu falls back to the reference)
-    projections = [_projection(module, packed, bias) for packed, bias in (qkv, o, gate_up, down)]
-    if any(p is None for p in projections):
+    projections = [_projection(module, packed, bias) for packed, bias, _ in (qkv, o, gate_up, down)]
+    loras = [None if lora is None else _lora_projection(module, lora) for _, _, lora in (qkv, o, gate_up, down)]
+    if any(p is None for p in projections) or any(
+            lora is None for (_, _, given), lora in zip((qkv, o, gate_up, down), loras) if given is not None):
         return None
     lanes = 16 if cpu_ext.isa() >= cpu_ext.Isa.AVX512 else 8
     return module.DecoderLayer(input_norm, post_norm, eps, *projections, num_heads, num_kv_heads, head_dim, scale,
-                               q_norm, k_norm, is_neox, lanes)
+                               q_norm, k_norm, is_neox, lanes, loras)
 
 
 def cpu_step_meta(positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor):
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seg_indptr: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None):
     """What every layer of a step shares: int64 positions and slot mapping, int32 block tables,
-    sequence lengths and query offsets, the float32 cos/sin cache."""
-    return cpu_ext.load().StepMeta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+    sequence lengths and query offsets, the float32 cos/sin cache; in a step with LoRA
+    adapters, its segments (kernels/lora.py)."""
+    return cpu_ext.load().StepMeta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                                   seg_indptr, seg_adapter)

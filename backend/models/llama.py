@@ -192,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # The tied embedding packed as an output projection (the embedding keeps its own).
         self.tied_lm_head_packed: kernels.PackedWeight | None = None
-        # CPU: each layer as one C++ call (kernels.cpu_decoder_layer), set by pack_weights where
-        # every layer can run that way; the modules stay for the steps that cannot (LoRA, SDPA).
+        # CPU: each layer as one C++ call (kernels.cpu_decoder_layer), set by build_cpu_layers
+        # where every layer can run that way; the modules stay for the steps that cannot (SDPA).
         self.cpu_layers: list | None = None
         self.register_buffer(
             "cos_sin_cache",
@@ -212,14 +212,29 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight)
+        self.build_cpu_layers()
+
+    def build_cpu_layers(self) -> None:
+        """Each layer as one C++ call where all can be (their weights packed, and LoRA adapters
+        installed when there are any); call again after installing adapters."""
         layers = [self._cpu_layer(layer) for layer in self.layers]
         self.cpu_layers = layers if all(layer is not None for layer in layers) else None
 
-    def _cpu_layer(self, layer: LlamaDecoderLayer):
+    @staticmethod
+    def _cpu_layer(layer: LlamaDecoderLayer):
         attn, mlp = layer.self_attn, layer.mlp
+
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.lora is not None and p.lora.packed is None for p in projections):
+            return None  # adapters kept as plain tensors (not on the CPU): the modules run them
+
+        def lora(p: Linear):
+            w = p.lora
+            return None if w is None else (w.packed, w.slice_offsets, w.lora_a.shape[1] // len(w.lora_b))
+
         return kernels.cpu_decoder_layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-            *((p.packed, p.bias) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+            *((p.packed, p.bias, lora(p)) for p in projections),
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
@@ -231,10 +246,12 @@ class LlamaForCausalLM(nn.Module):
         before each layer, abandons the pass (StepInterrupted) when it answers True."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        if (self.cpu_layers is not None and meta.lora is None
+        if (self.cpu_layers is not None
                 and kernels.paged_attention_cpu_kernel_only(meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant)):
+            lora = meta.lora
             step = kernels.cpu_step_meta(positions, self.cos_sin_cache, meta.slot_mapping, meta.block_tables,
-                                         meta.seq_lens, meta.cu_seqlens_q)
+                                         meta.seq_lens, meta.cu_seqlens_q,
+                                         None if lora is None else lora.seg_indptr, None if lora is None else lora.seg_adapter)
             for layer, (k_cache, v_cache) in zip(self.cpu_layers, kv_caches):
                 if interrupt is not None and interrupt():
                     raise StepInterrupted()

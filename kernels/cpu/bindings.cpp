@@ -1,4 +1,5 @@
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include "ops.h"
 
@@ -21,13 +22,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
       .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
            pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"));
+  pybind11::class_<LoraProjection>(m, "LoraProjection", "Every LoRA adapter's weights for one projection")
+      .def(pybind11::init<std::vector<Projection>, std::vector<std::vector<Projection>>, std::vector<int64_t>,
+                          int64_t>(),
+           pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("slice_offsets"), pybind11::arg("rank"));
   pybind11::class_<StepMeta>(m, "StepMeta", "What every layer of a step shares, for DecoderLayer")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          std::optional<at::Tensor>, std::optional<at::Tensor>>(),
            pybind11::arg("positions"), pybind11::arg("cos_sin_cache"), pybind11::arg("slot_mapping"),
-           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cu_seqlens_q"));
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cu_seqlens_q"),
+           pybind11::arg("seg_indptr"), pybind11::arg("seg_adapter"));
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-family decoder layer in one call")
       .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
                           int64_t, int64_t, double, std::optional<at::Tensor>, std::optional<at::Tensor>, bool,
-                          int64_t>())
+                          int64_t, std::vector<std::optional<LoraProjection>>>())
       .def("forward", &DecoderLayer::forward, kNoGil);
 }

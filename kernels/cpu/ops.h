@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 // lanes: the vector width, 8 (AVX2) or 16 (AVX-512, where attention_lanes() says it is built);
 // head sizes that are no multiple of it run the 8-lane (or the plain) loops.
@@ -41,9 +42,24 @@ struct Projection {
   bool upcast;  // a bfloat16 weight packed as float32: the input is widened, the output rounded
 };
 
-// What every layer of a step shares.
+// Every loaded LoRA adapter's weights for one projection (kernels/lora.py's layout): per
+// adapter, the down-projection of every slice ([S * rank, K]) and each slice's up-projection
+// ([n_s, rank], scaling folded in); slice s of the output starts at slice_offsets[s].
+struct LoraProjection {
+  std::vector<Projection> a;
+  std::vector<std::vector<Projection>> b;
+  std::vector<int64_t> slice_offsets;
+  int64_t rank;
+};
+
+// What every layer of a step shares; the LoRA segments (kernels/lora.py's seg_indptr and
+// seg_adapter) are empty in a step without adapters.
 struct StepMeta {
+  StepMeta(at::Tensor positions, at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_tables,
+           at::Tensor seq_lens, at::Tensor cu_seqlens_q, std::optional<at::Tensor> seg_indptr,
+           std::optional<at::Tensor> seg_adapter);
   at::Tensor positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q;
+  std::vector<int64_t> seg_indptr, seg_adapter;
 };
 
 class DecoderLayer {
@@ -51,7 +67,7 @@ class DecoderLayer {
   DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
                Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double scale, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, bool is_neox,
-               int64_t lanes);
+               int64_t lanes, std::vector<std::optional<LoraProjection>> lora);
   // (hidden, residual) after the layer; residual absent on the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
                                              at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta) const;
@@ -60,6 +76,7 @@ class DecoderLayer {
   at::Tensor input_norm_, post_norm_;
   double eps_;
   Projection qkv_, o_, gate_up_, down_;
+  std::vector<std::optional<LoraProjection>> lora_;  // per projection: qkv, o, gate_up, down
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   std::optional<at::Tensor> q_norm_, k_norm_;

@@ -349,3 +349,21 @@ def test_random_adapter_from_the_command_line(base, tmp_path, capsys):
     assert adapter.rank == 4 and adapter.target_modules == ["down_proj", "q_proj"]
     assert adapter.scaling == 2.0  # lora_alpha defaults to 2r
     assert all(b.abs().sum() > 0 for _, b in adapter.weights.values()), "B must be nonzero to change anything"
+
+
+def test_cpu_decoder_layers_add_the_adapters_as_the_modules_do(base, adapters):
+    """With adapters installed each layer still runs as one C++ call (kernels.cpu_decoder_layer),
+    adding every segment's delta as lora_delta_cpu does: the same tokens and the same
+    cumulative logprobs, to the bit, as the modules, on a batch of three adapters and base."""
+    names = [NAMES[i % 4] for i in range(len(PROMPTS))]
+
+    def run(fused: bool) -> list[tuple[list[int], float]]:
+        engine = LLMEngine(EngineConfig(model_path=base, lora_modules=adapters, max_num_seqs=16, **CONFIG))
+        assert engine.model.cpu_layers is not None
+        if not fused:
+            engine.model.cpu_layers = None
+        params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0, lora_name=name)
+                  for name in names]
+        return [(r.output_token_ids, r.cumulative_logprob) for r in engine.generate(PROMPTS, params)]
+
+    assert run(fused=True) == run(fused=False)

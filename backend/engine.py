@@ -15,13 +15,13 @@ import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from backend.config import MAX_MODEL_LEN_CAP, EngineConfig
+from backend.config import MAX_MODEL_LEN_CAP, EngineConfig, token_budget
 from backend.detokenizer import IncrementalDetokenizer, raw_decoder
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
@@ -151,8 +151,9 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.device = resolve_device(config.device)
+        config = replace(config, max_num_batched_tokens=token_budget(config, self.device.type))
+        self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path, trust_remote_code=False)
         # Fast tokenizers are not safe to call from two threads at once; the loop decodes

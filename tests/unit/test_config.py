@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.config import EngineConfig, ServingOptions
+from backend.config import EngineConfig, ServingOptions, token_budget
 
 
 def test_the_vllm_backend_switches_are_accepted_and_read():
@@ -31,3 +31,14 @@ def test_every_other_unknown_key_is_refused_by_name():
 def test_bad_switch_values_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
         ServingOptions.from_parameters(params)
+
+
+def test_the_token_budget_is_the_devices_unless_given():
+    """max_num_batched_tokens 0 (the default): 512 tokens an iteration on a CPU, 2048 on a GPU;
+    a given budget is kept; a negative one is refused by name."""
+    assert EngineConfig(model_path="/m").max_num_batched_tokens == 0
+    assert token_budget(EngineConfig(model_path="/m"), "cpu") == 512
+    assert token_budget(EngineConfig(model_path="/m"), "cuda") == 2048
+    assert token_budget(EngineConfig(model_path="/m", max_num_batched_tokens=64), "cpu") == 64
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=-1 must be >= 0"):
+        EngineConfig(model_path="/m", max_num_batched_tokens=-1)

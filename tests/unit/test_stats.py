@@ -125,3 +125,17 @@ def test_the_snapshot_times_each_first_token_and_each_interval_after_it(tiny_mod
     engine.abort("c")
     engine.step()
     assert engine.stats.totals.prefilled_prompt_tokens == 80 and engine.stats.totals.prompt_tokens == 120
+
+
+def test_a_cpu_engine_computes_at_most_512_tokens_a_step_by_default(tiny_model):
+    """max_num_batched_tokens 0 (the default) is the device's budget: a 600-token prompt on the
+    CPU is prefilled in two steps, 512 tokens then 88."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", num_kv_blocks=64,
+                                    long_prefill_token_threshold=1024))
+    assert engine.config.max_num_batched_tokens == 512
+    engine.add_request("long", [100 + i % 400 for i in range(600)], PARAMS)
+    scheduled = []
+    while engine.has_unfinished():
+        engine.step()
+        scheduled.append(engine.stats.step.num_scheduled_tokens)
+    assert scheduled[:2] == [512, 88]

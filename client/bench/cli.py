@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from backend.config import EngineConfig
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from client.bench.flops import add_flop_bound
+from client.bench.flops import add_flop_bound, matmul_peak_gflops
 from client.bench.plot import plot_path, plot_report
 from client.bench.records import git_commit, machine
 from client.bench.stats import DEFAULT_SLO, rate_label, ratios, summarize
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RunContext(args.model, common, args.concurrency, not args.no_progress)
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
 
+    # The FLOP bound's peak, measured while the machine is quiet: before the systems, not after a peer.
+    matmul_peak = matmul_peak_gflops(engine_dtype_name(common))
     results = []
     workload = None
     for rate in rates:
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["description"] += "; rates " + ", ".join(map(rate_label, rates))
     elif args.concurrency:
         summary["description"] += f"; closed loop, {args.concurrency} in flight"
-    flop_bound = add_flop_bound(results, args.model, engine_dtype_name(common))
+    flop_bound = add_flop_bound(results, args.model, engine_dtype_name(common), matmul_peak)
     report = {
         "command": "python -m client.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "slo": slo,
         "flop_bound": flop_bound,
         "results": results,
-        "ratios": ratios(args.workload, results),
+        # The first target against every other: e.g. this backend's tritonserver against a peer's.
+        "ratios": ratios(args.workload, results, [(targets[0].name, t.name) for t in targets[1:]]),
     }
     print_table(report)
     if args.json:

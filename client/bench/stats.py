@@ -8,6 +8,7 @@ in the console table, the markdown tables and tools/loadtest.py.
 from __future__ import annotations
 
 import resource
+from typing import Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from client.bench.workloads import Workload
 # (numerator, denominator) pairs whose ratio each workload reports.
 RATIOS = {
     "W1": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
-           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant")],
+           ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant"), ("lora-mixed", "continuous")],
     "W2": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant"),
            ("structured-half", "continuous")],
@@ -154,8 +155,9 @@ def _pair_ratios(a: dict, b: dict) -> dict:
     return entry
 
 
-def ratios(workload: str, results: list[dict]) -> dict:
-    """Each pair's ratios, per load when the report holds several (keys 'a/b @ 2/s').
+def ratios(workload: str, results: list[dict], pairs: Sequence[tuple[str, str]] = ()) -> dict:
+    """Each pair's ratios (the workload's, the server ones and `pairs`), per load when the
+    report holds several (keys 'a/b @ 2/s').
 
     Ratios are taken within one run, never across runs. With repeated runs (--repeat)
     each ratio is the median of the runs' ratios, and `runs` lists every run's output
@@ -167,7 +169,7 @@ def ratios(workload: str, results: list[dict]) -> dict:
     out = {}
     for load, runs in loads.items():
         suffix = f" @ {load}" if len(loads) > 1 else ""
-        for a, b in RATIOS.get(workload, []) + SERVER_RATIOS:
+        for a, b in RATIOS.get(workload, []) + SERVER_RATIOS + list(pairs):
             per_run = []
             for group in runs.values():
                 by_name = {r["system"]: r for r in group}

@@ -56,11 +56,15 @@ def print_table(report: dict) -> None:
 
 
 def tables(paths: list[str]) -> str:
-    """A section per machine kind, the kinds in their order of first appearance."""
+    """A section per machine kind, the kinds in their order of first appearance. Reports of
+    another shape (the cluster's routing runs, soaks: no per-system `results`) are left to
+    their own sections of the README."""
     by_kind: dict[str, list[str]] = {}
     for path in paths:
         with open(path) as f:
-            by_kind.setdefault(json.load(f)["machine"].get("cpu_kind", "unknown"), []).append(path)
+            report = json.load(f)
+        if "results" in report:
+            by_kind.setdefault(report["machine"].get("cpu_kind", "unknown"), []).append(path)
     return "\n\n".join(f"#### Machine kind: {kind}\n\n{table(kind_paths)}" for kind, kind_paths in by_kind.items())
 
 

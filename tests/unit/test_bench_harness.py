@@ -248,6 +248,23 @@ def test_repeated_runs_give_the_median_of_each_runs_ratio():
     assert single["output_tokens_per_s"] == pytest.approx(2.0) and "runs" not in single
 
 
+def test_named_server_targets_get_the_first_ones_ratio_to_each_other():
+    # Two tritonservers, this backend's and a peer's (e.g. Triton's vLLM backend), each a named
+    # target: no built-in pair names them, so the CLI asks for first/other.
+    results = [_result("inflight", 300.0, 10.0, 1), _result("vllm_backend", 200.0, 40.0, 1)]
+    assert stats.ratios("W3", results) == {}
+    entry = stats.ratios("W3", results, [("inflight", "vllm_backend")])["inflight/vllm_backend"]
+    assert entry["output_tokens_per_s"] == pytest.approx(1.5) and entry["ttft_p99"] == pytest.approx(0.25)
+
+
+def test_the_table_leaves_reports_without_per_system_results_to_their_sections(tmp_path):
+    run = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    soak = tmp_path / "soak.json"
+    soak.write_text(json.dumps({"command": "python -m tools.soak", "minutes": 30, "leaked_blocks": 0}))
+    text = table.tables([str(run), str(soak)])
+    assert text.count("#### Machine kind: ") == 1 and "soak.json" not in text
+
+
 def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):
     out = tmp_path / "results" / "w2_repeat.json"
     code = cli.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",

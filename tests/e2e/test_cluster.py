@@ -145,6 +145,16 @@ def test_each_router_answers_each_request_once_with_what_a_replica_answers(clust
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_haproxy_runs_a_valid_config_that_sends_each_piece_at_once(cluster):
+    # By default haproxy asks the kernel to hold small writes for more data, which held some
+    # streams' first token 200 ms or more (tools/scaleout.py, http-no-delay).
+    config = cluster.log_dir / "haproxy.cfg"
+    checked = subprocess.run(["haproxy", "-c", "-f", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    defaults = config.read_text().split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
+    assert "option http-no-delay" in [line.strip() for line in defaults.splitlines()]
+
+
 def test_render_gives_the_token_ids_the_engine_computes(cluster):
     """vllm-router's kv_aware asks a replica for a prompt's token ids (vLLM's /render) and
     matches them against the token ids of the replicas' KV events, which the engine encodes."""

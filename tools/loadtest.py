@@ -6,7 +6,8 @@
 Both speak the gRPC streaming form of Triton's vLLM backend interface, as their users run
 them against vLLM-backend models. `genai-perf --openai-url NAME=HOST:PORT` profiles an
 OpenAI-compatible server (vLLM's own) with the same recipe after each of this backend's
-profiles, and `--json` writes both with this backend's ratios to it.
+profiles, and `--json` writes both with this backend's ratios to it; `--repeat N` profiles
+every server N times, interleaved, and quotes the median of the runs' ratios.
 
 perf_analyzer 2.51 asks for every output the model declares and, for an output a response
 does not carry, exports whatever bytes its empty buffer points at: garbage counts and
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -112,6 +115,30 @@ def genai_perf_ratios(ours: dict, peer: dict) -> dict:
     }
 
 
+def comparison_ratios(results: list[dict]) -> dict:
+    """This backend (each group's first profile) against every peer, per concurrency. With
+    several runs (results carrying "run"), each ratio is the median of the runs' ratios,
+    and "runs" lists each run's output tokens/s ratio (client.bench's shape): genai-perf's throughput moves by up to ~10% between runs on a
+    2-core machine, and the interleaved runs share whatever the machine did meanwhile."""
+    ratios = {}
+    for concurrency in dict.fromkeys(r["concurrency"] for r in results):
+        at_load = [r for r in results if r["concurrency"] == concurrency]
+        runs = list(dict.fromkeys(r.get("run") for r in at_load))
+        per_pair: dict[str, list[dict]] = {}
+        for run in runs:
+            ours, *peers = [r for r in at_load if r.get("run") == run]
+            for peer in peers:
+                per_pair.setdefault(f"{ours['system']}/{peer['system']} @ c={concurrency}", []).append(
+                    genai_perf_ratios(ours, peer))
+        for key, each in per_pair.items():
+            if len(each) == 1:
+                ratios[key] = each[0]
+            else:
+                ratios[key] = {metric: statistics.median(r[metric] for r in each) for metric in each[0]}
+                ratios[key]["runs"] = [r["output_tokens_per_s"] for r in each]
+    return ratios
+
+
 def perf_analyzer_input_data(prompts: list[str], output_tokens: int) -> dict:
     """perf_analyzer's --input-data JSON: one entry per prompt, used round-robin.
     EOS is ignored so every request generates exactly `output_tokens` tokens."""
@@ -170,11 +197,7 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
     """Print every profile's headline metrics and this backend's ratios to the peer at each
     concurrency; with --json, write them in client.bench's report shape (command, commit,
     machine)."""
-    ratios = {}
-    for concurrency in dict.fromkeys(r["concurrency"] for r in results):
-        ours, *peers = [r for r in results if r["concurrency"] == concurrency]
-        for peer in peers:
-            ratios[f"{ours['system']}/{peer['system']} @ c={concurrency}"] = genai_perf_ratios(ours, peer)
+    ratios = comparison_ratios(results)
     report = {
         "command": "python -m tools.loadtest " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
@@ -188,7 +211,7 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
         "ratios": ratios,
     }
     for r in results:
-        print(f"{r['system']:12s} c={r['concurrency']:<3d} output tok/s {r['output_token_throughput']['avg']:8.1f}  "
+        print(f"{r['system']:12s} c={r['concurrency']:<3d}{' run ' + str(r['run']) if 'run' in r else ''} output tok/s {r['output_token_throughput']['avg']:8.1f}  "
               f"TTFT mean {r['time_to_first_token']['avg']:8.1f} p99 {r['time_to_first_token']['p99']:8.1f}  "
               f"ITL mean {r['inter_token_latency']['avg']:6.1f} p99 {r['inter_token_latency']['p99']:6.1f}")
     for key, values in ratios.items():
@@ -227,11 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                              "gRPC (e.g. Triton's vLLM backend, tools/vllm_backend_peer.py) with the same recipe")
     parser.add_argument("--plain", action="store_true",
                         help="genai-perf only: kserve profiles without the five return_* inputs")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="genai-perf only: profile every server N times, interleaved, and quote each ratio as "
+                             "the median of the runs' ratios")
     parser.add_argument("--json", help="genai-perf only: write every profile's metrics (and this backend's ratios "
                                        "to --openai-url's) here, e.g. bench/results/genai_perf_vs_vllm_server_fp32.json")
     args = parser.parse_args(argv)
-    if args.tool != "genai-perf" and (args.openai_url or args.kserve_url or args.json or args.plain):
-        parser.error("--openai-url, --kserve-url, --plain and --json apply to genai-perf")
+    if args.tool != "genai-perf" and (args.openai_url or args.kserve_url or args.json or args.plain or args.repeat != 1):
+        parser.error("--openai-url, --kserve-url, --plain, --repeat and --json apply to genai-perf")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out or REPO_ROOT / "bench" / args.tool.replace("-", "_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -248,18 +276,22 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append((name or endpoint, endpoint, url))
         results = []
         for concurrency in concurrencies:
-            for name, endpoint, url in servers:
-                # One folder per profile: given --artifact-dir, genai-perf writes its exports
-                # straight into it, so a second profile there would overwrite the first.
-                artifacts = out / name / f"concurrency{concurrency}"
-                _run(genai_perf_command(
-                    venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
-                    concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
-                    output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed, endpoint=endpoint,
-                    return_inputs=not args.plain,
-                ), env)
-                results.append({"system": name, "concurrency": concurrency, "url": url,
-                                **genai_perf_summary(artifacts)})
+            for run in range(1, args.repeat + 1):
+                for name, endpoint, url in servers:
+                    # One folder per profile: given --artifact-dir, genai-perf writes its exports
+                    # straight into it, so a second profile there would overwrite the first.
+                    artifacts = out / name / f"concurrency{concurrency}"
+                    if args.repeat > 1:
+                        artifacts = artifacts / f"run{run}"
+                    shutil.rmtree(artifacts, ignore_errors=True)  # an earlier profile's export would be read as this one's
+                    _run(genai_perf_command(
+                        venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
+                        concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
+                        output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed, endpoint=endpoint,
+                        return_inputs=not args.plain,
+                    ), env)
+                    results.append({"system": name, "concurrency": concurrency, "url": url,
+                                    **({"run": run} if args.repeat > 1 else {}), **genai_perf_summary(artifacts)})
         print(f"genai-perf exports: {out}")
         _report(args, results, argv)
         return 0

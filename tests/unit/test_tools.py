@@ -77,3 +77,38 @@ def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=r"--vllm-backend-src: .*src/model.py is missing"):
         vllm_backend_peer.lay_out(tmp_path / "other", tmp_path, "llm", arguments, triton_dir=triton)
+
+
+def _genai_result(system: str, tokens_per_s: float, ttft: float, run: int | None = None, concurrency: int = 32) -> dict:
+    stats = {"avg": ttft, "p99": 2 * ttft}
+    return {"system": system, "concurrency": concurrency, **({"run": run} if run else {}),
+            "output_token_throughput": {"avg": tokens_per_s}, "time_to_first_token": stats, "inter_token_latency": stats}
+
+
+def test_genai_perf_ratios_of_repeated_runs_are_the_medians_of_each_runs_ratios():
+    from tools.loadtest import comparison_ratios
+
+    runs = [(1, 400.0, 300.0, 1.0, 2.0), (2, 480.0, 320.0, 1.0, 1.0), (3, 420.0, 400.0, 1.0, 4.0)]
+    results = [r for run, ours, peer, ttft, peer_ttft in runs
+               for r in (_genai_result("triton-grpc", ours, ttft, run), _genai_result("vllm", peer, peer_ttft, run))]
+    ratio = comparison_ratios(results)["triton-grpc/vllm @ c=32"]
+    # Per run 1.333, 1.5, 1.05: the median run's, not the ratio of the medians (440 / 320 = 1.375).
+    assert ratio["output_tokens_per_s"] == pytest.approx(400 / 300)
+    assert ratio["runs"] == pytest.approx([400 / 300, 480 / 320, 420 / 400])
+    assert ratio["ttft_mean"] == pytest.approx(0.5)  # 0.5, 1, 0.25
+
+    single = comparison_ratios([_genai_result("triton-grpc", 400.0, 1.0), _genai_result("vllm", 300.0, 2.0),
+                                _genai_result("triton-grpc", 100.0, 1.0, concurrency=1),
+                                _genai_result("vllm", 50.0, 1.0, concurrency=1)])
+    assert set(single) == {"triton-grpc/vllm @ c=32", "triton-grpc/vllm @ c=1"}
+    assert "runs" not in single["triton-grpc/vllm @ c=32"]
+    assert single["triton-grpc/vllm @ c=1"]["output_tokens_per_s"] == 2.0
+
+
+def test_loadtest_refuses_genai_perf_options_for_perf_analyzer():
+    from tools.loadtest import main
+
+    with pytest.raises(SystemExit):
+        main(["perf-analyzer", "--repeat", "3"])
+    with pytest.raises(SystemExit):
+        main(["genai-perf", "--repeat", "0"])

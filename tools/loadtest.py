@@ -7,7 +7,9 @@ Both speak the gRPC streaming form of Triton's vLLM backend interface, as their 
 them against vLLM-backend models. `genai-perf --openai-url NAME=HOST:PORT` profiles an
 OpenAI-compatible server (vLLM's own) with the same recipe after each of this backend's
 profiles, and `--json` writes both with this backend's ratios to it; `--repeat N` profiles
-every server N times, interleaved, and quotes the median of the runs' ratios.
+every server N times, interleaved, and quotes the median of the runs' ratios. Each run
+has prompts of its own (seed + run - 1): with the same prompts, a run after the first finds
+them in both servers' prefix caches (TTFT fell from 1.1 s to 0.43 s here).
 
 perf_analyzer 2.51 asks for every output the model declares and, for an output a response
 does not carry, exports whatever bytes its empty buffer points at: garbage counts and
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="genai-perf only: kserve profiles without the five return_* inputs")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="genai-perf only: profile every server N times, interleaved, and quote each ratio as "
-                             "the median of the runs' ratios")
+                             "the median of the runs' ratios; run i uses seed + i - 1 for every server, so that no "
+                             "run's prompts are in a prefix cache that an earlier run filled")
     parser.add_argument("--json", help="genai-perf only: write every profile's metrics (and this backend's ratios "
                                        "to --openai-url's) here, e.g. bench/results/genai_perf_vs_vllm_server_fp32.json")
     args = parser.parse_args(argv)
@@ -287,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
                     _run(genai_perf_command(
                         venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
                         concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
-                        output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed, endpoint=endpoint,
+                        output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed + run - 1, endpoint=endpoint,
                         return_inputs=not args.plain,
                     ), env)
                     results.append({"system": name, "concurrency": concurrency, "url": url,
-                                    **({"run": run} if args.repeat > 1 else {}), **genai_perf_summary(artifacts)})
+                                    **({"run": run, "seed": args.seed + run - 1} if args.repeat > 1 else {}),
+                                    **genai_perf_summary(artifacts)})
         print(f"genai-perf exports: {out}")
         _report(args, results, argv)
         return 0

@@ -12,7 +12,8 @@ Load: open loop by default (each request is sent at its workload arrival time, w
 the others do); `--rates 0.5,1,2,4` runs the workload once per rate and system (a
 latency-throughput curve, `--plot`); `--concurrency N` is closed loop instead (N requests
 in flight, a new one as soon as one ends). `--repeat N` measures every system N times,
-interleaved, and quotes each ratio as the median of the runs' ratios.
+interleaved, run i with the workload of seed + i - 1 (a server's prefix cache would serve
+a repeated run's prompts), and quotes each ratio as the median of the runs' ratios.
 
     python -m client.bench W3 --rates 0.5,1,2 --systems continuous --target grpc://127.0.0.1:8001 \
         --json bench/results/w3.json --plot
@@ -155,11 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     workload = None
     for rate in rates:
-        workload = make_workload(**kwargs, **({} if rate is None else {"rate_per_s": rate}), source=source)
-        if targets or source is not None:
-            # Text that encodes to exactly the prompt ids: servers get it, the engine the ids.
-            attach_text(workload, tokenizer, source, args.seed)
         for repeat in range(1, args.repeat + 1):
+            # Each run has prompts of its own (seed + run - 1), the same for every system: a
+            # server keeps its prefix cache from one run to the next, and would serve a later
+            # run's prompts from it.
+            seed = args.seed + repeat - 1
+            workload = make_workload(**{**kwargs, "seed": seed}, **({} if rate is None else {"rate_per_s": rate}),
+                                     source=source)
+            if targets or source is not None:
+                # Text that encodes to exactly the prompt ids: servers get it, the engine the ids.
+                attach_text(workload, tokenizer, source, seed)
             for name, runner in runners:
                 try:
                     run = runner(workload, ctx)
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 result = summarize(run, workload, slo)
                 if args.repeat > 1:
-                    result["run"] = repeat
+                    result["run"], result["seed"] = repeat, seed
                 results.append(result)
     summary = workload.summary()
     if args.rates:

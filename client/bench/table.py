@@ -90,8 +90,9 @@ def table(paths: list[str]) -> str:
             model = os.path.basename(os.path.normpath(report["recipe"]["tokenizer"]))
             for r in report["results"]:
                 ttft, itl = r["time_to_first_token"], r["inter_token_latency"]
+                system = r["system"] + (f" @ run {r['run']}" if "run" in r else "")
                 genai_lines.append(
-                    f"| {report['tool']} | {model} | {r['system']} | {r['concurrency']} | "
+                    f"| {report['tool']} | {model} | {system} | {r['concurrency']} | "
                     f"{r['output_token_throughput']['avg']:.1f} | {ttft['avg']:.0f} | {ttft['p99']:.0f} | "
                     f"{itl['avg']:.1f} | {itl['p99']:.1f} | [{os.path.basename(path)}]({rel}) |"
                 )

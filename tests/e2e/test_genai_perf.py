@@ -181,9 +181,10 @@ def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
 
 
 def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, genai_perf, tmp_path):
-    """`python -m tools.loadtest genai-perf --openai-url NAME=HOST:PORT --json ...`: the same
-    recipe against Triton (kserve) and an OpenAI-compatible server (completions), one export
-    folder per profile, a report with both and their ratios. The OpenAI server here is the
+    """`python -m tools.loadtest genai-perf --openai-url NAME=HOST:PORT --repeat 2 --json ...`:
+    the same recipe against Triton (kserve) and an OpenAI-compatible server (completions),
+    twice, interleaved, each run with prompts of its own; one export folder per profile; a
+    report with every profile and the median ratios. The OpenAI server here is the
     project's frontend over the same tritonserver (vLLM's is not installed in CI)."""
     from tests.e2e.openai_frontend import run_frontend
 
@@ -194,37 +195,48 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
         command = [sys.executable, "-m", "tools.loadtest", "genai-perf", "--url", triton_server.grpc_url,
                    "--openai-url", f"frontend=127.0.0.1:{frontend.port}", "--model", model, "--concurrency", "2",
                    "--num-requests", str(requests), "--input-tokens", "16", "--output-tokens", str(output_tokens),
-                   "--out", str(out), "--json", str(report_path)]
+                   "--out", str(out), "--json", str(report_path), "--repeat", "2"]
         run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     log = f"$ {' '.join(command)}\n--- stdout ---\n{run.stdout[-6000:]}\n--- stderr ---\n{run.stderr[-6000:]}"
     assert run.returncode == 0, log
 
     report = json.loads(report_path.read_text())
-    assert [(r["system"], r["concurrency"]) for r in report["results"]] == [("triton-grpc", 2), ("frontend", 2)]
+    assert [(r["system"], r["concurrency"], r["run"], r["seed"]) for r in report["results"]] == [
+        ("triton-grpc", 2, 1, 0), ("frontend", 2, 1, 0), ("triton-grpc", 2, 2, 1), ("frontend", 2, 2, 1)]
     for r in report["results"]:
         assert r["request_count"]["avg"] == requests and r["input_sequence_length"]["avg"] == 16, r
         assert r["output_token_throughput"]["avg"] > 0 and r["time_to_first_token"]["avg"] > 0, r
     ratios = report["ratios"]["triton-grpc/frontend @ c=2"]
-    ours, peer = report["results"]
-    assert ratios["output_tokens_per_s"] == pytest.approx(
-        ours["output_token_throughput"]["avg"] / peer["output_token_throughput"]["avg"])
-    assert set(ratios) == {"output_tokens_per_s", "ttft_mean", "ttft_p99", "itl_mean", "itl_p99"}
+    per_run = [ours["output_token_throughput"]["avg"] / peer["output_token_throughput"]["avg"]
+               for ours, peer in (report["results"][:2], report["results"][2:])]
+    assert ratios["runs"] == pytest.approx(per_run)
+    assert ratios["output_tokens_per_s"] == pytest.approx(sum(per_run) / 2)  # the median of two
+    assert set(ratios) == {"output_tokens_per_s", "ttft_mean", "ttft_p99", "itl_mean", "itl_p99", "runs"}
     assert report["recipe"]["output_tokens"] == output_tokens and report["git_commit"]
 
-    # The OpenAI profile asked for exactly output_tokens, streamed, and each profile kept its own export.
-    [raw] = (out / "frontend" / "concurrency2").rglob("profile_export.json")
-    for record in json.loads(raw.read_text())["experiments"][0]["requests"]:
-        payload = json.loads(record["request_inputs"]["payload"])
-        assert payload["stream"] is True and payload["max_tokens"] == payload["min_tokens"] == output_tokens
-    assert len(list((out / "triton-grpc" / "concurrency2").rglob("profile_export_genai_perf.json"))) == 1
+    # The OpenAI profile asked for exactly output_tokens, streamed, and each profile kept its own
+    # export; the second run's prompts are not the first's (a prefix cache would serve them).
+    prompts = []
+    for run in (1, 2):
+        [raw] = (out / "frontend" / "concurrency2" / f"run{run}").rglob("profile_export.json")
+        payloads = [json.loads(record["request_inputs"]["payload"])
+                    for record in json.loads(raw.read_text())["experiments"][0]["requests"]]
+        for payload in payloads:
+            assert payload["stream"] is True and payload["max_tokens"] == payload["min_tokens"] == output_tokens
+        prompts.append({payload["prompt"] if isinstance(payload["prompt"], str) else json.dumps(payload["prompt"])
+                        for payload in payloads})
+        assert len(list((out / "triton-grpc" / "concurrency2" / f"run{run}").rglob(
+            "profile_export_genai_perf.json"))) == 1
+    assert prompts[0].isdisjoint(prompts[1])
 
     # README's table generator lists the report in its genai-perf table, ratios named by file.
     from client.bench import table
 
     rendered = table.table([str(report_path)])
-    assert f"| frontend | 2 | {peer['output_token_throughput']['avg']:.1f} |" in rendered
+    peer = report["results"][1]
+    assert f"| frontend @ run 1 | 2 | {peer['output_token_throughput']['avg']:.1f} |" in rendered
     assert f", compare) triton-grpc/frontend @ c=2: output tokens per s {ratios['output_tokens_per_s']:.2f}x" in rendered
 
-    # Both profiles went through the one engine: 2 x requests, every one to its length.
+    # Every profile went through the one engine: 4 x requests, every one to its length.
     finished = finished_since(before, triton_server.metrics_port, model)
-    assert finished == {"stop": 0, "length": 2 * requests, "abort": 0, "error": 0}, finished
+    assert finished == {"stop": 0, "length": 4 * requests, "abort": 0, "error": 0}, finished

@@ -271,8 +271,9 @@ def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, cap
                      "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
     assert code == 0
     report = json.loads(out.read_text())
-    assert [(r["system"], r["run"]) for r in report["results"]] == [
-        ("continuous", 1), ("static", 1), ("continuous", 2), ("static", 2)]
+    # Run i's workload is seed i - 1's, for every system.
+    assert [(r["system"], r["run"], r["seed"]) for r in report["results"]] == [
+        ("continuous", 1, 0), ("static", 1, 0), ("continuous", 2, 1), ("static", 2, 1)]
     assert all(r["num_completed"] == 3 and r["all_token_counts_right"] for r in report["results"])
     entry = report["ratios"]["continuous/static"]
     per_run = [a["output_tokens_per_s"] / b["output_tokens_per_s"]

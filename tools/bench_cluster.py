@@ -2,7 +2,8 @@
 
 - ``w3``:  W3 at concurrency 32 through haproxy with 2 replicas against 1 replica direct;
 - ``itl``: the routers' added latency per token at concurrency 1 (haproxy gRPC and vllm-router
-  against the replica's own gRPC and OpenAI ports), 3 interleaved runs after every replica is warm;
+  against the replica's own gRPC and OpenAI ports), 3 interleaved runs after every replica is warm.
+  Both run with prefix caching off on the replicas (see `main`);
 - ``w4``:  W4 with several system prompts through vllm-router ``kv_aware`` (fed by the replicas'
   KV events), ``cache_aware`` and ``round_robin``: TTFT, and each replica's prefix-cache hit
   rate from its own metrics. Each policy gets fresh replicas, so no cache carries over.
@@ -58,10 +59,12 @@ def replica_prefix_stats(replica: scaleout.Replica) -> dict[str, float]:
     return values
 
 
-def cluster(args, policy: str = "round_robin", kv_events: bool = False) -> scaleout.Cluster:
+def cluster(args, policy: str = "round_robin", kv_events: bool = False,
+            prefix_caching: bool = True) -> scaleout.Cluster:
     replicas = scaleout.local_replicas(args.replicas, args.base_port, kv_events=kv_events)
     return scaleout.Cluster(replicas, Path(args.model_repository), http_port=args.http_port, grpc_port=args.grpc_port,
                             openai_port=args.openai_port, router_policy=policy,
+                            engine_parameters=None if prefix_caching else {"enable_prefix_caching": "false"},
                             log_dir=Path(tempfile.mkdtemp(prefix=f"bench-cluster-{policy}-")))
 
 
@@ -85,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     if "w3" in parts or "itl" in parts:
-        with cluster(args) as c:
+        # These parts compare paths to the same replicas with the same prompts (targets one
+        # after another, runs repeated): with prefix caching on, a later target or run would
+        # find its prompts in a replica's cache and its TTFT would measure the cache, not the
+        # path. W4 measures the cache.
+        with cluster(args, prefix_caching=False) as c:
             r0 = c.replicas[0]
             if "w3" in parts:
                 bench(["W3", "--concurrency", "32", "--num-requests", str(args.w3_requests),

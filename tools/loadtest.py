@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from backend.protocol import RETURN_FLAGS
 from client.bench.records import git_commit, machine
-from client.bench.stats import format_ratio
+from client.bench.stats import format_ratio, median_of_runs
 from client.bench.workloads import TOKEN_HIGH, TOKEN_LOW
 from client.triton import request_values
 
@@ -119,26 +118,19 @@ def genai_perf_ratios(ours: dict, peer: dict) -> dict:
 
 def comparison_ratios(results: list[dict]) -> dict:
     """This backend (each group's first profile) against every peer, per concurrency. With
-    several runs (results carrying "run"), each ratio is the median of the runs' ratios,
-    and "runs" lists each run's output tokens/s ratio (client.bench's shape): genai-perf's throughput moves by up to ~10% between runs on a
+    several runs (results carrying "run"), each ratio is the median of the runs' ratios
+    and "runs" lists each run's output tokens/s ratio, as client.bench reports them
+    (`median_of_runs`): genai-perf's throughput moves by up to ~10% between runs on a
     2-core machine, and the interleaved runs share whatever the machine did meanwhile."""
-    ratios = {}
+    per_pair: dict[str, list[dict]] = {}
     for concurrency in dict.fromkeys(r["concurrency"] for r in results):
         at_load = [r for r in results if r["concurrency"] == concurrency]
-        runs = list(dict.fromkeys(r.get("run") for r in at_load))
-        per_pair: dict[str, list[dict]] = {}
-        for run in runs:
+        for run in dict.fromkeys(r.get("run") for r in at_load):
             ours, *peers = [r for r in at_load if r.get("run") == run]
             for peer in peers:
                 per_pair.setdefault(f"{ours['system']}/{peer['system']} @ c={concurrency}", []).append(
                     genai_perf_ratios(ours, peer))
-        for key, each in per_pair.items():
-            if len(each) == 1:
-                ratios[key] = each[0]
-            else:
-                ratios[key] = {metric: statistics.median(r[metric] for r in each) for metric in each[0]}
-                ratios[key]["runs"] = [r["output_tokens_per_s"] for r in each]
-    return ratios
+    return {key: median_of_runs(each) for key, each in per_pair.items()}
 
 
 def perf_analyzer_input_data(prompts: list[str], output_tokens: int) -> dict:
@@ -213,7 +205,8 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
         "ratios": ratios,
     }
     for r in results:
-        print(f"{r['system']:12s} c={r['concurrency']:<3d}{' run ' + str(r['run']) if 'run' in r else ''} output tok/s {r['output_token_throughput']['avg']:8.1f}  "
+        run = f" run {r['run']}" if "run" in r else ""
+        print(f"{r['system']:12s} c={r['concurrency']:<3d}{run} output tok/s {r['output_token_throughput']['avg']:8.1f}  "
               f"TTFT mean {r['time_to_first_token']['avg']:8.1f} p99 {r['time_to_first_token']['p99']:8.1f}  "
               f"ITL mean {r['inter_token_latency']['avg']:6.1f} p99 {r['inter_token_latency']['p99']:6.1f}")
     for key, values in ratios.items():
@@ -280,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for concurrency in concurrencies:
             for run in range(1, args.repeat + 1):
+                seed = args.seed + run - 1
                 for name, endpoint, url in servers:
                     # One folder per profile: given --artifact-dir, genai-perf writes its exports
                     # straight into it, so a second profile there would overwrite the first.
@@ -290,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                     _run(genai_perf_command(
                         venv_bin / "genai-perf", model=args.model, url=url, tokenizer=args.tokenizer,
                         concurrency=concurrency, num_requests=args.num_requests, input_tokens=args.input_tokens,
-                        output_tokens=args.output_tokens, artifact_dir=artifacts, seed=args.seed + run - 1, endpoint=endpoint,
+                        output_tokens=args.output_tokens, artifact_dir=artifacts, seed=seed, endpoint=endpoint,
                         return_inputs=not args.plain,
                     ), env)
                     results.append({"system": name, "concurrency": concurrency, "url": url,
-                                    **({"run": run, "seed": args.seed + run - 1} if args.repeat > 1 else {}),
+                                    **({"run": run, "seed": seed} if args.repeat > 1 else {}),
                                     **genai_perf_summary(artifacts)})
         print(f"genai-perf exports: {out}")
         _report(args, results, argv)

@@ -175,17 +175,23 @@ def ratios(workload: str, results: list[dict], pairs: Sequence[tuple[str, str]] 
                 by_name = {r["system"]: r for r in group}
                 if a in by_name and b in by_name:
                     per_run.append(_pair_ratios(by_name[a], by_name[b]))
-            if not per_run:
-                continue
-            by_class = ("ttft_p99_by_class", "e2el_p99_by_class")
-            entry = {key: float(np.median([e[key] for e in per_run])) for key in per_run[0] if key not in by_class}
-            for key in by_class:
-                if key in per_run[0]:
-                    entry[key] = {label: float(np.median([e[key][label] for e in per_run])) for label in per_run[0][key]}
-            if len(per_run) > 1:
-                entry["runs"] = [e["output_tokens_per_s"] for e in per_run]
-            out[f"{a}/{b}{suffix}"] = entry
+            if per_run:
+                out[f"{a}/{b}{suffix}"] = median_of_runs(per_run)
     return out
+
+
+def median_of_runs(per_run: list[dict]) -> dict:
+    """One pair's ratio entries, one per run, as one entry: each ratio's median over the
+    runs (per class for the by-class ratios), and with several runs `runs`, every run's
+    output tokens/s ratio."""
+    by_class = ("ttft_p99_by_class", "e2el_p99_by_class")
+    entry = {key: float(np.median([e[key] for e in per_run])) for key in per_run[0] if key not in by_class}
+    for key in by_class:
+        if key in per_run[0]:
+            entry[key] = {label: float(np.median([e[key][label] for e in per_run])) for label in per_run[0][key]}
+    if len(per_run) > 1:
+        entry["runs"] = [e["output_tokens_per_s"] for e in per_run]
+    return entry
 
 
 def format_ratio(values: dict) -> str:

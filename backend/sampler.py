@@ -74,7 +74,8 @@ class Sampler:
         # that size back to the OS when they are freed, and faulting them in again every
         # step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the logprobs
         # alone 4.6 ms against 0.9 ms in a reused buffer).
-        self._workspace = [torch.empty(0), torch.empty(0), torch.empty(0)]
+        # The fourth holds the float32 copy of logits of another dtype.
+        self._workspace = [torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0)]
         self._grammar_masker: GrammarMasker | None = None
 
     @staticmethod
@@ -83,7 +84,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         source = logits
-        logits = logits.float().cpu()
+        if logits.dtype != torch.float32 or logits.device.type != "cpu":
+            logits = self._buffer(3, logits.shape).copy_(logits)
         params = [r.params for r in requests]
         num_rows = len(requests)
         wants_logprobs = [r.needs_logprobs for r in requests]
@@ -159,8 +161,10 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        logits = torch.div(logits, temperature, out=self._buffer(0, logits.shape))
+        temperatures = [p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):  # x / 1.0 is x, bit for bit: no pass over the rows
+            temperature = torch.tensor(temperatures).unsqueeze(1)
+            logits = torch.div(logits, temperature, out=self._buffer(0, logits.shape))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
             k = torch.tensor([k if k else logits.shape[1] for k in top_k])

@@ -256,6 +256,22 @@ def test_the_reused_buffers_carry_nothing_between_calls():
         assert torch.equal(logits, before)
 
 
+def test_bfloat16_logits_sample_what_their_float32_copy_does():
+    """Logits of another dtype are widened into a reused float32 buffer (exact for bf16):
+    tokens and logprobs are those of the float32 logits, call after call, and the caller's
+    bf16 tensor stays as it was."""
+    logits = random_logits(6, seed=21).bfloat16()
+    before = logits.clone()
+    used = Sampler()
+    for n, params in ((6, dict(temperature=1.0)), (4, dict(temperature=0.6)), (6, dict(temperature=0.0))):
+        def requests() -> list[Request]:  # each call its own generators, seeded alike
+            return [req(f"s{i}", seed=i, needs_logprobs=True, **params) for i in range(n)]
+
+        got, want = used(logits[:n], requests()), Sampler()(logits[:n].float(), requests())
+        assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+        assert torch.equal(logits, before)
+
+
 # Each case's mask keeps tokens from the middle of the vocabulary only: both ends are masked.
 EDGE_LOGITS = torch.tensor([-1.0, 0.5, 2.0, 1.5, 1.0, 1.99, 0.0, -2.0])
 EDGE_CASES = {  # name: (sampling params, the tokens left with probability)

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from backend import thread_binding
+
 
 class SchedulingPolicy(enum.StrEnum):
     """How the scheduler orders waiting requests and picks victims; each member has one
@@ -94,6 +96,9 @@ class EngineConfig:
     lora_modules: dict | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Pinning the engine's OpenMP threads, one per CPU (backend/thread_binding.py): "auto",
+    # "nobind" or a CPU list ("0-3"), as vLLM's VLLM_CPU_OMP_THREADS_BIND.
+    omp_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -140,6 +145,8 @@ class EngineConfig:
                                                 for k, v in modules.items()),
               f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
         check(not (modules and self.enable_lora is False), "lora_modules given but enable_lora=false")
+        bind_problem = thread_binding.check_spec(self.omp_threads_bind)
+        check(bind_problem is None, str(bind_problem))
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], model_dir: str) -> "EngineConfig":

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from backend import thread_binding
 from backend.engine import LLMEngine, RequestOutput
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 
@@ -81,6 +82,8 @@ class EngineLoop:
         self._last_progress = time.monotonic()
         self._last_interrupt_poll = 0.0
         self.engine: LLMEngine  # set by the loop thread before it answers `build_failure`
+        # Where the loop thread's OpenMP team is pinned (backend/thread_binding.py), or None.
+        self.binding: thread_binding.Binding | None = None
         build_failure: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._build_and_run, args=(build_engine, build_failure),
                                         name="inflight-engine", daemon=True)
@@ -92,6 +95,8 @@ class EngineLoop:
     def _build_and_run(self, build_engine: Callable[[], LLMEngine], build_failure: queue.SimpleQueue) -> None:
         try:
             self.engine = build_engine()
+            if self.engine.device.type == "cpu":
+                self.binding = thread_binding.bind_openmp_threads(self.engine.config.omp_threads_bind)
         except BaseException as exc:  # raised on the constructor's caller
             build_failure.put(exc)
             return

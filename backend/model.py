@@ -23,7 +23,9 @@ tritonserver 2.51 sometimes kept the model loaded after a load at a low request 
 exited 1); with the updates off or on the response thread, none of 11 did. The
 readiness thread notices an unload or a server shutdown while requests are live and
 aborts them, so each still gets its final response; with ENABLE_VLLM_HEALTH_CHECK it also
-asks the engine loop whether it still serves (`EngineLoop.health`).
+asks the engine loop whether it still serves (`EngineLoop.health`). Where the engine loop's
+OpenMP threads are pinned (`omp_threads_bind`), every other thread of the stub is kept off
+the engine thread's CPU (backend/thread_binding.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from backend import thread_binding
 from backend.protocol import INPUTS, OUTPUTS, BadRequest, ResponseEncoder, parse_request
 from backend.readiness import HttpReadinessProbe
 from backend.request import RequestStatus
@@ -184,6 +187,11 @@ class TritonPythonModel:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         t0 = time.monotonic()
         self.loop = EngineLoop(build_engine)
+        if self.loop.binding is not None:
+            moved = thread_binding.keep_other_threads_off_the_engine_cpu(self.loop.binding)
+            self.logger.log_info(f"[inflight] OpenMP threads {self.loop.binding.thread_ids} on CPUs "
+                                 f"{self.loop.binding.cpus}; {len(moved)} other thread(s) kept off CPU "
+                                 f"{self.loop.binding.engine_cpu}")
         self._engine_metrics = self._metrics(args) if self.options.report_custom_metrics else None
         self.loop.observer = self._engine_metrics
         self.logger.log_info(

@@ -32,6 +32,13 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa);
 
+// threads.cpp: the CPUs each thread of the calling thread's OpenMP team may run on, and
+// pinning that team's thread i to cpus[i] (as many CPUs as at::get_num_threads()); the team's
+// thread ids, the caller's first.
+std::vector<std::vector<int64_t>> openmp_team_cpus();
+
+std::vector<int64_t> bind_openmp_team(std::vector<int64_t> cpus);
+
 // decoder_layer.cpp: a Llama-family decoder layer in one call, the kernels above in the order
 // backend/models/llama.py's modules call them.
 struct Projection {

@@ -3,6 +3,7 @@ within one iteration, fault isolation, and draining on shutdown."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -86,6 +87,53 @@ def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_model):
         assert threads["build"] is threads["step"] is loop._thread is not threading.current_thread()
     finally:
         loop.shutdown()
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for the test (a new thread's OpenMP team takes it), then restores it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_loop_thread_pins_its_openmp_team_and_no_other_thread(tiny_model, torch_threads):
+    """omp_threads_bind: the loop thread and its OpenMP team run one per CPU listed; the
+    caller's thread keeps every CPU it had (a process it starts later keeps them too)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = list(reversed(allowed[:2]))  # a team of 2 where the machine has 2 CPUs, in an order of our own
+    torch_threads(len(cpus))
+    loop = make_loop(tiny_model, omp_threads_bind=",".join(map(str, cpus)))
+    collector = Collector()
+    try:
+        assert loop.binding.cpus == cpus and len(set(loop.binding.thread_ids)) == len(cpus)
+        assert os.sched_getaffinity(loop._thread.native_id) == {cpus[0]}
+        assert sorted(os.sched_getaffinity(0)) == allowed
+        loop.add_request("r", "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), collector.callback("r"))
+        collector.wait()
+        assert collector.finals("r")[0].num_output_tokens == 4
+    finally:
+        loop.shutdown()
+
+
+def test_auto_binds_nothing_for_a_team_of_one_thread(tiny_model, torch_threads):
+    """The default: a one-thread engine (OMP_NUM_THREADS=1) may share its machine with others,
+    and binding every such engine would stack them all on the first CPU."""
+    torch_threads(1)
+    loop = make_loop(tiny_model)
+    try:
+        assert loop.binding is None
+        assert os.sched_getaffinity(loop._thread.native_id) == os.sched_getaffinity(0)
+    finally:
+        loop.shutdown()
+
+
+def test_a_binding_that_does_not_fit_fails_the_build(tiny_model, torch_threads):
+    torch_threads(1)
+    with pytest.raises(ValueError, match=r"omp_threads_bind='0,1' names 2 CPU\(s\), but the engine runs 1 OpenMP"):
+        make_loop(tiny_model, omp_threads_bind="0,1")
 
 
 def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread(tiny_model):

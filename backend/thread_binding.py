@@ -24,9 +24,12 @@ Triton adapter then keeps the stub's other threads off the engine thread's CPU
 (`keep_other_threads_off_the_engine_cpu`).
 
 Measured through tritonserver (genai-perf, 128 in / 128 out, concurrency 32, bf16
-SmolLM2-135M, 2-core Zen 4 EPYC with AVX512-BF16), 5 rounds alternating with `nobind`: 463
-against 446 output tok/s (medians), the rounds' ratios 0.94-1.05, median 1.03. vLLM's CPU
-backend binds its OpenMP threads the same way by default.
+SmolLM2-135M, 2-core Zen 4 EPYC with AVX512-BF16), against `nobind`: within the run-to-run
+noise. 5 rounds restarting one server at a time gave 463 against 446 output tok/s (medians;
+the rounds' ratios 0.94-1.05, median 1.03); 5 interleaved runs against a second server
+gave 1.00x (0.94-1.05; bench/results/avx512_bf16/genai_perf_omp_threads_bind_auto_vs_nobind_bf16.json).
+It is on by default as in vLLM's CPU backend, which binds its OpenMP threads the same way,
+and an explicit list gives models that share a machine cores of their own.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ Requests that are not cancelled count their final responses on the client.
 Streams cancelled just as their requests end run on a server of their own, logging
 verbosely: there the count of final responses is read on Triton's side, in its gRPC
 frontend's log, and a shutdown that waits out the exit timeout passes only when the log
-shows tritonserver 2.51's own lost stream (see `racing_server`).
+shows tritonserver 2.51's own lost stream (see `stop_racing_server`); a server that
+tritonserver 2.51 crashes in that race is replaced once (see `crashed_in_a_cancellation`).
 
 A further server runs with `INFLIGHT_FAULT_INJECT_AT_BATCH`, the forward pass's
 test-only fault switch.
@@ -116,20 +117,32 @@ COMPLETED_CANCELLATION = re.compile(r"Completing cancellation for ModelStreamInf
 FINAL_RESPONSE = re.compile(r"ModelStreamInferHandler::StreamInferComplete, .*, flags 1, ")
 
 
-@pytest.fixture(scope="module")
-def racing_server(tritonserver, checkpoint):
-    """`tiny` alone, logging verbosely, for streams cancelled as their requests end."""
-    models = {TINY: tiny_parameters(checkpoint)}
-    with tritonserver(models, log_verbose=1) as srv:
-        yield srv
-        code, seconds, log = stop_when_idle(srv, models)
-        if code == 0:
-            assert seconds < 15, f"clean exit took {seconds:.0f}s\n{srv.log_tail()}"
-        else:
-            issued, completed = log.count(ISSUED_CANCELLATION), len(COMPLETED_CANCELLATION.findall(log))
-            assert issued > completed, (
-                f"exit {code} after {seconds:.0f}s, and not tritonserver 2.51's lost cancelled stream "
-                f"({issued} cancellations issued, {completed} completed)\n{srv.log_tail()}")
+# The same race can crash tritonserver 2.51 outright (triton-inference-server/server#8034, fixed
+# with #8078): a segfault in its gRPC frontend as it issues the cancellation while the
+# response it races is being written. What this module checks is the backend's, so a server
+# that dies that way is replaced once; the run on the second server must pass in full.
+SEGFAULT = "Signal (11) received."
+
+
+def crashed_in_a_cancellation(srv) -> bool:
+    """tritonserver exited with a segfault logged right after it issued a cancellation."""
+    if srv.proc.poll() is None:
+        return False
+    log = srv.log()
+    crash = log.find(SEGFAULT)
+    return crash >= 0 and ISSUED_CANCELLATION in log[max(0, crash - 2000):crash]
+
+
+def stop_racing_server(srv, models) -> None:
+    """A clean stop, or tritonserver 2.51's lost stream (above) and nothing else."""
+    code, seconds, log = stop_when_idle(srv, models)
+    if code == 0:
+        assert seconds < 15, f"clean exit took {seconds:.0f}s\n{srv.log_tail()}"
+    else:
+        issued, completed = log.count(ISSUED_CANCELLATION), len(COMPLETED_CANCELLATION.findall(log))
+        assert issued > completed, (
+            f"exit {code} after {seconds:.0f}s, and not tritonserver 2.51's lost cancelled stream "
+            f"({issued} cancellations issued, {completed} completed)\n{srv.log_tail()}")
 
 
 def finished(m, model: str) -> float:
@@ -289,8 +302,23 @@ def test_cancel_during_prefill(server):
     assert finished(after, SEQ1) - finished(before, SEQ1) == 1
 
 
-def test_cancel_during_decode_twice_and_racing_the_end(racing_server):
-    server = racing_server
+def test_cancel_during_decode_twice_and_racing_the_end(tritonserver, checkpoint):
+    """On `tiny` alone, logging verbosely: a stream cancelled twice mid-decode, and six
+    cancelled just as their requests end."""
+    models = {TINY: tiny_parameters(checkpoint)}
+    for attempt in (1, 2):
+        with tritonserver(models, log_verbose=1) as server:
+            try:
+                race_to_the_end(server)
+                stop_racing_server(server, models)
+            except Exception:
+                if attempt == 1 and crashed_in_a_cancellation(server):
+                    continue  # tritonserver's own crash (SEGFAULT above): once more, on a fresh server
+                raise
+            return
+
+
+def race_to_the_end(server) -> None:
     before = wait_idle(server.metrics_port, TINY)
     # Cancelled twice: the gRPC call is cancelled, cancelled again, then the stream is closed.
     stream = Stream(server.grpc_url)

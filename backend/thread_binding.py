@@ -144,7 +144,7 @@ def keep_other_threads_off_the_engine_cpu(binding: Binding) -> list[int]:
     elsewhere (threads it starts later inherit that); the ids of the threads moved.
 
     The engine thread runs each step's serial part (the scheduler, sampling's bookkeeping,
-    the outputs) and half of every parallel region: while another thread holds its core the
+    the outputs) and its share of every parallel region: while another thread holds its core the
     whole team waits, whereas a worker that loses its core leaves its share of a GEMM's
     chunks to the others. For the Triton stub, a process of the model's own (tritonserver's
     threads are another process's and stay where the kernel puts them); an in-process user of
@@ -164,12 +164,3 @@ def keep_other_threads_off_the_engine_cpu(binding: Binding) -> list[int]:
         except OSError:  # the thread ended meanwhile
             continue
     return moved
-
-
-def openmp_team_cpus() -> list[list[int]] | None:
-    """The CPUs each thread of the calling thread's OpenMP team may run on (None without the
-    C++ kernels)."""
-    from kernels import cpu_ext
-
-    module = cpu_ext.load()
-    return None if module is None else [list(cpus) for cpus in module.openmp_team_cpus()]

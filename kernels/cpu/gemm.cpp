@@ -259,10 +259,15 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
       // panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
       const int64_t next_item = item + 1 < end ? item + 1 : after;
       const In* next = next_item >= 0 ? wp + next_item % groups * kGroup * panel_elems : nullptr;
+      // The block's rows in as few tiles as the registers allow, of equal height: 32 rows as
+      // 11 + 11 + 10 rather than 12 + 12 + 8, whose last tile does two-thirds of the multiply-adds
+      // for the same panel loads and loop (a step's bf16 projections 4% faster at 32 and 64 rows;
+      // a row's sums do not depend on its tile, so the bits are the same).
       const int64_t first_row = block * block_rows, tiles = (row_end - first_row + kRows - 1) / kRows;
+      const int64_t tile_rows = (row_end - first_row + tiles - 1) / tiles;
       const int64_t prefetch_total = next != nullptr ? steps + odd_k : 0;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t row = first_row + t * kRows, rows = std::min(kRows, row_end - row);
+        const int64_t row = first_row + t * tile_rows, rows = std::min(tile_rows, row_end - row);
         const int64_t share_begin = t * prefetch_total / tiles, share_end = (t + 1) * prefetch_total / tiles;
         const In* prefetch = next != nullptr ? next + share_begin * kPanel * V::kStepK : nullptr;
         const In* xr = xp + row * ldx;

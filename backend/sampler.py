@@ -28,6 +28,7 @@ import torch
 
 from backend.request import Request
 from backend.structured_output import GrammarMasker
+from kernels import cumsum_rows
 
 
 @dataclass
@@ -213,8 +214,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, out: torch.Te
     rounding does put it at the total (a subnormal total can), the search runs past the
     row, and the index is clamped to the row's last token that carries mass (the first
     entry that reaches the total), never to the vocabulary's end, which may be masked.
-    `out`, if given, receives the running sums."""
-    cumulative = torch.cumsum(probs, dim=-1, out=out)
+    `out`, if given, receives the running sums (torch.cumsum's bits, kernels/sampling.py)."""
+    cumulative = cumsum_rows(probs, out if out is not None else torch.empty_like(probs))
     total = cumulative[:, -1:].contiguous()
     target = uniforms.to(cumulative.dtype).unsqueeze(1) * total
     index = torch.searchsorted(cumulative, target, right=True)

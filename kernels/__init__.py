@@ -25,6 +25,8 @@ with the references (and the references with naive loops).
         in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
     cpu_decoder_layer(...) -> layer | None; cpu_step_meta(...) (CPU only: a Llama decoder layer's
         kernels above in one C++ call, the same bits; see decoder_layer.py)
+    cumsum_rows(x, out) -> out (CPU only: the sampler's running sums, torch.cumsum's bits;
+        see sampling.py)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .paged_attention import (
 )
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
+from .sampling import cumsum_rows, cumsum_rows_cpu, cumsum_rows_reference
 
 __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "rotary_store_kv", "silu_and_mul",
@@ -55,6 +58,7 @@ __all__ = [
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
     "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
+    "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu",
 ]
 
 

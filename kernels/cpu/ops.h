@@ -90,3 +90,7 @@ class DecoderLayer {
   bool is_neox_;
   int64_t lanes_;
 };
+
+// sampling.cpp: out = x's running sums along each row, torch.cumsum's bits (x and out
+// [rows, n] float32, contiguous).
+at::Tensor cumsum_rows(at::Tensor x, at::Tensor out);

@@ -178,7 +178,7 @@ class Sampler:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Drop a token when the mass before it already reaches top_p (the first always stays).
-            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+            drop = (cumsum_rows(sorted_probs, torch.empty_like(sorted_probs)) - sorted_probs) >= top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1, out=self._buffer(1, logits.shape))

@@ -1,4 +1,4 @@
-"""Running sums for the sampler's inverse-CDF draw (CPU only: the sampler runs on the CPU
+"""Running sums for the sampler's inverse-CDF draw and its top-p cut (CPU only: the sampler runs on the CPU
 whatever the model's device).
 
 `cumsum_rows(x, out)` writes torch.cumsum(x, -1)'s bits into `out`: each row summed left to

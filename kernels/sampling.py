@@ -1,5 +1,5 @@
-"""Running sums for the sampler's inverse-CDF draw and its top-p cut (CPU only: the sampler runs on the CPU
-whatever the model's device).
+"""Running sums for the sampler's inverse-CDF draw and its top-p cut (CPU only: the sampler
+runs on the CPU whatever the model's device).
 
 `cumsum_rows(x, out)` writes torch.cumsum(x, -1)'s bits into `out`: each row summed left to
 right in double, every partial sum rounded to float32. The C++ path (kernels/cpu/sampling.cpp)
@@ -21,11 +21,12 @@ def cumsum_rows_reference(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def cumsum_rows_cpu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The C++ path where it applies ([rows, n] float32, contiguous, on the CPU), else the reference."""
-    module = cpu_ext.load()
-    if (module is None or cpu_ext.isa() < cpu_ext.Isa.AVX512 or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu"
-            or not x.is_contiguous() or out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+    # isa() is NONE where the module could not be built.
+    takes = (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+             and out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous())
+    if not takes or cpu_ext.isa() < cpu_ext.Isa.AVX512:
         return cumsum_rows_reference(x, out)
-    return module.cumsum_rows(x, out)
+    return cpu_ext.load().cumsum_rows(x, out)
 
 
 cumsum_rows = cumsum_rows_cpu

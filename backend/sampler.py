@@ -16,7 +16,9 @@ bit-identical logits, which `batch_invariant` guarantees whatever the batch; unl
 a token can change with logits that differ in the last bits (without batch invariance, a
 run whose long prompt chunks take SDPA against one whose do not). Every operation here
 works row by row, so a row's logprobs do not depend on the other rows. Logprobs are of the
-raw model output.
+raw model output. Top-k masks the logits below each row's k-th largest (a top-k selection,
+not a sort); top-p zeroes the probabilities outside the nucleus (kernels.keep_nucleus_, which
+sums them by buckets instead of sorting), and the draw needs no renormalised row.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 
 from backend.request import Request
 from backend.structured_output import GrammarMasker
-from kernels import cumsum_rows
+from kernels import cumsum_rows, keep_nucleus_
+
+NEGATIVE_INFINITY = torch.tensor(float("-inf"))
 
 
 @dataclass
@@ -75,8 +79,9 @@ class Sampler:
         # that size back to the OS when they are freed, and faulting them in again every
         # step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the logprobs
         # alone 4.6 ms against 0.9 ms in a reused buffer).
-        # The fourth holds the float32 copy of logits of another dtype.
-        self._workspace = [torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0)]
+        # The fourth holds the float32 copy of logits of another dtype, the fifth the logits
+        # with the top-k mask.
+        self._workspace = [torch.empty(0) for _ in range(5)]
         self._grammar_masker: GrammarMasker | None = None
 
     @staticmethod
@@ -168,25 +173,27 @@ class Sampler:
             logits = torch.div(logits, temperature, out=self._buffer(0, logits.shape))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
-            k = torch.tensor([k if k else logits.shape[1] for k in top_k])
-            k = k.clamp(max=logits.shape[1])
-            sorted_desc = logits.sort(dim=-1, descending=True).values
-            kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the first always stays).
-            drop = (cumsum_rows(sorted_probs, torch.empty_like(sorted_probs)) - sorted_probs) >= top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+            logits = self._mask_top_k(logits, top_k)
         probs = torch.softmax(logits, dim=-1, out=self._buffer(1, logits.shape))
+        if any(p.top_p < 1.0 for p in params):
+            # Zeroed, not renormalised: the draw scales its target by the row's own total.
+            keep_nucleus_(probs, torch.tensor([p.top_p for p in params], dtype=torch.float64))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
             probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         # The running sums overwrite the scaled logits, spent once the softmax is taken.
         return sample_from_probs(probs, self._uniforms(requests), out=self._buffer(0, logits.shape))
+
+    def _mask_top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        """`logits` with -inf below each row's k-th largest (top_k 0: the row is left alone),
+        in a workspace buffer. The k-th comes from a top-k selection: sorting the vocabulary
+        cost ~57 ms for 32 x 49k on two Zen 4 cores, twice the rest of a step."""
+        vocab = logits.shape[1]
+        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k])
+        largest = logits.topk(int(k.max()), dim=-1).values
+        kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1).unsqueeze(1))
+        kth[k == vocab] = float("-inf")
+        return torch.where(logits < kth, NEGATIVE_INFINITY, logits, out=self._buffer(4, logits.shape))
 
     def _uniforms(self, requests: list[Request]) -> torch.Tensor:
         """One float32 uniform in [0, 1) per row: a seeded request's from its own generator,

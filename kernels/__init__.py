@@ -27,6 +27,8 @@ with the references (and the references with naive loops).
         kernels above in one C++ call, the same bits; see decoder_layer.py)
     cumsum_rows(x, out) -> out (CPU only: the sampler's running sums, torch.cumsum's bits;
         see sampling.py)
+    keep_nucleus_(probs, top_p) -> probs, with the probabilities outside each row's top-p
+        nucleus zeroed (CPU only; see sampling.py)
 """
 
 from __future__ import annotations
@@ -46,7 +48,15 @@ from .paged_attention import (
 )
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
-from .sampling import cumsum_rows, cumsum_rows_cpu, cumsum_rows_reference
+from .sampling import (
+    cumsum_rows,
+    cumsum_rows_cpu,
+    cumsum_rows_reference,
+    keep_nucleus_,
+    keep_nucleus_cpu,
+    keep_nucleus_reference,
+    nucleus_thresholds,
+)
 
 __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "rotary_store_kv", "silu_and_mul",
@@ -59,6 +69,7 @@ __all__ = [
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
     "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
     "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu",
+    "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu", "nucleus_thresholds",
 ]
 
 

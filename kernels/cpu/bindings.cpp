@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("openmp_team_cpus", &openmp_team_cpus, "The CPUs each thread of the calling thread's OpenMP team may run on");
   m.def("bind_openmp_team", &bind_openmp_team, "Pin thread i of the calling thread's OpenMP team to cpus[i]; the team's thread ids");
   m.def("cumsum_rows", &cumsum_rows, kNoGil, "Running sums along each float32 row into out, torch.cumsum's bits");
+  m.def("keep_nucleus_", &keep_nucleus_, kNoGil, "Zero, in place, each row's probabilities outside its top-p nucleus");
   m.def("rotary_store_kv", &rotary_store_kv, kNoGil, "RoPE on query and key, key and value into the paged cache");
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
       .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),

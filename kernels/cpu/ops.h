@@ -94,3 +94,8 @@ class DecoderLayer {
 // sampling.cpp: out = x's running sums along each row, torch.cumsum's bits (x and out
 // [rows, n] float32, contiguous).
 at::Tensor cumsum_rows(at::Tensor x, at::Tensor out);
+
+// sampling.cpp: zeroes, in place, the probabilities outside each row's top-p nucleus (the
+// tokens whose larger probabilities sum to at least top_p[row], float64; rows with top_p 1
+// are left alone).
+at::Tensor keep_nucleus_(at::Tensor probs, at::Tensor top_p);

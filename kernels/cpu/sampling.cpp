@@ -17,7 +17,11 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
 
 #include "ops.h"
 
@@ -75,7 +79,88 @@ void cumsum_8_rows(const float* x, float* out, int64_t n) {
 }
 #endif
 
+// Top-p's cut without a sort. A token is in the nucleus when the probabilities larger than
+// its own sum to less than top_p; the smallest probability in it is the row's threshold.
+// Non-negative floats order as their bit patterns do, so buckets of leading bits are ranges
+// of probability: one pass sums each bucket's mass, a walk down from the largest bucket finds
+// the one the cut falls in, and only that bucket's probabilities (split once more by the next
+// bits where it holds many) are sorted. Sums are in double, each bucket's in the row's order.
+constexpr int kCoarseShift = 20;                      // 2048 buckets: exponent and 3 mantissa bits
+constexpr int kFineShift = 8, kFineBuckets = 1 << 12;  // the next 12 bits
+constexpr size_t kSortAtMost = 256;                    // a bucket this small is sorted as it is
+
+uint32_t bits_of(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits & 0x7fffffffu;  // -0.0 is 0.0
+}
+
+// The bucket, among `mass`'s, in which the running sum from the top (starting at `above`)
+// reaches `target`; `above` becomes the mass of the buckets over it. -1: it never does.
+int64_t bucket_of_cut(const std::vector<double>& mass, double target, double& above) {
+  for (int64_t b = static_cast<int64_t>(mass.size()) - 1; b >= 0; --b) {
+    if (mass[b] > 0.0 && above + mass[b] >= target) return b;
+    above += mass[b];
+  }
+  return -1;
+}
+
+float nucleus_threshold(const float* probs, int64_t n, double top_p) {
+  std::vector<double> mass(2048, 0.0);
+  for (int64_t i = 0; i < n; ++i) mass[bits_of(probs[i]) >> kCoarseShift] += static_cast<double>(probs[i]);
+  double above = 0.0;
+  const int64_t coarse = bucket_of_cut(mass, top_p, above);
+  std::vector<float> members;
+  if (coarse < 0) {  // the whole row sums to less than top_p: every token stays
+    return *std::min_element(probs, probs + n, [](float a, float b) { return bits_of(a) < bits_of(b); });
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if ((bits_of(probs[i]) >> kCoarseShift) == static_cast<uint32_t>(coarse)) members.push_back(probs[i]);
+  if (members.size() > kSortAtMost) {
+    std::vector<double> fine(kFineBuckets, 0.0);
+    for (float p : members) fine[(bits_of(p) >> kFineShift) & (kFineBuckets - 1)] += static_cast<double>(p);
+    double fine_above = above;
+    const int64_t cut = bucket_of_cut(fine, top_p, fine_above);
+    if (cut >= 0) {
+      above = fine_above;
+      std::vector<float> narrowed;
+      for (float p : members)
+        if (((bits_of(p) >> kFineShift) & (kFineBuckets - 1)) == static_cast<uint32_t>(cut)) narrowed.push_back(p);
+      members.swap(narrowed);
+    }
+  }
+  std::sort(members.begin(), members.end(), [](float a, float b) { return bits_of(a) > bits_of(b); });
+  // Down the sorted bucket, a run of equal probabilities at a time: each run is in while the
+  // mass above it is under top_p.
+  float threshold = members.front();
+  double sum = above;
+  for (size_t i = 0; i < members.size() && sum < top_p;) {
+    threshold = members[i];
+    for (; i < members.size() && bits_of(members[i]) == bits_of(threshold); ++i) sum += static_cast<double>(members[i]);
+  }
+  return threshold;
+}
+
 }  // namespace
+
+at::Tensor keep_nucleus_(at::Tensor probs, at::Tensor top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous() && probs.size(1) > 0,
+              "keep_nucleus_: probs [rows, n] float32, contiguous, n > 0");
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == probs.size(0) && top_p.scalar_type() == at::kDouble,
+              "keep_nucleus_: top_p [rows] float64");
+  const int64_t rows = probs.size(0), n = probs.size(1);
+  float* pp = probs.data_ptr<float>();
+  const double* tp = top_p.data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (tp[r] >= 1.0) continue;
+      float* row = pp + r * n;
+      const float threshold = nucleus_threshold(row, n, tp[r]);
+      for (int64_t i = 0; i < n; ++i) row[i] = row[i] < threshold ? 0.0f : row[i];
+    }
+  });
+  return probs;
+}
 
 at::Tensor cumsum_rows(at::Tensor x, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "cumsum_rows: x [rows, n] float32, contiguous");

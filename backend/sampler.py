@@ -80,8 +80,8 @@ class Sampler:
         # step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the logprobs
         # alone 4.6 ms against 0.9 ms in a reused buffer).
         # The fourth holds the float32 copy of logits of another dtype, the fifth the logits
-        # with the top-k mask.
-        self._workspace = [torch.empty(0) for _ in range(5)]
+        # with the top-k mask, the sixth the penalised logits, the seventh output token counts.
+        self._workspace = [torch.empty(0) for _ in range(7)]
         self._grammar_masker: GrammarMasker | None = None
 
     @staticmethod
@@ -140,24 +140,35 @@ class Sampler:
         return SampleResult(token_list, logprobs, top)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Repetition, presence and frequency penalties (vLLM's), into a workspace buffer.
+        Only the tokens a row has seen change, so only they are computed: the penalties ran
+        over whole [rows, vocab] temporaries, ~25 ms for 32 x 49k on two Zen 4 cores. The
+        arithmetic per token is the same: a seen token's logit is divided (positive) or
+        multiplied by the repetition penalty, then less presence * (count > 0) and
+        frequency * count, its count in the output."""
         num_rows, vocab = logits.shape
         longest_output = max(1, max(r.num_output_tokens for r in requests))
         longest_all = max(r.num_tokens for r in requests)
+        # Padded with the row's own first token, which is seen: a pad writes the same value
+        # as the token's own entry (a scatter of two different values would keep either).
+        seen_ids = torch.empty((num_rows, longest_all), dtype=torch.int64)
         output_ids = torch.full((num_rows, longest_output), vocab, dtype=torch.int64)
-        all_ids = torch.full((num_rows, longest_all), vocab, dtype=torch.int64)
         for row, r in enumerate(requests):
+            seen_ids[row] = r.token_ids[0]
+            seen_ids[row, : r.num_tokens] = torch.tensor(r.token_ids)
             if r.output_token_ids:
                 output_ids[row, : r.num_output_tokens] = torch.tensor(r.output_token_ids)
-            all_ids[row, : r.num_tokens] = torch.tensor(r.token_ids)
-        # One spare column absorbs the padding id.
-        counts = torch.zeros((num_rows, vocab + 1)).scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))[:, :vocab]
-        seen = torch.zeros((num_rows, vocab + 1), dtype=torch.bool).scatter_(1, all_ids, True)[:, :vocab]
+        # Output counts per token; one spare column absorbs the padding id.
+        counts = self._buffer(6, (num_rows, vocab + 1)).zero_()
+        counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
         rep = torch.tensor([r.params.repetition_penalty for r in requests]).unsqueeze(1)
         presence = torch.tensor([r.params.presence_penalty for r in requests]).unsqueeze(1)
         frequency = torch.tensor([r.params.frequency_penalty for r in requests]).unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-        return logits - presence * (counts > 0) - frequency * counts
+        seen = logits.gather(1, seen_ids)
+        seen_counts = counts.gather(1, seen_ids)
+        penalised = torch.where(seen > 0, seen / rep, seen * rep)
+        penalised = penalised - presence * (seen_counts > 0) - frequency * seen_counts
+        return self._buffer(5, logits.shape).copy_(logits).scatter_(1, seen_ids, penalised)
 
     def _buffer(self, index: int, shape: torch.Size) -> torch.Tensor:
         rows, vocab = shape

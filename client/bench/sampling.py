@@ -1,4 +1,4 @@
-"""The sampler's cost per step with top-k and top-p, against sorting the vocabulary.
+"""The sampler's cost per step with top-k, top-p and penalties, and sorting the vocabulary.
 
     python -m client.bench.sampling --json bench/results/<machine kind>/sampler_top_k_top_p.json
 
@@ -29,12 +29,23 @@ PARAMETER_SETS = {
     "top_p 0.9": dict(temperature=1.0, top_p=0.9),
     "top_k 50": dict(temperature=1.0, top_k=50),
     "temperature 0.7, top_k 40, top_p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
+    "repetition_penalty 1.1": dict(temperature=1.0, repetition_penalty=1.1),
+    "presence_penalty 0.5, frequency_penalty 0.5": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
 }
 
 
-def _requests(rows: int, params: dict) -> list[Request]:
-    return [Request(request_id=f"r{i}", prompt_token_ids=[1], params=SamplingParams(**params), max_tokens=16,
-                    arrival_time=0.0, arrival_seq=i, eos_token_ids=frozenset()) for i in range(rows)]
+def _requests(rows: int, vocab: int, params: dict) -> list[Request]:
+    """Requests 128 tokens into their prompts and 64 into their outputs (what penalties read)."""
+    gen = torch.Generator().manual_seed(1)
+    requests = []
+    for i in range(rows):
+        r = Request(request_id=f"r{i}", prompt_token_ids=torch.randint(vocab, (128,), generator=gen).tolist(),
+                    params=SamplingParams(**params), max_tokens=256, arrival_time=0.0, arrival_seq=i,
+                    eos_token_ids=frozenset())
+        for token in torch.randint(vocab, (64,), generator=gen).tolist():
+            r.append_output_token(token)
+        requests.append(r)
+    return requests
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     sampler = Sampler()
     results: dict = {"sampler_ms": {}, "nucleus_ms": {}, "kth_largest_ms": {}}
     for name, params in PARAMETER_SETS.items():
-        requests = _requests(args.rows, params)
+        requests = _requests(args.rows, args.vocab, params)
         results["sampler_ms"][name] = _median_ms(lambda: sampler(logits, requests), args.repeat)
 
     probs = torch.softmax(logits, dim=-1)

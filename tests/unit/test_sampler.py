@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from backend.request import Request, SamplingParams
 from backend.sampler import Sampler, argmax_rows, banned_token_ids, sample_from_probs
@@ -349,6 +351,43 @@ def test_penalties_change_logits_as_defined(params):
     got = Sampler()._apply_penalties(logits.expand(3, vocab).clone(), batch)
     for row, r in enumerate(batch):
         assert torch.allclose(got[row], reference_penalties(logits, r), atol=1e-6), (r.request_id, got[row])
+
+
+def dense_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The penalties over whole rows, in float32 as the sampler computes them for a seen token."""
+    num_rows, vocab = logits.shape
+    counts = torch.zeros(num_rows, vocab)
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
+    for row, r in enumerate(requests):
+        seen[row, list(r.token_ids)] = True
+        for t in r.output_token_ids:
+            counts[row, t] += 1
+    rep = torch.tensor([r.params.repetition_penalty for r in requests]).unsqueeze(1)
+    presence = torch.tensor([r.params.presence_penalty for r in requests]).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests]).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    penalised = penalised - presence * (counts > 0) - frequency * counts
+    return torch.where(seen, penalised, logits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vocab=st.sampled_from([3, 50, 2000]), rows=st.integers(1, 6))
+def test_penalties_touch_only_seen_tokens_with_whole_row_arithmetic(data, vocab, rows):
+    # The sampler computes the seen tokens alone; a whole-row computation gives the same bits.
+    tokens = st.integers(0, vocab - 1)
+    batch = [req(f"r{i}", prompt=data.draw(st.lists(tokens, min_size=1, max_size=40)),
+                 output=data.draw(st.lists(tokens, max_size=30)),
+                 repetition_penalty=data.draw(st.sampled_from([1.0, 0.7, 1.1, 2.0])),
+                 presence_penalty=data.draw(st.sampled_from([0.0, 0.5, -1.5])),
+                 frequency_penalty=data.draw(st.sampled_from([0.0, 0.3, -0.8])))
+             for i in range(rows)]
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999)))) * 3
+    before = logits.clone()
+    sampler = Sampler()
+    sampler._apply_penalties(torch.randn(rows + 3, vocab), [req("w", prompt=(0,), output=(0, 1))] * (rows + 3))  # a used workspace
+    got = sampler._apply_penalties(logits, batch)
+    assert torch.equal(got, dense_penalties(logits, batch))
+    assert torch.equal(logits, before)  # the caller's tensor is never written
 
 
 def test_penalties_change_the_greedy_choice():

@@ -32,7 +32,7 @@ from backend.request import Request
 from backend.structured_output import GrammarMasker
 from kernels import cumsum_rows, keep_nucleus_
 
-NEGATIVE_INFINITY = torch.tensor(float("-inf"))
+NEGATIVE_INFINITY, ZERO = torch.tensor(float("-inf")), torch.tensor(0.0)
 
 
 @dataclass
@@ -191,7 +191,7 @@ class Sampler:
             keep_nucleus_(probs, torch.tensor([p.top_p for p in params], dtype=torch.float64))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-            probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+            torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), ZERO, probs, out=probs)
         # The running sums overwrite the scaled logits, spent once the softmax is taken.
         return sample_from_probs(probs, self._uniforms(requests), out=self._buffer(0, logits.shape))
 

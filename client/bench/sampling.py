@@ -29,6 +29,7 @@ PARAMETER_SETS = {
     "top_p 0.9": dict(temperature=1.0, top_p=0.9),
     "top_k 50": dict(temperature=1.0, top_k=50),
     "temperature 0.7, top_k 40, top_p 0.95": dict(temperature=0.7, top_k=40, top_p=0.95),
+    "min_p 0.05": dict(temperature=1.0, min_p=0.05),
     "repetition_penalty 1.1": dict(temperature=1.0, repetition_penalty=1.1),
     "presence_penalty 0.5, frequency_penalty 0.5": dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
 }

@@ -42,6 +42,7 @@ except locale.Error:  # pragma: no cover - every glibc system has C.UTF-8
 import faulthandler
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -211,6 +212,10 @@ class TritonPythonModel:
         # Why the engine is unhealthy, once the health check has found it so (for good).
         self._unhealthy: str | None = None
         self._stopped = threading.Event()
+        self._outputs_delivered = 0
+        # Test-only fault injection: the response loop raises once, right after delivering
+        # this many engine outputs (0: never).
+        self._fail_response_loop_at = int(os.environ.get("INFLIGHT_FAULT_RESPONSE_LOOP_AT", "0") or 0)
         self._response_thread = threading.Thread(
             target=self._response_loop, name="inflight-responses", daemon=True
         )
@@ -339,19 +344,27 @@ class TritonPythonModel:
                 item = self._queue.get(timeout=PREFILL_CANCEL_POLL_INTERVAL_S if self._live else CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
                 item = None  # nothing came: only the cancellation sweep below
-            match item:
-                case EngineOutput(live, output):
-                    self._deliver(live, output)
-                case MetricUpdates(updates):
-                    self._apply_metric_updates(updates)
-                case FailLive(message, code):
-                    self._fail_live(message, code)
-                case StopResponses():
-                    return
-            now = time.monotonic()
-            if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
-                last_sweep = now
-                self._poll_cancellation(now)
+            if isinstance(item, StopResponses):
+                return
+            try:
+                match item:
+                    case EngineOutput(live, output):
+                        self._deliver(live, output)
+                        self._outputs_delivered += 1
+                        if self._outputs_delivered == self._fail_response_loop_at:
+                            raise RuntimeError("injected fault (INFLIGHT_FAULT_RESPONSE_LOOP_AT)")
+                    case MetricUpdates(updates):
+                        self._apply_metric_updates(updates)
+                    case FailLive(message, code):
+                        self._fail_live(message, code)
+                now = time.monotonic()
+                if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
+                    last_sweep = now
+                    self._poll_cancellation(now)
+            except Exception:
+                # Every live request's responses go through this thread: were it to end here,
+                # they would all wait forever, with no error anywhere.
+                self.logger.log_error(f"[inflight] response loop: {traceback.format_exc()}")
 
     def _fail_live(self, message: str, code: str) -> None:
         with self._live_lock:

@@ -11,6 +11,8 @@
 - A cancel during a 2,048-token prefill step of the default model frees its blocks without
   waiting for the step to end.
 - The stub killed under 16 live streams: what tritonserver 2.51 does (README, Reliability).
+- An error in the stub's response loop (the test-only switch `INFLIGHT_FAULT_RESPONSE_LOOP_AT`)
+  is logged, and the loop goes on sending every stream's responses.
 """
 
 from __future__ import annotations
@@ -119,6 +121,29 @@ def test_health_check_fails_live_requests_and_unloads_a_hung_engine(server):
     assert ready(server, QUIET) == 200
     assert generate(server.grpc_url, QUIET, request(3)).error is None
     assert "engine is not healthy" in server.log()
+
+
+# ---------------------------------------------------------------------------- an error in the response loop
+
+LOOP = "loop"
+
+
+@pytest.fixture(scope="module")
+def loop_fault_server(tritonserver, checkpoint):
+    # The response loop raises once, right after delivering its third engine output.
+    with tritonserver({LOOP: tiny(checkpoint)}, env={"INFLIGHT_FAULT_RESPONSE_LOOP_AT": "3"}) as srv:
+        yield srv
+
+
+def test_an_error_in_the_response_loop_is_logged_and_every_stream_goes_on(loop_fault_server):
+    # The thread that sends every response survives its own error: the stream it was serving
+    # ends whole, with one final response, and later requests are served.
+    served = generate(loop_fault_server.grpc_url, LOOP, request(0, max_tokens=8), timeout=60)
+    assert served.error is None and served.finals == 1, served.message
+    assert served.total("num_output_tokens") == 8 and output(served.last, "finish_reason") == "length"
+    assert "injected fault (INFLIGHT_FAULT_RESPONSE_LOOP_AT)" in loop_fault_server.log()
+    later = generate(loop_fault_server.grpc_url, LOOP, request(1, max_tokens=8), timeout=60)
+    assert later.error is None and later.finals == 1 and later.total("num_output_tokens") == 8
 
 
 # ---------------------------------------------------------------------------- vanishing clients, SIGTERM

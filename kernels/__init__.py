@@ -55,7 +55,6 @@ from .sampling import (
     keep_nucleus_,
     keep_nucleus_cpu,
     keep_nucleus_reference,
-    nucleus_thresholds,
 )
 
 __all__ = [
@@ -69,7 +68,7 @@ __all__ = [
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
     "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
     "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu",
-    "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu", "nucleus_thresholds",
+    "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu",
 ]
 
 

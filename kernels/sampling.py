@@ -63,8 +63,8 @@ def keep_nucleus_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Te
 
 def keep_nucleus_cpu(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The C++ path (kernels/cpu/sampling.cpp: the probabilities summed by buckets, no sort)
-    where the module is built, else the reference: 1.1 against ~100 ms for 32 rows x 49k
-    (2-core AVX512-BF16 EPYC)."""
+    where the module is built, else the reference: 1.4 against 134 ms for 32 rows x 49k
+    (2-core AVX512-BF16 EPYC, bench/results/avx512_bf16/sampler_parameters.json)."""
     takes = (probs.dim() == 2 and probs.dtype == torch.float32 and probs.device.type == "cpu"
              and probs.is_contiguous() and probs.shape[1] > 0)
     if not takes or cpu_ext.isa() == cpu_ext.Isa.NONE:

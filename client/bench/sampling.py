@@ -1,6 +1,6 @@
 """The sampler's cost per step with top-k, top-p and penalties, and sorting the vocabulary.
 
-    python -m client.bench.sampling --json bench/results/<machine kind>/sampler_top_k_top_p.json
+    python -m client.bench.sampling --json bench/results/<machine kind>/sampler_parameters.json
 
 A [rows, vocab] batch of logits (SmolLM2's 49,152 by default) goes through the engine's
 Sampler with each set of sampling parameters. Beside each, what sorting the vocabulary costs:

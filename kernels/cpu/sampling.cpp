@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <vector>
 
 #include "ops.h"
@@ -110,10 +109,10 @@ float nucleus_threshold(const float* probs, int64_t n, double top_p) {
   for (int64_t i = 0; i < n; ++i) mass[bits_of(probs[i]) >> kCoarseShift] += static_cast<double>(probs[i]);
   double above = 0.0;
   const int64_t coarse = bucket_of_cut(mass, top_p, above);
-  std::vector<float> members;
   if (coarse < 0) {  // the whole row sums to less than top_p: every token stays
     return *std::min_element(probs, probs + n, [](float a, float b) { return bits_of(a) < bits_of(b); });
   }
+  std::vector<float> members;
   for (int64_t i = 0; i < n; ++i)
     if ((bits_of(probs[i]) >> kCoarseShift) == static_cast<uint32_t>(coarse)) members.push_back(probs[i]);
   if (members.size() > kSortAtMost) {

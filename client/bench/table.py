@@ -57,13 +57,14 @@ def print_table(report: dict) -> None:
 
 def tables(paths: list[str]) -> str:
     """A section per machine kind, the kinds in their order of first appearance. Reports of
-    another shape (the cluster's routing runs, soaks: no per-system `results`) are left to
-    their own sections of the README."""
+    another shape (the cluster's routing runs, soaks, the sampler's micro-benchmark: no
+    workload or genai-perf run per system) are left to their own sections of the README."""
     by_kind: dict[str, list[str]] = {}
     for path in paths:
         with open(path) as f:
             report = json.load(f)
-        if "results" in report:
+        per_system = "workload" in report or report.get("tool", "").startswith("genai-perf")
+        if per_system and isinstance(report.get("results"), list):
             by_kind.setdefault(report["machine"].get("cpu_kind", "unknown"), []).append(path)
     return "\n\n".join(f"#### Machine kind: {kind}\n\n{table(kind_paths)}" for kind, kind_paths in by_kind.items())
 

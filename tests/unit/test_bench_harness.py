@@ -261,8 +261,18 @@ def test_the_table_leaves_reports_without_per_system_results_to_their_sections(t
     run = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
     soak = tmp_path / "soak.json"
     soak.write_text(json.dumps({"command": "python -m tools.soak", "minutes": 30, "leaked_blocks": 0}))
-    text = table.tables([str(run), str(soak)])
-    assert text.count("#### Machine kind: ") == 1 and "soak.json" not in text
+    # The sampler's micro-benchmark has results, by parameter rather than by system.
+    sampler = tmp_path / "sampler.json"
+    sampler.write_text(json.dumps({"command": "python -m client.bench.sampling", "machine": {"cpu_kind": "avx2"},
+                                   "results": {"sampler_ms": {"top_p 0.9": 2.1}}}))
+    text = table.tables([str(run), str(soak), str(sampler)])
+    assert text.count("#### Machine kind: ") == 1 and "soak.json" not in text and "sampler.json" not in text
+
+
+def test_the_table_of_every_committed_report_is_made():
+    # What README's results section is pasted from: no report under bench/results may break it.
+    text = table.tables(sorted(str(p) for p in (Path(REPO_ROOT) / "bench" / "results").glob("*/*.json")))
+    assert "#### Machine kind: avx512_bf16" in text
 
 
 def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):

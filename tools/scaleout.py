@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -95,27 +94,6 @@ class Replica:
 
     def wrap(self, cmd: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *cmd] if self.netns else list(cmd)
-
-
-def replica_repository(src: Path, dst: Path, parameters: dict[str, str]) -> Path:
-    """A copy of model repository ``src`` at ``dst``, each model's config.pbtxt with
-    ``parameters`` set and a relative ``model_path`` made absolute (the copy lives elsewhere)."""
-    shutil.copytree(src, dst)
-    for config_path in dst.glob("*/config.pbtxt"):
-        text = config_path.read_text()
-        version_dir = (src / config_path.parent.name / "1").resolve()
-        match = re.search(r'key:\s*"model_path"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-        values = dict(parameters)
-        if "model_path" not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
-            values["model_path"] = os.path.normpath(version_dir / match.group(1))
-        for key, value in values.items():
-            entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-            pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{[^}]*\}\s*\}')
-            text, n = pattern.subn(lambda _m: entry, text)
-            if not n:
-                text += f"\nparameters [ {entry} ]\n"
-        config_path.write_text(text)
-    return dst
 
 
 def haproxy_config(replicas: Sequence[Replica], bind_host: str, http_port: int, grpc_port: int) -> str:
@@ -296,7 +274,7 @@ class Cluster:
             if replica.kv_events:
                 parameters["kv_events_endpoint"] = replica.kv_events_endpoint
                 parameters["kv_events_replay_endpoint"] = replica.kv_replay_endpoint
-            replica_repository(self.model_repository, repo, parameters)
+            serve.repository_with_parameters(self.model_repository, repo, parameters)
         cmd = serve.build_command(repo, replica.host, replica.port(HTTP), replica.port(GRPC), replica.port(METRICS))
         serve.check_setup()
         log = open(self.log_dir / f"{replica.name}-triton.log", "ab")

@@ -18,7 +18,9 @@ API::
     stop(proc)
 
 CLI: ``python -m tools.serve [--model-repository DIR] [--host H] [--http-port N]
-[--grpc-port N] [--metrics-port N] [--log-verbose N] [-- extra tritonserver args]``.
+[--grpc-port N] [--metrics-port N] [--log-verbose N] [--set KEY=VALUE ...] [-- extra
+tritonserver args]``. ``--set`` serves a temporary copy of the repository with those
+config.pbtxt parameters set in every model, e.g. another checkpoint or an engine switch.
 Ctrl-C (or SIGTERM) is forwarded to tritonserver, which shuts down gracefully; a second
 Ctrl-C kills it.
 """
@@ -29,15 +31,18 @@ import argparse
 import ctypes
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
 from backend.paths import REPO_ROOT
 
@@ -124,6 +129,27 @@ def build_command(
         f"--log-verbose={int(log_verbose)}",
         *extra_args,
     ]
+
+
+def repository_with_parameters(src: Path, dst: Path, parameters: Mapping[str, str]) -> Path:
+    """A copy of model repository ``src`` at ``dst``, each model's config.pbtxt with
+    ``parameters`` set and a relative ``model_path`` made absolute (the copy lives elsewhere)."""
+    shutil.copytree(src, dst)
+    for config_path in dst.glob("*/config.pbtxt"):
+        text = config_path.read_text()
+        version_dir = (src / config_path.parent.name / "1").resolve()
+        match = re.search(r'key:\s*"model_path"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+        values = dict(parameters)
+        if "model_path" not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
+            values["model_path"] = os.path.normpath(version_dir / match.group(1))
+        for key, value in values.items():
+            entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+            pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{[^}]*\}\s*\}')
+            text, n = pattern.subn(lambda _m: entry, text)
+            if not n:
+                text += f"\nparameters [ {entry} ]\n"
+        config_path.write_text(text)
+    return dst
 
 
 def _die_with_parent() -> None:
@@ -264,11 +290,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="serve a copy of the repository with this config.pbtxt parameter set in every model "
+                             "(repeatable; a model_path is taken from the working directory)")
     args = parser.parse_args(argv)
+    try:
+        parameters = parse_settings(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
 
+    model_repository = Path(args.model_repository)
+    if parameters:
+        if not model_repository.is_dir():
+            print(f"serve: model repository {model_repository} is not a directory", file=sys.stderr)
+            return 2
+        copy_dir = Path(tempfile.mkdtemp(prefix="inflight-serve-"))
+        model_repository = repository_with_parameters(model_repository, copy_dir / "model_repository", parameters)
+    try:
+        return _serve(args, model_repository, extra)
+    finally:
+        if parameters:
+            shutil.rmtree(copy_dir, ignore_errors=True)
+
+
+def parse_settings(settings: Sequence[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` arguments as config.pbtxt parameters (a relative model_path made absolute)."""
+    parameters = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {setting!r}: expected KEY=VALUE")
+        parameters[key.strip()] = value
+    if "model_path" in parameters:
+        parameters["model_path"] = os.path.abspath(parameters["model_path"])
+    return parameters
+
+
+def _serve(args: argparse.Namespace, model_repository: Path, extra: Sequence[str]) -> int:
     try:
         proc = launch(
-            args.model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port,
+            model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port,
             args.log_verbose, extra,
         )
     except FileNotFoundError as exc:
@@ -291,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
 
-    print(f"serve: starting tritonserver (pid {proc.pid}) on {Path(args.model_repository).resolve()} ...", flush=True)
+    print(f"serve: starting tritonserver (pid {proc.pid}) on {model_repository.resolve()} ...", flush=True)
     try:
         metrics_port = None if "--allow-metrics=false" in extra else args.metrics_port
         wait_ready(args.http_port, args.ready_timeout, args.host, proc, metrics_port)

@@ -47,6 +47,31 @@ def test_shipped_config_parameters_are_engine_parameters():
     assert Path(engine_config.model_path) == DEFAULT_CHECKPOINT
 
 
+def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
+    from backend.config import EngineConfig, ServingOptions
+
+    monkeypatch.chdir(tmp_path)
+    parameters = serve.parse_settings(["model_path=ckpt", "max_num_seqs=8", "merge_queued_responses=false"])
+    assert parameters["model_path"] == str(tmp_path / "ckpt")  # from the working directory
+    copy = serve.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "repo", parameters)
+    config = (copy / "llm" / "config.pbtxt").read_text()
+    found = re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config)
+    assert [key for key, _ in found].count("max_num_seqs") == 1  # replaced, not added twice
+    params = dict(found)
+    assert EngineConfig.from_parameters(params, str(copy / "llm" / "1")).max_num_seqs == 8
+    assert Path(EngineConfig.from_parameters(params, "/").model_path) == tmp_path / "ckpt"
+    assert ServingOptions.from_parameters(params).merge_queued_responses is False
+    # Untouched: the repository itself, and a relative model_path the copy would break.
+    assert "merge_queued_responses" not in (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
+    kept = serve.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "kept", {"max_num_seqs": "4"})
+    kept_params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
+                                  (kept / "llm" / "config.pbtxt").read_text()))
+    assert Path(EngineConfig.from_parameters(kept_params, str(kept / "llm" / "1")).model_path) == DEFAULT_CHECKPOINT
+    for bad in ("max_num_seqs", "=8"):
+        with pytest.raises(ValueError, match="expected KEY=VALUE"):
+            serve.parse_settings([bad])
+
+
 def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
     from tools import vllm_backend_peer
 

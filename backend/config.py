@@ -195,12 +195,18 @@ class ServingOptions:
     # Longer than any one step may take: a 2,048-token prefill of SmolLM2-135M on 2 CPU
     # cores takes about a second, a 7B model's far longer.
     health_check_stall_s: float = 60.0
+    # True: when the responses of a stream queue up faster than tritonserver takes them (a fast
+    # engine, many streams: each send is a round trip to tritonserver), the queued ones go as
+    # one response with all their tokens, as vLLM's server merges the outputs its client has
+    # not yet taken. False: one response per engine output that adds text, however late.
+    merge_queued_responses: bool = True
 
     # config.pbtxt name -> field
     PARAMETERS = {
         "REPORT_CUSTOM_METRICS": "report_custom_metrics",
         "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
         "health_check_stall_s": "health_check_stall_s",
+        "merge_queued_responses": "merge_queued_responses",
     }
 
     def __post_init__(self) -> None:

@@ -13,7 +13,8 @@ it is plain Python + torch. Triton calls:
   response thread once everything queued has been sent.
 
 Threads: the engine loop calls ``on_output`` once per step per request; that only
-queues the output. The response thread builds the Triton responses, sends them, polls
+queues the output. The response thread builds the Triton responses, sends them (the outputs
+of a stream that queued up while sends fell behind go as one, `merge_queued_responses`), polls
 cancellation (``response_sender.is_cancelled()`` is an IPC round trip, so the engine
 reads a cached flag instead) and applies the metric updates the loop queues beside the
 outputs, so that one thread makes the IPC calls to Triton while requests are served.
@@ -72,6 +73,9 @@ PREFILL_CANCEL_POLL_INTERVAL_S = 0.01
 # loaded, so `finalize` never comes): on that signal the live requests are ended at once.
 READINESS_POLL_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+# Most queued items the response thread takes in one pass (it merges a stream's outputs
+# only within a pass): a bound on how long a pass keeps anything waiting.
+MAX_ITEMS_PER_PASS = 4096
 # Triton's vLLM backend's words for a request to, or in, an unhealthy engine (ENABLE_VLLM_HEALTH_CHECK).
 UNHEALTHY_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 
@@ -100,6 +104,8 @@ class _Live:
     cancelled: bool = False
     # Its final response has gone: nothing more may be sent on its sender.
     ended: bool = False
+    # A response with text has gone: from then on its queued outputs may go as one.
+    streaming: bool = False
     last_cancel_poll: float = field(default_factory=time.monotonic)
 
 
@@ -216,6 +222,8 @@ class TritonPythonModel:
         # Test-only fault injection: the response loop raises once, right after delivering
         # this many engine outputs (0: never).
         self._fail_response_loop_at = int(os.environ.get("INFLIGHT_FAULT_RESPONSE_LOOP_AT", "0") or 0)
+        # Test-only: a tritonserver that takes this long to accept each response.
+        self._send_delay_s = float(os.environ.get("INFLIGHT_FAULT_SEND_DELAY_S", "0") or 0)
         self._response_thread = threading.Thread(
             target=self._response_loop, name="inflight-responses", daemon=True
         )
@@ -341,30 +349,48 @@ class TritonPythonModel:
         last_sweep = time.monotonic()
         while True:
             try:
-                item = self._queue.get(timeout=PREFILL_CANCEL_POLL_INTERVAL_S if self._live else CANCEL_POLL_INTERVAL_S)
+                items = [self._queue.get(timeout=PREFILL_CANCEL_POLL_INTERVAL_S if self._live else CANCEL_POLL_INTERVAL_S)]
             except queue.Empty:
-                item = None  # nothing came: only the cancellation sweep below
-            if isinstance(item, StopResponses):
-                return
+                items = []  # nothing came: only the cancellation sweep below
+            items.extend(self._queued_now())
+            # A stream whose outputs queued up behind each other gets one response for all of
+            # them (merge_queued_responses): a send is a round trip to tritonserver, and when
+            # sends fall behind the engine, one per token falls further behind every step. Its
+            # first text still goes alone, so that a stream is never one final response.
+            merge = self.options.merge_queued_responses
+            last_output_of = {id(item.live): i for i, item in enumerate(items) if isinstance(item, EngineOutput)}
+            for i, item in enumerate(items or [None]):  # None: only the sweep
+                if isinstance(item, StopResponses):
+                    return
+                try:
+                    match item:
+                        case EngineOutput(live, output):
+                            self._deliver(live, output, respond=not merge or not live.streaming
+                                          or last_output_of[id(live)] == i)
+                            self._outputs_delivered += 1
+                            if self._outputs_delivered == self._fail_response_loop_at:
+                                raise RuntimeError("injected fault (INFLIGHT_FAULT_RESPONSE_LOOP_AT)")
+                        case MetricUpdates(updates):
+                            self._apply_metric_updates(updates)
+                        case FailLive(message, code):
+                            self._fail_live(message, code)
+                    now = time.monotonic()
+                    if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
+                        last_sweep = now
+                        self._poll_cancellation(now)
+                except Exception:
+                    # Every live request's responses go through this thread: were it to end here,
+                    # they would all wait forever, with no error anywhere.
+                    self.logger.log_error(f"[inflight] response loop: {traceback.format_exc()}")
+
+    def _queued_now(self) -> list:
+        items = []
+        while len(items) < MAX_ITEMS_PER_PASS:
             try:
-                match item:
-                    case EngineOutput(live, output):
-                        self._deliver(live, output)
-                        self._outputs_delivered += 1
-                        if self._outputs_delivered == self._fail_response_loop_at:
-                            raise RuntimeError("injected fault (INFLIGHT_FAULT_RESPONSE_LOOP_AT)")
-                    case MetricUpdates(updates):
-                        self._apply_metric_updates(updates)
-                    case FailLive(message, code):
-                        self._fail_live(message, code)
-                now = time.monotonic()
-                if now - last_sweep >= PREFILL_CANCEL_POLL_INTERVAL_S:
-                    last_sweep = now
-                    self._poll_cancellation(now)
-            except Exception:
-                # Every live request's responses go through this thread: were it to end here,
-                # they would all wait forever, with no error anywhere.
-                self.logger.log_error(f"[inflight] response loop: {traceback.format_exc()}")
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
 
     def _fail_live(self, message: str, code: str) -> None:
         with self._live_lock:
@@ -374,11 +400,16 @@ class TritonPythonModel:
             live.ended = True
             self._send_error(live.sender, message, code)
 
-    def _deliver(self, live: _Live, output) -> None:
+    def _deliver(self, live: _Live, output, respond: bool = True) -> None:
+        """Sends the response `output` calls for, or (respond False, a later output of the same
+        stream is queued) keeps what it adds for that output's response."""
         if live.ended:  # already answered (the health check failed it)
             return
         try:
-            self._respond(live, output)
+            if respond or output.finished:
+                self._respond(live, output)
+            else:
+                live.encoder.absorb(output)
         except Exception:
             self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
             if output.finished:
@@ -491,7 +522,10 @@ class TritonPythonModel:
         response = pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()]
         )
+        if self._send_delay_s:
+            time.sleep(self._send_delay_s)
         if output.finished:
             live.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         live.sender.send(response, flags=0)
+        live.streaming = True

@@ -364,20 +364,18 @@ class ResponseEncoder:
     request: ParsedRequest
     sequences: list[_Sequence] = field(default_factory=list)
 
+    def absorb(self, output: RequestOutput) -> None:
+        """Keeps what `output` adds for the next response, and makes no response of its own."""
+        self._add(output)
+
     def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         """The arrays of the response `output` calls for, or None when it calls for none
-        (not final, and either not streamed or without new text)."""
-        per_sequence = output.sequences if output.sequences is not None else [output]
-        returned = output.returned if output.returned is not None else [0]
-        while len(self.sequences) < max(len(per_sequence), max(returned) + 1):
-            self.sequences.append(_Sequence())
-        new_text = False
-        for state, seq_output in zip(self.sequences, per_sequence):
-            if seq_output is not None:
-                state.add(seq_output)
-                new_text = new_text or bool(seq_output.text_delta)
-        if not output.finished and (not self.request.stream or not new_text):
+        (not final, and either not streamed or without new text since the last response)."""
+        self._add(output)
+        new_text = self.request.stream and any(text for s in self.sequences for text in s.text)
+        if not output.finished and not new_text:
             return None
+        returned = output.returned if output.returned is not None else [0]
         chosen = [self.sequences[i] for i in returned]
         texts = ["".join(s.text) for s in chosen]
         if not self.request.stream and self.request.prepend_prompt:
@@ -401,3 +399,12 @@ class ResponseEncoder:
             s.pending_tokens = 0
             s.pending_logprobs = []
         return arrays
+
+    def _add(self, output: RequestOutput) -> None:
+        per_sequence = output.sequences if output.sequences is not None else [output]
+        returned = output.returned if output.returned is not None else [0]
+        while len(self.sequences) < max(len(per_sequence), max(returned) + 1):
+            self.sequences.append(_Sequence())
+        for state, seq_output in zip(self.sequences, per_sequence):
+            if seq_output is not None:
+                state.add(seq_output)

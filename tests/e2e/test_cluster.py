@@ -26,7 +26,17 @@ from tests.e2e.server import free_ports
 from tools import scaleout
 
 MODEL = "llm"
-PARAMETERS = {"max_num_seqs": "48", "kv_cache_memory_mb": "64", "max_num_batched_tokens": "512"}
+# The replicas share the machine's cores: bound, both teams would take the same ones, and each
+# stub's other threads, Triton's health thread among them, would share one core with both
+# OpenMP workers (under 64 streams a stub then missed Triton's 1 s health deadline, "Stub
+# process is not healthy", in 4 runs of 5). 128 MB: room for 48 streams of LONG_REQUEST's
+# 3,000 tokens of the tiny model (512 bytes of KV a token).
+PARAMETERS = {"max_num_seqs": "48", "kv_cache_memory_mb": "128", "max_num_batched_tokens": "512",
+              "omp_threads_bind": "nobind"}
+# Long enough that the first stream still runs when the last has started, with the tiny model's
+# steps of a few ms and its tokens merged into few responses. Its checkpoint: MAX_POSITIONS.
+LONG_REQUEST = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
+MAX_POSITIONS = 4096
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
@@ -58,7 +68,7 @@ def cluster(tmp_path_factory):
     setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
     assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
     root = tmp_path_factory.mktemp("cluster")
-    tiny = make_tiny_checkpoint(str(root / "tiny-llama"))
+    tiny = make_tiny_checkpoint(str(root / "tiny-llama"), max_position_embeddings=MAX_POSITIONS)
     http_port, grpc_port, openai_port, router_metrics_port = free_ports(4)
     replicas = scaleout.local_replicas(2, free_base_port())
     c = scaleout.Cluster(replicas, scaleout.REPO_ROOT / "model_repository", http_port=http_port,
@@ -195,14 +205,14 @@ def test_load_spreads_over_both_replicas(cluster):
 
 def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
     victim, survivor = cluster.replicas
-    long_request = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
     streams = [Stream(cluster.grpc_url) for _ in range(64)]
     try:
-        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", long_request, stream=True)) for i, s in enumerate(streams)]
+        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", LONG_REQUEST, stream=True)) for i, s in enumerate(streams)]
         deadline = time.monotonic() + 120
         while not all(o.responses for o in outcomes):
             assert time.monotonic() < deadline, "64 streams never all started"
-            assert not any(o.done.is_set() for o in outcomes), "a stream ended before the kill"
+            assert not any(o.done.is_set() for o in outcomes), \
+                [(len(o.responses), o.message) for o in outcomes if o.done.is_set()]
             time.sleep(0.05)
         on_victim = streams_on(victim, survivor, 64)
         assert 0 < on_victim < 64

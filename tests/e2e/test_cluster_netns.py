@@ -21,6 +21,8 @@ from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import Stream, inputs_for, wait_for
 from tests.e2e.server import free_ports
 from tests.e2e.test_cluster import (
+    LONG_REQUEST,
+    MAX_POSITIONS,
     MODEL,
     PARAMETERS,
     assert_rejoins,
@@ -46,7 +48,7 @@ def cluster(hosts, tmp_path_factory):
     setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
     assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
     root = tmp_path_factory.mktemp("cluster-netns")
-    tiny = make_tiny_checkpoint(str(root / "tiny-llama"))
+    tiny = make_tiny_checkpoint(str(root / "tiny-llama"), max_position_embeddings=MAX_POSITIONS)
     # Each host has its own addresses, so any free port number serves every replica.
     base = free_ports(1)[0] // 10 * 10
     replicas = [scaleout.Replica(i, hosts.replica_host(i), base, netns=ns) for i, ns in enumerate(hosts.replica_ns)]
@@ -68,10 +70,9 @@ def cluster(hosts, tmp_path_factory):
 
 def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
     victim, survivor = cluster.replicas
-    long_request = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
     streams = [Stream(cluster.grpc_url) for _ in range(NUM_STREAMS)]
     try:
-        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", long_request, stream=True)) for i, s in enumerate(streams)]
+        outcomes = [s.send(MODEL, inputs_for(f"Stream {i}", LONG_REQUEST, stream=True)) for i, s in enumerate(streams)]
         deadline = time.monotonic() + 120
         while not all(o.responses for o in outcomes):
             assert time.monotonic() < deadline, "the streams never all started"

@@ -13,6 +13,8 @@
 - The stub killed under 16 live streams: what tritonserver 2.51 does (README, Reliability).
 - An error in the stub's response loop (the test-only switch `INFLIGHT_FAULT_RESPONSE_LOOP_AT`)
   is logged, and the loop goes on sending every stream's responses.
+- Sends slower than the engine (the test-only switch `INFLIGHT_FAULT_SEND_DELAY_S`): the outputs
+  that queued up go as one response (`merge_queued_responses`), with the same text and tokens.
 """
 
 from __future__ import annotations
@@ -144,6 +146,37 @@ def test_an_error_in_the_response_loop_is_logged_and_every_stream_goes_on(loop_f
     assert "injected fault (INFLIGHT_FAULT_RESPONSE_LOOP_AT)" in loop_fault_server.log()
     later = generate(loop_fault_server.grpc_url, LOOP, request(1, max_tokens=8), timeout=60)
     assert later.error is None and later.finals == 1 and later.total("num_output_tokens") == 8
+
+
+# ---------------------------------------------------------------------------- a response path slower than the engine
+
+MERGED, PER_OUTPUT = "merged", "per_output"
+SEND_DELAY_S = 0.1
+SLOW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def slow_send_server(tritonserver, checkpoint):
+    # Every response takes SEND_DELAY_S to send, many times a step of the tiny model.
+    models = {MERGED: tiny(checkpoint), PER_OUTPUT: tiny(checkpoint, merge_queued_responses="false")}
+    with tritonserver(models, env={"INFLIGHT_FAULT_SEND_DELAY_S": str(SEND_DELAY_S)}) as srv:
+        yield srv
+
+
+def test_outputs_queued_behind_a_slow_send_go_as_one_response(slow_send_server):
+    # The engine makes tokens faster than the responses go: the ones that queued up during a send
+    # go in the next response together, so the stream keeps pace with the engine, and the client
+    # gets exactly what one response per token gives it.
+    merged = generate(slow_send_server.grpc_url, MERGED, request(0, max_tokens=SLOW_TOKENS), timeout=60)
+    per_output = generate(slow_send_server.grpc_url, PER_OUTPUT, request(0, max_tokens=SLOW_TOKENS), timeout=60)
+    for served in (merged, per_output):
+        assert served.error is None and served.finals == 1, served.message
+        assert served.total("num_output_tokens") == SLOW_TOKENS and output(served.last, "finish_reason") == "length"
+    assert merged.text == per_output.text
+    print(f"{SLOW_TOKENS} tokens, {SEND_DELAY_S:g}s a send: {len(merged.responses)} merged responses, "
+          f"{len(per_output.responses)} with merge_queued_responses false")
+    assert len(merged.responses) <= SLOW_TOKENS // 4, merged.chunks
+    assert len(per_output.responses) >= SLOW_TOKENS // 2, per_output.chunks
 
 
 # ---------------------------------------------------------------------------- vanishing clients, SIGTERM

@@ -10,12 +10,13 @@ from backend.config import EngineConfig, ServingOptions, token_budget
 
 def test_the_vllm_backend_switches_are_accepted_and_read():
     params = {"max_num_seqs": "8", "REPORT_CUSTOM_METRICS": "false", "ENABLE_VLLM_HEALTH_CHECK": "true",
-              "health_check_stall_s": "2.5"}
+              "health_check_stall_s": "2.5", "merge_queued_responses": "off"}
     assert EngineConfig.from_parameters(params, "/m").max_num_seqs == 8
     assert ServingOptions.from_parameters(params) == ServingOptions(
-        report_custom_metrics=False, enable_health_check=True, health_check_stall_s=2.5)
-    # Absent: metrics on (our default), health check off (the vLLM backend's).
-    assert ServingOptions.from_parameters({}) == ServingOptions(report_custom_metrics=True, enable_health_check=False)
+        report_custom_metrics=False, enable_health_check=True, health_check_stall_s=2.5, merge_queued_responses=False)
+    # Absent: metrics on (our default), health check off (the vLLM backend's), queued responses merged.
+    assert ServingOptions.from_parameters({}) == ServingOptions(report_custom_metrics=True, enable_health_check=False,
+                                                                merge_queued_responses=True)
 
 
 def test_every_other_unknown_key_is_refused_by_name():

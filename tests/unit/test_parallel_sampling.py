@@ -181,6 +181,20 @@ def test_streamed_group_sends_per_sequence_deltas_and_one_final_flag():
         assert last[name].shape == (2,), name
 
 
+def test_a_streamed_groups_queued_outputs_merge_per_sequence():
+    # What the response thread does when a group's outputs queued up behind a slow send.
+    encoder = ResponseEncoder(parsed(stream=True))
+    encoder.absorb(group_output([seq_output("a", 1, 1), None]))
+    encoder.absorb(group_output([seq_output("b", 1, 2), seq_output("x", 1, 1, index=1)]))
+    merged = encoder.encode(group_output([seq_output("c", 1, 3, finished=True, reason="stop", cumulative=-2.0),
+                                          seq_output("", 1, 2, index=1)]))
+    assert strings(merged, TEXT_OUTPUT) == ["abc", "x"] and list(merged[NUM_OUTPUT_TOKENS]) == [3, 2]
+    assert strings(merged, FINISH_REASON) == ["stop", "None"]
+    last = encoder.encode(group_output([None, seq_output("y", 1, 3, finished=True, reason="length", index=1)],
+                                       finished=True, reason="stop"))
+    assert strings(last, TEXT_OUTPUT) == ["", "y"] and list(last[NUM_OUTPUT_TOKENS]) == [0, 1]
+
+
 def test_unstreamed_best_of_returns_the_chosen_sequences_whole():
     encoder = ResponseEncoder(parsed(stream=False))
     three = [seq_output("s0", 1, 1, index=0), seq_output("s1", 1, 1, index=1), seq_output("s2", 1, 1, index=2)]

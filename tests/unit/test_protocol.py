@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from backend.engine import RequestOutput
 from backend.paths import REPO_ROOT
@@ -329,3 +331,44 @@ def test_responses_carry_only_the_asked_outputs():
     encoder = ResponseEncoder(request(stream=True, outputs={TEXT_OUTPUT}))
     assert set(encoder.encode(engine_output("a", tokens=1, num_output_tokens=1, cumulative=None))) == {TEXT_OUTPUT}
     assert set(encoder.encode(engine_output("", finished=True, reason="stop", cumulative=None))) == {TEXT_OUTPUT}
+
+
+def _stream_of(steps: list[tuple[str, int]]) -> list[RequestOutput]:
+    """The engine outputs of one stream: each step's text delta and token count, the last one final."""
+    outputs, total = [], 0
+    for i, (text_delta, tokens) in enumerate(steps):
+        total += tokens
+        lp = [{str(total - tokens + k): {"logprob": -0.25 * k, "rank": 1, "decoded_token": "t"}} for k in range(tokens)]
+        last = i == len(steps) - 1
+        outputs.append(engine_output(text_delta, tokens=tokens, finished=last, reason="length" if last else None,
+                                     num_output_tokens=total, cumulative=-0.5 * total, logprobs=lp or None))
+    return outputs
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["", "a", "é", " b"]), st.integers(0, 2)), min_size=1, max_size=12),
+       absorbed=st.lists(st.booleans(), min_size=12, max_size=12))
+def test_absorbed_outputs_ride_on_the_next_response_and_nothing_is_lost(steps, absorbed):
+    # The response thread absorbs the outputs of a stream that queued up behind a later one.
+    # The client must see the same text, token count and logprobs as from one response per output.
+    def responses(absorb_mask):
+        encoder, sent = ResponseEncoder(request(stream=True)), []
+        for output, absorb in zip(_stream_of(steps), absorb_mask):
+            if absorb and not output.finished:
+                encoder.absorb(output)
+            elif (arrays := encoder.encode(output)) is not None:
+                sent.append(arrays)
+        return sent
+
+    def seen(sent):
+        text = "".join(value(r, TEXT_OUTPUT) for r in sent)
+        tokens = sum(int(value(r, NUM_OUTPUT_TOKENS)) for r in sent)
+        logprobs = [entry for r in sent for entry in json.loads(value(r, LOGPROBS)) or []]
+        return text, tokens, logprobs, value(sent[-1], FINISH_REASON), value(sent[-1], CUMULATIVE_LOGPROB)
+
+    every, merged = responses([False] * len(steps)), responses(absorbed)
+    assert seen(merged) == seen(every)
+    assert len(merged) <= len(every)
+    assert [value(r, FINISH_REASON) for r in merged[:-1]] == ["None"] * (len(merged) - 1)
+    # Every response before the final one carries text: a client never gets an empty chunk mid-stream.
+    assert all(value(r, TEXT_OUTPUT) for r in merged[:-1])

@@ -299,13 +299,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    model_repository = Path(args.model_repository)
+    model_repository = args.model_repository
     if parameters:
-        if not model_repository.is_dir():
+        if not Path(model_repository).is_dir():
             print(f"serve: model repository {model_repository} is not a directory", file=sys.stderr)
             return 2
         copy_dir = Path(tempfile.mkdtemp(prefix="inflight-serve-"))
-        model_repository = repository_with_parameters(model_repository, copy_dir / "model_repository", parameters)
+        model_repository = str(repository_with_parameters(Path(model_repository), copy_dir / "model_repository",
+                                                          parameters))
     try:
         return _serve(args, model_repository, extra)
     finally:
@@ -326,7 +327,7 @@ def parse_settings(settings: Sequence[str]) -> dict[str, str]:
     return parameters
 
 
-def _serve(args: argparse.Namespace, model_repository: Path, extra: Sequence[str]) -> int:
+def _serve(args: argparse.Namespace, model_repository: str, extra: Sequence[str]) -> int:
     try:
         proc = launch(
             model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port,
@@ -352,7 +353,7 @@ def _serve(args: argparse.Namespace, model_repository: Path, extra: Sequence[str
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
 
-    print(f"serve: starting tritonserver (pid {proc.pid}) on {model_repository.resolve()} ...", flush=True)
+    print(f"serve: starting tritonserver (pid {proc.pid}) on {Path(model_repository).resolve()} ...", flush=True)
     try:
         metrics_port = None if "--allow-metrics=false" in extra else args.metrics_port
         wait_ready(args.http_port, args.ready_timeout, args.host, proc, metrics_port)

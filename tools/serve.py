@@ -131,6 +131,20 @@ def build_command(
     ]
 
 
+def set_parameters(config_text: str, parameters: Mapping[str, str]) -> str:
+    """Replace (or add) `parameters` entries of a config.pbtxt. A value may hold quotes (JSON,
+    e.g. tenant_weights): they are escaped as protobuf text wants them."""
+    for key, value in parameters.items():
+        quoted = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        entry = f'{{ key: "{key}", value: {{ string_value: "{quoted}" }} }}'
+        pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*"(?:[^"\\]|\\.)*"\s*\}\s*\}')
+        if pattern.search(config_text):
+            config_text = pattern.sub(lambda _m: entry, config_text)
+        else:
+            config_text += f"\nparameters [ {entry} ]\n"
+    return config_text
+
+
 def repository_with_parameters(src: Path, dst: Path, parameters: Mapping[str, str]) -> Path:
     """A copy of model repository ``src`` at ``dst``, each model's config.pbtxt with
     ``parameters`` set and a relative ``model_path`` made absolute (the copy lives elsewhere)."""
@@ -142,13 +156,7 @@ def repository_with_parameters(src: Path, dst: Path, parameters: Mapping[str, st
         values = dict(parameters)
         if "model_path" not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
             values["model_path"] = os.path.normpath(version_dir / match.group(1))
-        for key, value in values.items():
-            entry = f'{{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-            pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{[^}]*\}\s*\}')
-            text, n = pattern.subn(lambda _m: entry, text)
-            if not n:
-                text += f"\nparameters [ {entry} ]\n"
-        config_path.write_text(text)
+        config_path.write_text(set_parameters(text, values))
     return dst
 
 

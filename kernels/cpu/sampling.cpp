@@ -84,7 +84,8 @@ void cumsum_8_rows(const float* x, float* out, int64_t n) {
 // of probability: one pass sums each bucket's mass, a walk down from the largest bucket finds
 // the one the cut falls in, and only that bucket's probabilities (split once more by the next
 // bits where it holds many) are sorted. Sums are in double, each bucket's in the row's order.
-constexpr int kCoarseShift = 20;                      // 2048 buckets: exponent and 3 mantissa bits
+constexpr int kCoarseShift = 20;                      // exponent and 3 mantissa bits:
+constexpr int kCoarseBuckets = 1 << (31 - kCoarseShift);  // 2048 (the sign bit is cleared)
 constexpr int kFineShift = 8, kFineBuckets = 1 << 12;  // the next 12 bits
 constexpr size_t kSortAtMost = 256;                    // a bucket this small is sorted as it is
 
@@ -105,7 +106,7 @@ int64_t bucket_of_cut(const std::vector<double>& mass, double target, double& ab
 }
 
 float nucleus_threshold(const float* probs, int64_t n, double top_p) {
-  std::vector<double> mass(2048, 0.0);
+  std::vector<double> mass(kCoarseBuckets, 0.0);
   for (int64_t i = 0; i < n; ++i) mass[bits_of(probs[i]) >> kCoarseShift] += static_cast<double>(probs[i]);
   double above = 0.0;
   const int64_t coarse = bucket_of_cut(mass, top_p, above);

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from tools.serve import set_parameters
 
 READY_TIMEOUT_S = 300.0
 
@@ -46,20 +47,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def set_parameters(config_text: str, parameters: Mapping[str, str]) -> str:
-    """Replace (or add) `parameters` entries of a config.pbtxt. A value may hold quotes (JSON,
-    e.g. tenant_weights): they are escaped as protobuf text wants them."""
-    for key, value in parameters.items():
-        quoted = str(value).replace("\\", "\\\\").replace('"', '\\"')
-        entry = f'{{ key: "{key}", value: {{ string_value: "{quoted}" }} }}'
-        pattern = re.compile(r'\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*"(?:[^"\\]|\\.)*"\s*\}\s*\}')
-        if pattern.search(config_text):
-            config_text = pattern.sub(lambda _m: entry, config_text)
-        else:
-            config_text += f"\nparameters [ {entry} ]\n"
-    return config_text
 
 
 def set_instance_count(config_text: str, count: int) -> str:

@@ -63,7 +63,9 @@ class EngineLoop:
     Cancellation callbacks are polled once per iteration, so a cancelled request is seen
     and its blocks freed within one step. Every request's callback receives exactly one
     output with finished=True, including on shutdown. An optional `observer` (metrics)
-    gets `on_step()` after every iteration and `on_finished(output)` per ended request.
+    gets `on_step()` after every iteration, once the iteration's tokens have gone to their
+    callbacks and before its final outputs do, and `on_finished(output)` per ended
+    request, just before its final output.
     """
 
     IDLE_WAIT_S = 0.1
@@ -223,13 +225,19 @@ class EngineLoop:
             self._poll_cancellations()
             aborted = self.engine.take_aborted()
             if aborted:
-                self._dispatch(aborted)
                 self._observe(self.observer.on_step if self.observer else None)
+                self._dispatch(aborted)
             try:
-                self._dispatch(self.engine.step(self._running_request_cancelled))
+                outputs = self.engine.step(self._running_request_cancelled)
             except Exception:  # keep serving; the step already failed its requests
                 log.exception("engine step failed")
+                outputs = []
+            # The step's tokens first, then its metrics, then the requests it ended: a client
+            # that has its final response finds that step on /metrics (the Triton adapter
+            # sends and applies in this order), and no token waits for the metrics.
+            self._dispatch([output for output in outputs if not output.finished])
             self._observe(self.observer.on_step if self.observer else None)
+            self._dispatch([output for output in outputs if output.finished])
         # Shutdown: every live request gets its one final response.
         self._drain_commands(block=False)
         for request_id in list(self._handlers):

@@ -16,8 +16,10 @@ Threads: the engine loop calls ``on_output`` once per step per request; that onl
 queues the output. The response thread builds the Triton responses, sends them (the outputs
 of a stream that queued up while sends fell behind go as one, `merge_queued_responses`), polls
 cancellation (``response_sender.is_cancelled()`` is an IPC round trip, so the engine
-reads a cached flag instead) and applies the metric updates the loop queues beside the
-outputs, so that one thread makes the IPC calls to Triton while requests are served.
+reads a cached flag instead) and applies the metric updates the loop queues, all in queue
+order: a step's tokens, its metric updates, then its final responses (so a client that has
+its final response finds its last step on /metrics), one thread making every IPC call to
+Triton while requests are served.
 With the loop thread updating metrics while the response thread sent responses,
 tritonserver 2.51 sometimes kept the model loaded after a load at a low request rate
 (W3 at 0.5 req/s, then Ctrl-C: 10 of 16 shutdowns waited out the exit timeout and

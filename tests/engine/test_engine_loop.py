@@ -419,3 +419,46 @@ def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_m
     interrupted, plain = run({0, 2, 3, 7}), run(set())
     # The same tokens, and each tenant charged once for them (no step's grant paid twice).
     assert interrupted == plain
+
+
+
+def test_a_steps_metrics_come_between_its_tokens_and_its_final_outputs(tiny_model):
+    """The observer sees each step once its tokens have gone out and before its final outputs
+    do, and a request's end just before its final output: a client that has its final
+    response finds its last step on /metrics (the Triton adapter sends and applies in this
+    order), and no token waits for the metrics."""
+    events: list = []
+    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64)
+    loop: EngineLoop
+
+    class Observer:
+        def on_step(self):
+            events.append(("step", loop.engine.stats.totals.steps))
+
+        def on_finished(self, output):
+            events.append(("finished", output.request_id))
+
+    loop = EngineLoop(lambda: LLMEngine(config), observer=Observer())
+    collector = Collector()
+    try:
+        for rid, max_tokens in (("a", 3), ("b", 5)):
+            on_output = collector.callback(rid)
+
+            def record(output, rid=rid, on_output=on_output):
+                events.append(("output", rid, output.finished, loop.engine.stats.totals.steps))
+                on_output(output)
+
+            loop.add_request(rid, f"prompt {rid}", SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                             record)
+        collector.wait()
+    finally:
+        loop.shutdown()
+    outputs = [i for i, event in enumerate(events) if event[0] == "output"]
+    assert len(outputs) == 3 + 5
+    for i in outputs:
+        _, rid, finished, steps = events[i]
+        observed = ([0] + [e[1] for e in events[:i] if e[0] == "step"])[-1]  # steps on /metrics
+        # A final output's step is on /metrics before it goes; a token goes before its step is.
+        assert observed == (steps if finished else steps - 1), (rid, finished, steps, observed)
+        if finished:
+            assert events[i - 1] == ("finished", rid)

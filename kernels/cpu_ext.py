@@ -11,8 +11,14 @@ linked without -ffast-math, the module never changes the process's denormal hand
 A machine that cannot build them gets the torch reference, with one warning.
 
 `isa()` is the instruction set the kernels run with: the best the build has (so the
-machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16` or `none`),
-e.g. to run the AVX2 paths on an AVX-512 machine.
+machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16`, `amx` or
+`none`), e.g. to run the AVX2 paths on an AVX-512 machine. AMX tiles are built where the CPU
+has them but run only with `INFLIGHT_CPU_ISA=amx` until they are measured on an AMX machine;
+by default an AMX Xeon runs the AVX512-BF16 path.
+
+`INFLIGHT_CPU_AMX_EMULATE=1` builds a second module in which the AMX path runs on a software
+model of the tile instructions (kernels/cpu/gemm.cpp), on any CPU: how the tests check the
+tile kernel's logic where no AMX is at hand. Never for serving: it is scalar code.
 """
 
 from __future__ import annotations
@@ -39,16 +45,18 @@ class Isa(enum.IntEnum):
     AVX2 = 1  # float32 GEMM, 8-lane attention
     AVX512 = 2  # float32 GEMM, 16-lane attention
     AVX512_BF16 = 3  # bfloat16 GEMM with vdpbf16ps
+    AMX = 4  # bfloat16 GEMM on AMX tiles (opt-in: INFLIGHT_CPU_ISA=amx)
 
 
 @functools.cache
 def isa() -> Isa:
-    """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA`; NONE without the build."""
+    """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA` (by default at
+    AVX512_BF16: AMX is opt-in); NONE without the build."""
     module = load()
     best = Isa(module.gemm_isa()) if module is not None else Isa.NONE
     cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
     if not cap:
-        return best
+        return min(best, Isa.AVX512_BF16)
     if cap not in Isa.__members__:
         raise ValueError(f"INFLIGHT_CPU_ISA={cap.lower()!r}: expected one of {', '.join(i.name.lower() for i in Isa)}")
     return min(best, Isa[cap])
@@ -62,9 +70,12 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        os.makedirs(BUILD_DIR, exist_ok=True)
-        return load_extension(name="inflight_cpu_kernels", sources=SOURCES, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                              build_directory=BUILD_DIR, verbose=False)
+        name, build_dir, flags = "inflight_cpu_kernels", BUILD_DIR, FLAGS
+        if os.environ.get("INFLIGHT_CPU_AMX_EMULATE") == "1":
+            name, build_dir, flags = name + "_amx_model", BUILD_DIR + "_amx_model", FLAGS + ["-DINFLIGHT_AMX_EMULATE"]
+        os.makedirs(build_dir, exist_ok=True)
+        return load_extension(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=build_dir, verbose=False)
     except Exception as exc:  # no compiler, no headers: serve with the reference instead
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", exc)
         return None

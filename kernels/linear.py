@@ -7,7 +7,8 @@ panel layout of our own GEMM (`panel_gemm`, kernels/cpu/gemm.cpp), one code path
 instruction set, chosen here once per weight (`cpu_ext.isa()`, the best the machine has):
 
 - bfloat16 where the CPU has AVX512-BF16 (AVX-512 EPYCs, Xeons with AMX): `vdpbf16ps` on
-  the bf16 weight itself;
+  the bf16 weight itself, or AMX tiles on the same packed weight where the CPU has them and
+  `INFLIGHT_CPU_ISA=amx` asks for them (kernels/cpu_ext.py);
 - float32 on AVX-512, else AVX2: FMAs on float32 panels. A bfloat16 weight on a CPU
   without bf16 dot products (AVX2 EPYC) is packed as its exact float32 upcast (`upcast`):
   the input is widened, the GEMM accumulates in float32 and the output is rounded to
@@ -113,7 +114,8 @@ def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWe
     weight = weight.detach().contiguous()
     isa = cpu_ext.isa() if isa is None else isa
     if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
-        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, Isa.AVX512_BF16), weight, isa=Isa.AVX512_BF16)
+        bf16_isa = min(isa, Isa.AMX)
+        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, bf16_isa), weight, isa=bf16_isa)
     if isa >= Isa.AVX2:
         float_isa = min(isa, Isa.AVX512)
         upcast = weight.dtype == torch.bfloat16

@@ -17,9 +17,17 @@
 // - kIsaAvx512: float32, 12 rows x 32 columns in 24 zmm registers. Its chains are the AVX2
 //   path's (the same FMAs in the same order), so the two give the same bits;
 // - kIsaAvx512Bf16: bfloat16 weights and activations, `vdpbf16ps` (AVX512-BF16): each step
-//   adds two k's products to a float32 sum; 12 rows x 32 columns. On a 2-core Zen 4 EPYC
+//   adds two k's products to a float32 sum; 14 rows x 32 columns. On a 2-core Zen 4 EPYC
 //   vdpbf16ps runs at ~232 GFLOP/s a core against ~117 for float32 FMAs. The output is
 //   rounded to bfloat16 once (after the bias), as torch's bf16 GEMM does.
+// - kIsaAmx: bfloat16 on AMX tiles (Xeons from Sapphire Rapids on), `tdpbf16ps` on 32 rows x
+//   32 columns a pass, 32 k's at a time, on the same packed weight as kIsaAvx512Bf16. Each
+//   output element is the tiles' sums over k in order of 32-k blocks, from zero: a row's
+//   result depends on its own x only, not on the rows around it. Opt-in
+//   (`INFLIGHT_CPU_ISA=amx`, kernels/cpu_ext.py) until measured on an AMX machine: written and
+//   tested where none was at hand, against a software model of the tile instructions
+//   (INFLIGHT_AMX_EMULATE, tests/kernels/test_linear.py), which also checks each tile
+//   operation's shapes as the hardware would refuse them.
 //
 // Layouts. float32: W [N, K] becomes [ceil(N / 16), K, 16]: panel p holds output columns
 // 16p..16p+15, one 64-byte line per k. bfloat16: [ceil(N / 16), ceil(K / 2), 16, 2]: one
@@ -35,6 +43,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -46,11 +55,15 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
 // The instruction sets, as kernels/linear.py names them by number.
-enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
 
 constexpr int64_t kPanel = 16;  // output columns per panel
 // x rows of one row block: at most this many bytes (a quarter of a Zen 4 core's L2).
@@ -315,9 +328,198 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
   return out;
 }
 
+#if defined(INFLIGHT_AMX_EMULATE) || (defined(INFLIGHT_HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#define INFLIGHT_HAVE_AMX 1
+
+// The tile configuration `ldtilecfg` reads: palette 1, then each tile's bytes per row and rows.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+#if defined(INFLIGHT_AMX_EMULATE)
+// The tile instructions as the Intel SDM defines them, on a thread's 8 tiles of 16 x 64 bytes:
+// what tests/kernels/test_linear.py runs the kernel against where the CPU has no AMX. Each
+// operation refuses the shapes the hardware refuses (#UD), so a wrong configuration fails here.
+namespace amx_model {
+thread_local TileConfig config;
+thread_local bool configured = false;
+thread_local uint8_t tiles[8][16][64];
+
+inline void configure(const TileConfig* c) {
+  TORCH_CHECK(c->palette == 1, "AMX model: palette ", int(c->palette));
+  for (int t = 0; t < 8; ++t)
+    TORCH_CHECK(c->rows[t] <= 16 && c->bytes_per_row[t] <= 64, "AMX model: tile ", t, " larger than 16 x 64 bytes");
+  config = *c;
+  configured = true;
+  std::memset(tiles, 0, sizeof tiles);
+}
+inline void release() { configured = false; }
+inline void check(int t) { TORCH_CHECK(configured && t >= 0 && t < 8, "AMX model: tile ", t, " used unconfigured"); }
+inline void zero(int t) {
+  check(t);
+  std::memset(tiles[t], 0, sizeof tiles[t]);
+}
+inline void load(int t, const void* base, int64_t stride) {
+  check(t);
+  std::memset(tiles[t], 0, sizeof tiles[t]);
+  for (int r = 0; r < config.rows[t]; ++r)
+    std::memcpy(tiles[t][r], static_cast<const char*>(base) + r * stride, config.bytes_per_row[t]);
+}
+inline void store(int t, void* base, int64_t stride) {
+  check(t);
+  for (int r = 0; r < config.rows[t]; ++r)
+    std::memcpy(static_cast<char*>(base) + r * stride, tiles[t][r], config.bytes_per_row[t]);
+}
+inline float bf16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const uint32_t wide = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+// tdpbf16ps c, a, b: c[m][n] += sum over pairs p of a[m][p].lo * b[p][n].lo + a[m][p].hi * b[p][n].hi.
+// Every element by the same scalar fused multiply-adds: vectorised, the loop's peeled iterations
+// contracted the products differently from its vector body, and a row's sums then depended on
+// where in the tile it landed, as they do on no hardware.
+__attribute__((optimize("no-tree-vectorize"))) void dpbf16ps(int c, int a, int b) {
+  check(c), check(a), check(b);
+  const int rows = config.rows[a], pairs = config.bytes_per_row[a] / 4, cols = config.bytes_per_row[c] / 4;
+  TORCH_CHECK(config.rows[c] == rows && config.rows[b] == pairs && config.bytes_per_row[b] == config.bytes_per_row[c],
+              "AMX model: tdpbf16ps shapes disagree (c ", int(config.rows[c]), "x", config.bytes_per_row[c], ", a ",
+              rows, "x", config.bytes_per_row[a], ", b ", int(config.rows[b]), "x", config.bytes_per_row[b], ")");
+  for (int m = 0; m < rows; ++m)
+    for (int n = 0; n < cols; ++n) {
+      float sum;
+      std::memcpy(&sum, &tiles[c][m][4 * n], sizeof sum);
+      for (int p = 0; p < pairs; ++p) {
+        sum = std::fma(bf16_at(&tiles[a][m][4 * p]), bf16_at(&tiles[b][p][4 * n]), sum);
+        sum = std::fma(bf16_at(&tiles[a][m][4 * p + 2]), bf16_at(&tiles[b][p][4 * n + 2]), sum);
+      }
+      std::memcpy(&tiles[c][m][4 * n], &sum, sizeof sum);
+    }
+}
+}  // namespace amx_model
+#define AMX_CONFIGURE(config) amx_model::configure(config)
+#define AMX_RELEASE() amx_model::release()
+#define AMX_ZERO(t) amx_model::zero(t)
+#define AMX_LOAD(t, base, stride) amx_model::load(t, base, stride)
+#define AMX_STORE(t, base, stride) amx_model::store(t, base, stride)
+#define AMX_DP(c, a, b) amx_model::dpbf16ps(c, a, b)
+#else
+#define AMX_CONFIGURE(config) _tile_loadconfig(config)
+#define AMX_RELEASE() _tile_release()
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
+// Rows and k's of one tile: 16 rows of 64 bytes, 32 bf16 k's of x a row, 16 pairs of k's of a
+// panel (its 16 columns side by side, as pack_panels lays them), or 16 float sums a row.
+constexpr int64_t kTileRows = 16, kTileK = 32, kTileBytes = 64;
+constexpr int64_t kAmxRows = 2 * kTileRows;  // x rows a pass: tiles 0 and 1
+
+// Tiles 0-1: two 16-row blocks of x; 2-3: two panels' 32 k's; 4-7: their four 16 x 16 sums.
+at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  using In = c10::BFloat16;
+  const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
+  const int64_t pairs = packed.size(1), panel_elems = packed.stride(0);
+  const int64_t k_tiles = (k + kTileK - 1) / kTileK, padded_k = k_tiles * kTileK;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const In* xp = reinterpret_cast<const In*>(x.data_ptr());
+  const In* wp = reinterpret_cast<const In*>(packed.data_ptr());
+  In* op = reinterpret_cast<In*>(out.data_ptr());
+  const int64_t ldx = x.stride(0);
+  const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = (num_panels + 1) / 2;
+  const int64_t items = row_blocks * groups;
+  // The panel a group of one panel pairs with, and every panel's k's past its last pair:
+  // zeros, so that a tile never reads past a panel or the weight's end.
+  const std::vector<In> zero_panel(k_tiles * kTileK * kPanel, In(0.f));
+  const int64_t threads = m * n * k < kMinParallelMacs ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.bytes_per_row[t] = kTileBytes;
+    AMX_CONFIGURE(&config);
+    // This thread's current row block of x, zero-padded to 32 rows and a whole number of
+    // tiles of k; a panel's last, partial tile of k, zero-padded; the four tiles' sums.
+    std::vector<In> rows_of_x(kAmxRows * padded_k);
+    std::vector<In> last_tile(2 * kTileK * kPanel);
+    alignas(64) float sums[kAmxRows][2 * kPanel];
+    int64_t block_held = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t block = item / groups, g = item % groups;
+      const int64_t first_row = block * kAmxRows, rows = std::min(kAmxRows, m - first_row);
+      if (block != block_held) {
+        std::fill(rows_of_x.begin(), rows_of_x.end(), In(0.f));
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(rows_of_x.data() + r * padded_k, xp + (first_row + r) * ldx, k * sizeof(In));
+        block_held = block;
+      }
+      const In* panel[2] = {wp + 2 * g * panel_elems,
+                            2 * g + 1 < num_panels ? wp + (2 * g + 1) * panel_elems : zero_panel.data()};
+      AMX_ZERO(4);
+      AMX_ZERO(5);
+      AMX_ZERO(6);
+      AMX_ZERO(7);
+      for (int64_t t = 0; t < k_tiles; ++t) {
+        const In* b[2] = {panel[0] + t * kTileK * kPanel, panel[1] + t * kTileK * kPanel};
+        const int64_t tile_pairs = std::min<int64_t>(kTileK / 2, pairs - t * kTileK / 2);
+        if (tile_pairs < kTileK / 2) {  // the weight's last k's: a full tile of pairs, the rest zero
+          std::fill(last_tile.begin(), last_tile.end(), In(0.f));
+          for (int p = 0; p < 2; ++p)
+            if (panel[p] != zero_panel.data())
+              std::memcpy(last_tile.data() + p * kTileK * kPanel, b[p], tile_pairs * kPanel * 2 * sizeof(In));
+          b[0] = last_tile.data(), b[1] = last_tile.data() + kTileK * kPanel;
+        }
+        AMX_LOAD(0, rows_of_x.data() + t * kTileK, padded_k * sizeof(In));
+        AMX_LOAD(1, rows_of_x.data() + kTileRows * padded_k + t * kTileK, padded_k * sizeof(In));
+        AMX_LOAD(2, b[0], kTileBytes);
+        AMX_LOAD(3, b[1], kTileBytes);
+        AMX_DP(4, 0, 2);
+        AMX_DP(5, 0, 3);
+        AMX_DP(6, 1, 2);
+        AMX_DP(7, 1, 3);
+      }
+      AMX_STORE(4, &sums[0][0], sizeof sums[0]);
+      AMX_STORE(5, &sums[0][kPanel], sizeof sums[0]);
+      AMX_STORE(6, &sums[kTileRows][0], sizeof sums[0]);
+      AMX_STORE(7, &sums[kTileRows][kPanel], sizeof sums[0]);
+      const int64_t col = 2 * g * kPanel, cols = std::min<int64_t>(2 * kPanel, n - col);
+      for (int64_t r = 0; r < rows; ++r) {
+        In* o = op + (first_row + r) * n + col;
+        for (int64_t c = 0; c < cols; ++c) o[c] = In(bias != nullptr ? sums[r][c] + bias[col + c] : sums[r][c]);
+      }
+    }
+    AMX_RELEASE();
+  }
+  return out;
+}
+
+#if !defined(INFLIGHT_AMX_EMULATE)
+// Linux lends a process the tiles' 8 KB of state only when asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+#else
+bool amx_permitted() { return true; }
+#endif
+#endif  // AMX
+
 }  // namespace
 
 int64_t gemm_isa() {
+#if defined(INFLIGHT_HAVE_AMX)
+  if (amx_permitted()) return kIsaAmx;
+#endif
 #if defined(INFLIGHT_HAVE_AVX512_BF16)
   return kIsaAvx512Bf16;
 #elif defined(INFLIGHT_HAVE_AVX512)
@@ -334,8 +536,8 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
               " is not built for this machine (best: ", gemm_isa(), ")");
   TORCH_CHECK(weight.dim() == 2, "pack_panels: weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  if (isa == kIsaAvx512Bf16) {
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_panels: a bfloat16 weight for vdpbf16ps");
+  if (isa == kIsaAvx512Bf16 || isa == kIsaAmx) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_panels: a bfloat16 weight for the bfloat16 paths");
     const int64_t pairs = (k + 1) / 2;
     at::Tensor padded = at::zeros({panels * kPanel, pairs * 2}, weight.options());
     padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
@@ -351,13 +553,14 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa) {
   TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), "panel_gemm: instruction set ", isa,
               " is not built for this machine (best: ", gemm_isa(), ")");
-  const auto dtype = isa == kIsaAvx512Bf16 ? at::kBFloat16 : at::kFloat;
+  const bool bf16 = isa == kIsaAvx512Bf16 || isa == kIsaAmx;
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "panel_gemm: x [M, K] in ", dtype);
   TORCH_CHECK(panels.dim() >= 3 && panels.size(2) == kPanel && panels.is_contiguous() && panels.scalar_type() == dtype,
               "panel_gemm: panels from pack_panels for this instruction set");
   const int64_t k = x.size(1), num_panels = panels.size(0);
-  const int64_t packed_k = isa == kIsaAvx512Bf16 ? panels.size(1) * 2 : panels.size(1);
-  TORCH_CHECK(packed_k == k || (isa == kIsaAvx512Bf16 && packed_k == k + 1), "panel_gemm: x has ", k,
+  const int64_t packed_k = bf16 ? panels.size(1) * 2 : panels.size(1);
+  TORCH_CHECK(packed_k == k || (bf16 && packed_k == k + 1), "panel_gemm: x has ", k,
               " columns, the weight ", packed_k);
   TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "panel_gemm: n does not match the panels");
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
@@ -369,6 +572,10 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
   }
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   switch (isa) {
+#if defined(INFLIGHT_HAVE_AMX)
+    case kIsaAmx:
+      return gemm_amx(x, panels, bias_data, n);
+#endif
 #if defined(INFLIGHT_HAVE_AVX512_BF16)
     case kIsaAvx512Bf16:
       return gemm<Avx512Bf16>(x, panels, bias_data, n);

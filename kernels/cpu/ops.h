@@ -25,7 +25,8 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
 at::Tensor silu_and_mul(at::Tensor x);
 
 // gemm.cpp: GEMM against a weight packed into 16-column panels, one path per instruction set
-// (`isa`: 1 AVX2 float32, 2 AVX-512 float32, 3 AVX512-BF16 bfloat16; 0: none built).
+// (`isa`: 1 AVX2 float32, 2 AVX-512 float32, 3 AVX512-BF16 bfloat16, 4 AMX bfloat16; 0: none
+// built).
 int64_t gemm_isa();
 
 at::Tensor pack_panels(at::Tensor weight, int64_t isa);

@@ -23,7 +23,7 @@ from kernels.cpu_ext import Isa
 # sys.modules: the package exports a function under the module's name `linear`.
 LINEAR = sys.modules["kernels.linear"]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-PANEL_PATHS = [Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16]
+PANEL_PATHS = [Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16, Isa.AMX]
 
 
 def _cpu_flags() -> set[str]:
@@ -31,9 +31,16 @@ def _cpu_flags() -> set[str]:
         return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
 
 
+def _built_isa() -> Isa:
+    """The best path the build has, whatever INFLIGHT_CPU_ISA lets the engine use (AMX is
+    built where the CPU has it, and tested there, though opt-in to serve with)."""
+    module = cpu_ext.load()
+    return Isa(module.gemm_isa()) if module is not None else Isa.NONE
+
+
 def needs(isa: Isa):
     """The path runs only where the CPU has its instructions (and the C++ kernels built)."""
-    return pytest.mark.skipif(cpu_ext.isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
+    return pytest.mark.skipif(_built_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
 
 
 PANELS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in PANEL_PATHS]
@@ -58,8 +65,8 @@ def expected_kind(layout, dtype) -> tuple[str, Isa, bool]:
     """(kind, isa, upcast) a weight of `dtype` gets under `layout`."""
     if layout == "onednn":
         return "onednn", Isa.NONE, dtype == torch.bfloat16 and not LINEAR._native_bf16()
-    if dtype == torch.bfloat16 and layout == Isa.AVX512_BF16:
-        return "panels", Isa.AVX512_BF16, False
+    if dtype == torch.bfloat16 and layout >= Isa.AVX512_BF16:
+        return "panels", layout, False
     return "panels", min(layout, Isa.AVX512), dtype == torch.bfloat16
 
 
@@ -193,7 +200,9 @@ def test_the_gemm_path_matches_the_cpu():
     """The build takes the best path the CPU's flags allow: no capability left unused."""
     assert cpu_ext.load() is not None, "kernels/cpu_ext.py could not build the C++ kernels (see its warning)"
     flags = _cpu_flags()
-    if {"avx512_bf16", "avx512bw"} <= flags:
+    if {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags:
+        expected = Isa.AMX
+    elif {"avx512_bf16", "avx512bw"} <= flags:
         expected = Isa.AVX512_BF16
     elif "avx512f" in flags:
         expected = Isa.AVX512
@@ -202,10 +211,11 @@ def test_the_gemm_path_matches_the_cpu():
     else:
         expected = Isa.NONE
     assert Isa(cpu_ext.load().gemm_isa()) == expected
-    assert cpu_ext.isa() == expected or os.environ.get("INFLIGHT_CPU_ISA")
+    # AMX serves only when asked for (INFLIGHT_CPU_ISA=amx) until measured on an AMX machine.
+    assert cpu_ext.isa() == min(expected, Isa.AVX512_BF16) or os.environ.get("INFLIGHT_CPU_ISA")
 
 
-@pytest.mark.parametrize("cap", ["avx2", "AVX512", "none"])
+@pytest.mark.parametrize("cap", ["avx2", "AVX512", "none", "amx"])
 def test_inflight_cpu_isa_caps_the_path(cap):
     # In a process of its own: cpu_ext.isa() is decided once per process.
     run = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; print(cpu_ext.isa().name)"],
@@ -243,7 +253,7 @@ def _assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def _dtype(isa: Isa) -> torch.dtype:
-    return torch.bfloat16 if isa == Isa.AVX512_BF16 else torch.float32
+    return torch.bfloat16 if isa >= Isa.AVX512_BF16 else torch.float32
 
 
 @pytest.mark.parametrize("isa", PANELS)
@@ -319,5 +329,24 @@ def test_panel_gemm_refuses_mismatched_shapes(isa):
 
 def test_panel_gemm_refuses_a_path_this_machine_lacks():
     module = cpu_ext.load()
-    with pytest.raises(RuntimeError, match="instruction set 4 is not built"):
-        module.pack_panels(torch.randn(4, 4), 4)
+    with pytest.raises(RuntimeError, match="instruction set 5 is not built"):
+        module.pack_panels(torch.randn(4, 4), 5)
+    if _built_isa() < Isa.AMX:
+        with pytest.raises(RuntimeError, match="instruction set 4 is not built"):
+            module.panel_gemm(torch.randn(2, 4).bfloat16(), module.pack_panels(torch.randn(16, 4).bfloat16(),
+                                                                               Isa.AVX512_BF16), None, 16, Isa.AMX)
+
+
+def test_the_tile_path_under_a_software_model_of_the_tiles():
+    """On any CPU, the tile kernel runs on a software model of the tile instructions
+    (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/gemm.cpp), which refuses the shapes the hardware
+    refuses: this file's panel GEMM tests of the AMX path (any shape, row blocks over threads,
+    a row's bits in any batch, bad shapes refused), in a process of its own with that build.
+    What the model cannot check is the instructions themselves; on an AMX CPU every AMX test
+    here, the linear layers' included, runs on the hardware (`needs(Isa.AMX)` above)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k", "panel_gemm and amx"],
+        capture_output=True, text=True, timeout=1800, env={**os.environ, "INFLIGHT_CPU_AMX_EMULATE": "1"})
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "skipped" not in summary and summary.startswith("6 passed"), summary

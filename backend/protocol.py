@@ -364,14 +364,10 @@ class ResponseEncoder:
     request: ParsedRequest
     sequences: list[_Sequence] = field(default_factory=list)
 
-    def absorb(self, output: RequestOutput) -> None:
-        """Keeps what `output` adds for the next response, and makes no response of its own."""
-        self._add(output)
-
     def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         """The arrays of the response `output` calls for, or None when it calls for none
         (not final, and either not streamed or without new text since the last response)."""
-        self._add(output)
+        self.absorb(output)
         new_text = self.request.stream and any(text for s in self.sequences for text in s.text)
         if not output.finished and not new_text:
             return None
@@ -400,7 +396,8 @@ class ResponseEncoder:
             s.pending_logprobs = []
         return arrays
 
-    def _add(self, output: RequestOutput) -> None:
+    def absorb(self, output: RequestOutput) -> None:
+        """Keeps what `output` adds for the next response, and makes no response of its own."""
         per_sequence = output.sequences if output.sequences is not None else [output]
         returned = output.returned if output.returned is not None else [0]
         while len(self.sequences) < max(len(per_sequence), max(returned) + 1):

@@ -437,9 +437,6 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
   const int64_t ldx = x.stride(0);
   const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = (num_panels + 1) / 2;
   const int64_t items = row_blocks * groups;
-  // The panel a group of one panel pairs with, and every panel's k's past its last pair:
-  // zeros, so that a tile never reads past a panel or the weight's end.
-  const std::vector<In> zero_panel(k_tiles * kTileK * kPanel, In(0.f));
   const int64_t threads = m * n * k < kMinParallelMacs ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   {
@@ -447,7 +444,8 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
     for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.bytes_per_row[t] = kTileBytes;
     AMX_CONFIGURE(&config);
     // This thread's current row block of x, zero-padded to 32 rows and a whole number of
-    // tiles of k; a panel's last, partial tile of k, zero-padded; the four tiles' sums.
+    // tiles of k; the panels' last, partial tile of k, zero-padded (no tile reads past a panel
+    // or the weight's end); the four tiles' sums.
     std::vector<In> rows_of_x(kAmxRows * padded_k);
     std::vector<In> last_tile(2 * kTileK * kPanel);
     alignas(64) float sums[kAmxRows][2 * kPanel];
@@ -462,8 +460,9 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
           std::memcpy(rows_of_x.data() + r * padded_k, xp + (first_row + r) * ldx, k * sizeof(In));
         block_held = block;
       }
-      const In* panel[2] = {wp + 2 * g * panel_elems,
-                            2 * g + 1 < num_panels ? wp + (2 * g + 1) * panel_elems : zero_panel.data()};
+      // A group of one panel (the last of an odd count) runs it in both B tiles: n ends within
+      // its 16 columns, so the second tile's sums are never stored.
+      const In* panel[2] = {wp + 2 * g * panel_elems, wp + std::min(2 * g + 1, num_panels - 1) * panel_elems};
       AMX_ZERO(4);
       AMX_ZERO(5);
       AMX_ZERO(6);
@@ -474,8 +473,7 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
         if (tile_pairs < kTileK / 2) {  // the weight's last k's: a full tile of pairs, the rest zero
           std::fill(last_tile.begin(), last_tile.end(), In(0.f));
           for (int p = 0; p < 2; ++p)
-            if (panel[p] != zero_panel.data())
-              std::memcpy(last_tile.data() + p * kTileK * kPanel, b[p], tile_pairs * kPanel * 2 * sizeof(In));
+            std::memcpy(last_tile.data() + p * kTileK * kPanel, b[p], tile_pairs * kPanel * 2 * sizeof(In));
           b[0] = last_tile.data(), b[1] = last_tile.data() + kTileK * kPanel;
         }
         AMX_LOAD(0, rows_of_x.data() + t * kTileK, padded_k * sizeof(In));

@@ -200,6 +200,10 @@ class ServingOptions:
     # one response with all their tokens, as vLLM's server merges the outputs its client has
     # not yet taken. False: one response per engine output that adds text, however late.
     merge_queued_responses: bool = True
+    # vLLM's --stream-interval: after a stream's first text, each response gathers this many
+    # tokens (or the rest, at the end); a request's `stream_interval` may raise it. 1: a
+    # response per token.
+    stream_interval: int = 1
 
     # config.pbtxt name -> field
     PARAMETERS = {
@@ -207,11 +211,14 @@ class ServingOptions:
         "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
         "health_check_stall_s": "health_check_stall_s",
         "merge_queued_responses": "merge_queued_responses",
+        "stream_interval": "stream_interval",
     }
 
     def __post_init__(self) -> None:
         if not self.health_check_stall_s > 0:
             raise ValueError(f"invalid engine parameter: health_check_stall_s={self.health_check_stall_s} must be > 0")
+        if self.stream_interval < 1:
+            raise ValueError(f"invalid engine parameter: stream_interval={self.stream_interval} must be >= 1")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "ServingOptions":

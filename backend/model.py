@@ -13,8 +13,9 @@ it is plain Python + torch. Triton calls:
   response thread once everything queued has been sent.
 
 Threads: the engine loop calls ``on_output`` once per step per request; that only
-queues the output. The response thread builds the Triton responses, sends them (the outputs
-of a stream that queued up while sends fell behind go as one, `merge_queued_responses`), polls
+queues the output. The response thread builds the Triton responses, sends them (after a
+stream's first text, one per `stream_interval` tokens; the outputs of a stream that queued up
+while sends fell behind go as one, `merge_queued_responses`), polls
 cancellation (``response_sender.is_cancelled()`` is an IPC round trip, so the engine
 reads a cached flag instead) and applies the metric updates the loop queues, all in queue
 order: a step's tokens, its metric updates, then its final responses (so a client that has
@@ -308,7 +309,8 @@ class TritonPythonModel:
                 continue
 
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
-            live = _Live(request_id, sender, ResponseEncoder(parsed))
+            stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
+            live = _Live(request_id, sender, ResponseEncoder(parsed, stream_interval))
             with self._live_lock:
                 self._live[request_id] = live
             try:

@@ -359,18 +359,29 @@ class ResponseEncoder:
     A streamed response reports, per sequence, the text, tokens and logprobs since the
     previous response (an output that adds no text adds its tokens to the next response);
     the one response of a request that is not streamed reports them all. A request with
-    `n` > 1 gets arrays of shape [n] (RequestOutput.sequences and .returned say which)."""
+    `n` > 1 gets arrays of shape [n] (RequestOutput.sequences and .returned say which).
+
+    `stream_interval` (vLLM's): after a stream's first text, a response waits until some
+    sequence has that many tokens since the previous one, or the request ends. Every response
+    is a round trip through tritonserver, so fewer of them leave more CPU to the engine; the
+    client sees the same text in fewer, larger pieces."""
 
     request: ParsedRequest
+    stream_interval: int = 1
     sequences: list[_Sequence] = field(default_factory=list)
+    text_sent: bool = False
 
     def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         """The arrays of the response `output` calls for, or None when it calls for none
-        (not final, and either not streamed or without new text since the last response)."""
+        (not final, and either not streamed, without new text since the last response, or
+        short of `stream_interval` tokens since then)."""
         self.absorb(output)
-        new_text = self.request.stream and any(text for s in self.sequences for text in s.text)
-        if not output.finished and not new_text:
-            return None
+        if not output.finished:
+            if not (self.request.stream and any(text for s in self.sequences for text in s.text)):
+                return None
+            if self.text_sent and max(s.pending_tokens for s in self.sequences) < self.stream_interval:
+                return None
+            self.text_sent = True
         returned = output.returned if output.returned is not None else [0]
         chosen = [self.sequences[i] for i in returned]
         texts = ["".join(s.text) for s in chosen]

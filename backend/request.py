@@ -161,10 +161,14 @@ class SamplingParams(BaseModel):
     # cumulative logprob are returned (all of them when best_of is not given).
     n: int = Field(1, ge=1, le=MAX_SEQUENCES)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_SEQUENCES)
+    # Tokens a streamed response gathers after the first (vLLM's field; the engine ignores
+    # it): raises the model's `stream_interval`, never lowers it (backend/protocol.py).
+    stream_interval: Optional[int] = Field(None, ge=1, le=2**31 - 1)
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", "n", "best_of", mode="before",
+        "seed", "max_tokens", "min_tokens", "stop_token_ids", "logprobs", "priority", "n", "best_of", "stream_interval",
+        mode="before",
     )
     @classmethod
     def _numbers_are_not_booleans(cls, value: Any) -> Any:

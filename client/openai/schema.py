@@ -68,6 +68,7 @@ class _Common(_Strict):
     spaces_between_special_tokens: Optional[bool] = None
     bad_words: Optional[list[str]] = None
     priority: Optional[int] = None
+    stream_interval: Optional[int] = None  # tokens a streamed chunk gathers after the first
     # SGLang's fields, which vllm-router 0.1.17 adds to every request it forwards.
     no_stop_trim: Optional[bool] = None  # SGLang's include_stop_str_in_output
     return_hidden_states: Optional[bool] = None

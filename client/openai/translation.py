@@ -26,7 +26,7 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "spaces_between_special_tokens",
-                    "bad_words", "priority", "n")
+                    "bad_words", "priority", "n", "stream_interval")
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's

@@ -15,6 +15,8 @@
   is logged, and the loop goes on sending every stream's responses.
 - Sends slower than the engine (the test-only switch `INFLIGHT_FAULT_SEND_DELAY_S`): the outputs
   that queued up go as one response (`merge_queued_responses`), with the same text and tokens.
+- `stream_interval`, the model's and a request's: after the first text each response gathers
+  that many tokens, with the same text and tokens in all.
 """
 
 from __future__ import annotations
@@ -177,6 +179,50 @@ def test_outputs_queued_behind_a_slow_send_go_as_one_response(slow_send_server):
           f"{len(per_output.responses)} with merge_queued_responses false")
     assert len(merged.responses) <= SLOW_TOKENS // 4, merged.chunks
     assert len(per_output.responses) >= SLOW_TOKENS // 2, per_output.chunks
+
+
+# ---------------------------------------------------------------------------- stream_interval
+
+EVERY_TOKEN, EVERY_FOURTH = "every_token", "every_fourth"
+INTERVAL_TOKENS = 23
+
+
+@pytest.fixture(scope="module")
+def stream_interval_server(tritonserver, checkpoint):
+    models = {EVERY_TOKEN: tiny(checkpoint), EVERY_FOURTH: tiny(checkpoint, stream_interval="4")}
+    with tritonserver(models) as srv:
+        yield srv
+
+
+def streamed(srv, model: str, stream_interval: int | None = None):
+    sampling = {"temperature": 0, "max_tokens": INTERVAL_TOKENS, "ignore_eos": True}
+    if stream_interval is not None:
+        sampling["stream_interval"] = stream_interval
+    served = generate(srv.grpc_url, model, inputs_for("request 0", sampling, stream=True,
+                                                      returns=("return_finish_reason", "return_num_output_tokens")),
+                      timeout=60)
+    assert served.error is None and served.finals == 1, served.message
+    assert served.total("num_output_tokens") == INTERVAL_TOKENS and output(served.last, "finish_reason") == "length"
+    return served
+
+
+def tokens_between_first_and_final(served) -> list[int]:
+    return [int(output(r, "num_output_tokens")) for r in served.responses[1:-1]]
+
+
+@pytest.mark.parametrize("model, asked, interval", [
+    (EVERY_FOURTH, None, 4),  # the model's
+    (EVERY_TOKEN, 6, 6),  # the request's, above the model's 1
+    (EVERY_FOURTH, 2, 4),  # below the model's: the model's holds
+])
+def test_stream_interval_gathers_tokens_in_each_response_after_the_first(stream_interval_server, model, asked,
+                                                                          interval):
+    every = streamed(stream_interval_server, EVERY_TOKEN)
+    gathered = streamed(stream_interval_server, model, asked)
+    assert gathered.text == every.text  # greedy: the same tokens, in fewer pieces
+    middle = tokens_between_first_and_final(gathered)
+    assert middle and all(tokens >= interval for tokens in middle), gathered.chunks
+    assert len(gathered.responses) <= 2 + INTERVAL_TOKENS // interval, gathered.chunks
 
 
 # ---------------------------------------------------------------------------- vanishing clients, SIGTERM

@@ -145,6 +145,8 @@ BAD_REQUESTS = [
     Bad("seed negative", sampling={"seed": -1}, names=("seed", "greater than or equal to 0")),
     Bad("seed not a number", sampling={"seed": "abc"}, names=("seed", "integer")),
     Bad("priority beyond int32", sampling={"priority": 2**31}, names=("priority", str(2**31 - 1))),
+    Bad("stream_interval zero", sampling={"stream_interval": 0}, names=("stream_interval", "greater than or equal to 1")),
+    Bad("stream_interval a boolean", sampling={"stream_interval": True}, names=("stream_interval", "boolean")),
 ]
 
 

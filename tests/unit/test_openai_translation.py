@@ -139,7 +139,7 @@ def test_completion_stop_max_tokens_and_logprobs():
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x"}).sampling == {}
     # vLLM's extras (extra_body) travel under their own names.
     extras = {"bad_words": ["Paris"], "spaces_between_special_tokens": False, "skip_special_tokens": False,
-              "include_stop_str_in_output": True}
+              "include_stop_str_in_output": True, "stream_interval": 4}
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x", **extras}).sampling == extras
 
 

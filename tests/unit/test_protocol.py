@@ -38,6 +38,7 @@ from backend.protocol import (
     encode_response,
     parse_request,
 )
+from backend.request import RequestError, SamplingParams
 
 
 def text(value) -> np.ndarray:
@@ -289,6 +290,52 @@ def test_streamed_responses_carry_deltas_and_counts_since_the_last_response():
     assert value(final, NUM_OUTPUT_TOKENS) == 0 and value(final, LOGPROBS) == "null"
     assert value(final, CUMULATIVE_LOGPROB) == np.float32(-4.0) and value(final, NUM_INPUT_TOKENS) == 7
     assert value(final, TRACE) == "null"
+
+
+def test_after_the_first_text_a_streamed_response_waits_for_stream_interval_tokens():
+    encoder = ResponseEncoder(request(stream=True), stream_interval=3)
+    first = encoder.encode(engine_output("a", tokens=1, num_output_tokens=1))
+    assert value(first, TEXT_OUTPUT) == "a" and value(first, NUM_OUTPUT_TOKENS) == 1  # the first text at once
+    assert encoder.encode(engine_output("b", tokens=1, num_output_tokens=2)) is None
+    assert encoder.encode(engine_output("c", tokens=1, num_output_tokens=3)) is None
+    third = encoder.encode(engine_output("d", tokens=1, num_output_tokens=4))
+    assert value(third, TEXT_OUTPUT) == "bcd" and value(third, NUM_OUTPUT_TOKENS) == 3
+    assert encoder.encode(engine_output("e", tokens=1, num_output_tokens=5)) is None
+    final = encoder.encode(engine_output("", finished=True, reason="length", num_output_tokens=5))
+    assert value(final, TEXT_OUTPUT) == "e" and value(final, NUM_OUTPUT_TOKENS) == 1  # the rest, at the end
+    assert value(final, FINISH_REASON) == "length"
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, "two", 2.5])
+def test_a_requests_stream_interval_is_a_positive_whole_number(bad):
+    with pytest.raises(RequestError) as info:
+        SamplingParams.from_dict({"stream_interval": bad})
+    assert info.value.param == "stream_interval" and info.value.code == "INVALID_ARG", str(info.value)
+    assert SamplingParams.from_dict({"stream_interval": "4"}).stream_interval == 4
+    assert SamplingParams.from_dict({}).stream_interval is None  # the model's stream_interval
+
+
+@settings(max_examples=200, deadline=None)
+@given(interval=st.integers(1, 6), texts=st.lists(st.sampled_from(["", "x", "yz"]), min_size=1, max_size=30))
+def test_stream_interval_sends_every_token_once_in_fewer_responses(interval, texts):
+    """Whatever the interval and wherever text is missing (a token that ends half a
+    character), the responses carry every token and all the text once, in order; each one
+    between the first and the final carries at least `interval` tokens."""
+    encoder = ResponseEncoder(request(stream=True), stream_interval=interval)
+    responses = []
+    for i, piece in enumerate(texts):
+        last = i == len(texts) - 1
+        arrays = encoder.encode(engine_output(piece, tokens=1, num_output_tokens=i + 1, finished=last,
+                                              reason="length" if last else None))
+        if arrays is not None:
+            responses.append((value(arrays, TEXT_OUTPUT), int(value(arrays, NUM_OUTPUT_TOKENS))))
+    assert "".join(text for text, _ in responses) == "".join(texts)
+    assert sum(tokens for _, tokens in responses) == len(texts)
+    first_text = next((i for i, piece in enumerate(texts) if piece), None)
+    if first_text is not None and first_text < len(texts) - 1:
+        assert responses[0] == (texts[first_text], first_text + 1)  # nothing held back before the first text
+    assert all(tokens >= interval for _, tokens in responses[1:-1])
+    assert len(responses) <= 2 + len(texts) // interval
 
 
 def test_return_trace_is_a_switch_and_the_trace_rides_on_the_final_response_only():

@@ -189,7 +189,10 @@ INTERVAL_TOKENS = 23
 
 @pytest.fixture(scope="module")
 def stream_interval_server(tritonserver, checkpoint):
-    models = {EVERY_TOKEN: tiny(checkpoint), EVERY_FOURTH: tiny(checkpoint, stream_interval="4")}
+    # Queued outputs are not merged here, so that a busy machine (a response thread that falls
+    # behind the tiny model's steps) cannot fold the middle responses into the final one.
+    serial = {"merge_queued_responses": "false"}
+    models = {EVERY_TOKEN: tiny(checkpoint, **serial), EVERY_FOURTH: tiny(checkpoint, stream_interval="4", **serial)}
     with tritonserver(models) as srv:
         yield srv
 

@@ -16,6 +16,10 @@ machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16`, `
 has them but run only with `INFLIGHT_CPU_ISA=amx` until they are measured on an AMX machine;
 by default an AMX Xeon runs the AVX512-BF16 path.
 
+`INFLIGHT_CPU_MARCH` compiles them for another machine than this one (g++'s `-march`, e.g.
+`x86-64-v3`: any CPU with AVX2 and FMA), into a build of its own: how the tests compile and run
+an AVX2-only machine's kernels on an AVX-512 one, and a build for a fleet of mixed CPUs.
+
 `INFLIGHT_CPU_AMX_EMULATE=1` builds a second module in which the AMX path runs on a software
 model of the tile instructions (kernels/cpu/gemm.cpp), on any CPU: how the tests check the
 tile kernel's logic where no AMX is at hand. Never for serving: it is scalar code.
@@ -27,6 +31,7 @@ import enum
 import functools
 import logging
 import os
+import re
 
 log = logging.getLogger("inflight")
 
@@ -71,8 +76,13 @@ def load():
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         name, build_dir, flags = "inflight_cpu_kernels", BUILD_DIR, FLAGS
+        march = os.environ.get("INFLIGHT_CPU_MARCH", "").strip()
+        if march and march != "native":
+            suffix = "_" + re.sub(r"\W", "_", march)
+            name, build_dir = name + suffix, build_dir + suffix
+            flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
         if os.environ.get("INFLIGHT_CPU_AMX_EMULATE") == "1":
-            name, build_dir, flags = name + "_amx_model", BUILD_DIR + "_amx_model", FLAGS + ["-DINFLIGHT_AMX_EMULATE"]
+            name, build_dir, flags = name + "_amx_model", build_dir + "_amx_model", flags + ["-DINFLIGHT_AMX_EMULATE"]
         os.makedirs(build_dir, exist_ok=True)
         return load_extension(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               build_directory=build_dir, verbose=False)

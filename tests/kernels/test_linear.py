@@ -17,6 +17,7 @@ from hypothesis import given, settings
 
 import kernels
 from backend.models.llama import Linear
+from backend.paths import REPO_ROOT
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
 
@@ -199,6 +200,8 @@ def test_float32_falls_back_to_mkl_without_onednn(pack_any_size, monkeypatch, ro
 def test_the_gemm_path_matches_the_cpu():
     """The build takes the best path the CPU's flags allow: no capability left unused."""
     assert cpu_ext.load() is not None, "kernels/cpu_ext.py could not build the C++ kernels (see its warning)"
+    if os.environ.get("INFLIGHT_CPU_MARCH", "native") != "native":
+        pytest.skip("a build for another machine (INFLIGHT_CPU_MARCH) has that machine's paths, not this CPU's")
     flags = _cpu_flags()
     if {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags:
         expected = Isa.AMX
@@ -353,3 +356,23 @@ def test_the_tile_path_under_a_software_model_of_the_tiles():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert "skipped" not in summary and summary.startswith("6 passed"), summary
+
+
+def test_the_kernels_of_an_avx2_only_machine_pass_every_kernel_test():
+    """What an AVX2-only CPU (the 2-core EPYC this project also runs on) builds and runs,
+    checked on whatever CPU this is: the kernels compiled for any AVX2 CPU
+    (INFLIGHT_CPU_MARCH=x86-64-v3: no AVX-512, so the code under `#if !__AVX512F__` compiles and
+    runs) and torch on its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), against every test in
+    tests/kernels, in a process of its own with that build."""
+    env = {**os.environ, "INFLIGHT_CPU_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"}
+    env.pop("INFLIGHT_CPU_ISA", None)
+    probe = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; print(cpu_ext.isa().name)"],
+                           capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
+    assert probe.stdout.strip() == "AVX2", probe.stdout + probe.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.dirname(__file__),
+         "-k", "not avx2_only_machine and not tile_path_under"],
+        capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary, summary

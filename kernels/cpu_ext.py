@@ -53,12 +53,18 @@ class Isa(enum.IntEnum):
     AMX = 4  # bfloat16 GEMM on AMX tiles (opt-in: INFLIGHT_CPU_ISA=amx)
 
 
+def built_isa() -> Isa:
+    """The best path the build has, whatever `INFLIGHT_CPU_ISA` lets the engine use; NONE
+    without the build."""
+    module = load()
+    return Isa(module.gemm_isa()) if module is not None else Isa.NONE
+
+
 @functools.cache
 def isa() -> Isa:
     """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA` (by default at
     AVX512_BF16: AMX is opt-in); NONE without the build."""
-    module = load()
-    best = Isa(module.gemm_isa()) if module is not None else Isa.NONE
+    best = built_isa()
     cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
     if not cap:
         return min(best, Isa.AVX512_BF16)

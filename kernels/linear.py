@@ -114,8 +114,7 @@ def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWe
     weight = weight.detach().contiguous()
     isa = cpu_ext.isa() if isa is None else isa
     if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
-        bf16_isa = min(isa, Isa.AMX)
-        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, bf16_isa), weight, isa=bf16_isa)
+        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, isa), weight, isa=isa)
     if isa >= Isa.AVX2:
         float_isa = min(isa, Isa.AVX512)
         upcast = weight.dtype == torch.bfloat16

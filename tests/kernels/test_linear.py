@@ -32,16 +32,11 @@ def _cpu_flags() -> set[str]:
         return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
 
 
-def _built_isa() -> Isa:
-    """The best path the build has, whatever INFLIGHT_CPU_ISA lets the engine use (AMX is
-    built where the CPU has it, and tested there, though opt-in to serve with)."""
-    module = cpu_ext.load()
-    return Isa(module.gemm_isa()) if module is not None else Isa.NONE
-
-
 def needs(isa: Isa):
-    """The path runs only where the CPU has its instructions (and the C++ kernels built)."""
-    return pytest.mark.skipif(_built_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
+    """The path runs only where the CPU has its instructions (and the C++ kernels built): what
+    the build has, not what INFLIGHT_CPU_ISA lets the engine use (AMX is built where the CPU
+    has it, and tested there, though opt-in to serve with)."""
+    return pytest.mark.skipif(cpu_ext.built_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
 
 
 PANELS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in PANEL_PATHS]
@@ -213,7 +208,7 @@ def test_the_gemm_path_matches_the_cpu():
         expected = Isa.AVX2
     else:
         expected = Isa.NONE
-    assert Isa(cpu_ext.load().gemm_isa()) == expected
+    assert cpu_ext.built_isa() == expected
     # AMX serves only when asked for (INFLIGHT_CPU_ISA=amx) until measured on an AMX machine.
     assert cpu_ext.isa() == min(expected, Isa.AVX512_BF16) or os.environ.get("INFLIGHT_CPU_ISA")
 
@@ -224,7 +219,7 @@ def test_inflight_cpu_isa_caps_the_path(cap):
     run = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; print(cpu_ext.isa().name)"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "INFLIGHT_CPU_ISA": cap})
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == min(Isa[cap.upper()], Isa(cpu_ext.load().gemm_isa())).name
+    assert run.stdout.strip() == min(Isa[cap.upper()], cpu_ext.built_isa()).name
 
 
 def test_an_unknown_inflight_cpu_isa_is_refused():
@@ -334,13 +329,22 @@ def test_panel_gemm_refuses_a_path_this_machine_lacks():
     module = cpu_ext.load()
     with pytest.raises(RuntimeError, match="instruction set 5 is not built"):
         module.pack_panels(torch.randn(4, 4), 5)
-    if _built_isa() < Isa.AMX:
+    if cpu_ext.built_isa() < Isa.AMX:
         with pytest.raises(RuntimeError, match="instruction set 4 is not built"):
             module.pack_panels(torch.randn(16, 4).bfloat16(), Isa.AMX)
         # The path is checked before the panels are looked at, so that any tensor stands in for
         # them (a build without AVX512-BF16 packs no bf16 panels at all).
         with pytest.raises(RuntimeError, match="instruction set 4 is not built"):
             module.panel_gemm(torch.randn(2, 4).bfloat16(), torch.zeros(1, 2, 16, 2).bfloat16(), None, 16, Isa.AMX)
+
+
+def _pytest_in_a_process_of_its_own(args: list[str], env: dict[str, str]) -> str:
+    """Runs pytest on `args` with `env` (a kernel build of its own), asserts that it passed,
+    and returns its summary line."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *args],
+                         capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    return run.stdout.strip().splitlines()[-1]
 
 
 def test_the_tile_path_under_a_software_model_of_the_tiles():
@@ -350,11 +354,8 @@ def test_the_tile_path_under_a_software_model_of_the_tiles():
     a row's bits in any batch, bad shapes refused), in a process of its own with that build.
     What the model cannot check is the instructions themselves; on an AMX CPU every AMX test
     here, the linear layers' included, runs on the hardware (`needs(Isa.AMX)` above)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k", "panel_gemm and amx"],
-        capture_output=True, text=True, timeout=1800, env={**os.environ, "INFLIGHT_CPU_AMX_EMULATE": "1"})
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.strip().splitlines()[-1]
+    summary = _pytest_in_a_process_of_its_own([__file__, "-k", "panel_gemm and amx"],
+                                              {**os.environ, "INFLIGHT_CPU_AMX_EMULATE": "1"})
     assert "skipped" not in summary and summary.startswith("6 passed"), summary
 
 
@@ -369,10 +370,6 @@ def test_the_kernels_of_an_avx2_only_machine_pass_every_kernel_test():
     probe = subprocess.run([sys.executable, "-c", "from kernels import cpu_ext; print(cpu_ext.isa().name)"],
                            capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
     assert probe.stdout.strip() == "AVX2", probe.stdout + probe.stderr[-2000:]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.dirname(__file__),
-         "-k", "not avx2_only_machine and not tile_path_under"],
-        capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.strip().splitlines()[-1]
+    summary = _pytest_in_a_process_of_its_own(
+        [os.path.dirname(__file__), "-k", "not avx2_only_machine and not tile_path_under"], env)
     assert "passed" in summary and "failed" not in summary, summary

@@ -217,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
     def build_cpu_layers(self) -> None:
         """Each layer as one C++ call where all can be (their weights packed, and LoRA adapters
         installed when there are any); call again after installing adapters."""
+        if self.embed_tokens.weight.device.type != "cpu":
+            self.cpu_layers = None
+            return
         layers = [self._cpu_layer(layer) for layer in self.layers]
         self.cpu_layers = layers if all(layer is not None for layer in layers) else None
 

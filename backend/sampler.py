@@ -19,6 +19,10 @@ works row by row, so a row's logprobs do not depend on the other rows. Logprobs 
 raw model output. Top-k masks the logits below each row's k-th largest (a top-k selection,
 not a sort); top-p zeroes the probabilities outside the nucleus (kernels.keep_nucleus_, which
 sums them by buckets instead of sorting), and the draw needs no renormalised row.
+
+Everything runs where the logits are: on a GPU the [rows, vocab] work stays there and only
+the sampled ids (and the asked-for logprobs) come back. The uniforms are drawn on the CPU
+from the same generators on every device, so a seed means the same draw everywhere.
 """
 
 from __future__ import annotations
@@ -74,8 +78,8 @@ def banned_token_ids(request: Request) -> list[int]:
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
-        # Float32 buffers for the [rows, vocab] intermediates, grown to the largest batch
-        # seen: the random path's two and the logprobs. malloc hands fresh temporaries of
+        # Float32 buffers for the [rows, vocab] intermediates on the logits' device, grown to
+        # the largest batch seen: the random path's two and the logprobs. malloc hands fresh temporaries of
         # that size back to the OS when they are freed, and faulting them in again every
         # step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the logprobs
         # alone 4.6 ms against 0.9 ms in a reused buffer).
@@ -91,22 +95,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         source = logits
-        if logits.dtype != torch.float32 or logits.device.type != "cpu":
-            logits = self._buffer(3, logits.shape).copy_(logits)
+        if logits.dtype != torch.float32:
+            logits = self._buffer(3, logits).copy_(logits)
         params = [r.params for r in requests]
         num_rows = len(requests)
         wants_logprobs = [r.needs_logprobs for r in requests]
         raw_logprobs = None
         if any(wants_logprobs):
             # torch.log_softmax's bits, into a reused buffer (see __init__).
-            raw_logprobs = torch._log_softmax(logits, -1, False, out=self._buffer(2, logits.shape))
+            raw_logprobs = torch._log_softmax(logits, -1, False, out=self._buffer(2, logits))
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._apply_penalties(logits, requests)
         constrained_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
         if constrained_rows:
             if logits is source:
-                logits = self._buffer(3, logits.shape).copy_(logits)  # never write into the caller's tensor
+                logits = self._buffer(3, logits).copy_(logits)  # never write into the caller's tensor
             if self._grammar_masker is None:
                 self._grammar_masker = GrammarMasker(logits.shape[1])
             self._grammar_masker(logits, constrained_rows, requests)
@@ -118,7 +122,7 @@ class Sampler:
             banned_ids += banned
         if banned_ids:
             if logits is source:
-                logits = self._buffer(3, logits.shape).copy_(logits)
+                logits = self._buffer(3, logits).copy_(logits)
             logits[banned_rows, banned_ids] = float("-inf")  # one index_put for the batch
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -134,14 +138,19 @@ class Sampler:
         logprobs: list[float | None] = [None] * num_rows
         top: list[list[tuple[int, float]] | None] = [None] * num_rows
         if raw_logprobs is not None:
-            for row in range(num_rows):
-                if not wants_logprobs[row]:
-                    continue
-                logprobs[row] = float(raw_logprobs[row, token_list[row]])
-                n = params[row].logprobs
-                if n:
-                    values, ids = raw_logprobs[row].topk(n)
-                    top[row] = list(zip(ids.tolist(), values.tolist()))
+            # One gather, and one top-k per distinct N (row-wise, so a row's top-N never
+            # depends on its neighbours): few transfers back from a GPU.
+            rows = [row for row in range(num_rows) if wants_logprobs[row]]
+            for row, value in zip(rows, raw_logprobs[rows, [token_list[row] for row in rows]].tolist()):
+                logprobs[row] = value
+            by_n: dict[int, list[int]] = {}
+            for row in rows:
+                if params[row].logprobs:
+                    by_n.setdefault(params[row].logprobs, []).append(row)
+            for n, group in by_n.items():
+                values, ids = raw_logprobs[group].topk(n)
+                for row, row_ids, row_values in zip(group, ids.tolist(), values.tolist()):
+                    top[row] = list(zip(row_ids, row_values))
         return SampleResult(token_list, logprobs, top)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -158,58 +167,63 @@ class Sampler:
         # as the token's own entry (a scatter of two different values would keep either).
         seen_ids = torch.empty((num_rows, longest_all), dtype=torch.int64)
         output_ids = torch.full((num_rows, longest_output), vocab, dtype=torch.int64)
+        device = logits.device
         for row, r in enumerate(requests):
             seen_ids[row] = r.token_ids[0]
             seen_ids[row, : r.num_tokens] = torch.tensor(r.token_ids)
             if r.output_token_ids:
                 output_ids[row, : r.num_output_tokens] = torch.tensor(r.output_token_ids)
         # Output counts per token; one spare column absorbs the padding id.
-        counts = self._buffer(6, (num_rows, vocab + 1)).zero_()
+        seen_ids, output_ids = seen_ids.to(device), output_ids.to(device)
+        counts = self._buffer(6, logits, (num_rows, vocab + 1)).zero_()
         counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
-        rep = torch.tensor([r.params.repetition_penalty for r in requests]).unsqueeze(1)
-        presence = torch.tensor([r.params.presence_penalty for r in requests]).unsqueeze(1)
-        frequency = torch.tensor([r.params.frequency_penalty for r in requests]).unsqueeze(1)
+        rep = torch.tensor([r.params.repetition_penalty for r in requests], device=device).unsqueeze(1)
+        presence = torch.tensor([r.params.presence_penalty for r in requests], device=device).unsqueeze(1)
+        frequency = torch.tensor([r.params.frequency_penalty for r in requests], device=device).unsqueeze(1)
         seen = logits.gather(1, seen_ids)
         seen_counts = counts.gather(1, seen_ids)
         penalised = torch.where(seen > 0, seen / rep, seen * rep)
         penalised = penalised - presence * (seen_counts > 0) - frequency * seen_counts
-        return self._buffer(5, logits.shape).copy_(logits).scatter_(1, seen_ids, penalised)
+        return self._buffer(5, logits).copy_(logits).scatter_(1, seen_ids, penalised)
 
-    def _buffer(self, index: int, shape: torch.Size) -> torch.Tensor:
-        rows, vocab = shape
-        if self._workspace[index].numel() < rows * vocab:
-            self._workspace[index] = torch.empty(rows * vocab)
-        return self._workspace[index][: rows * vocab].view(rows, vocab)
+    def _buffer(self, index: int, like: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """Workspace `index` as float32 of `shape` (default `like`'s) on `like`'s device."""
+        rows, vocab = like.shape if shape is None else shape
+        buffer = self._workspace[index]
+        if buffer.numel() < rows * vocab or buffer.device != like.device:
+            buffer = self._workspace[index] = torch.empty(rows * vocab, device=like.device)
+        return buffer[: rows * vocab].view(rows, vocab)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):  # x / 1.0 is x, bit for bit: no pass over the rows
-            temperature = torch.tensor(temperatures).unsqueeze(1)
-            logits = torch.div(logits, temperature, out=self._buffer(0, logits.shape))
+            temperature = torch.tensor(temperatures, device=logits.device).unsqueeze(1)
+            logits = torch.div(logits, temperature, out=self._buffer(0, logits))
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(top_k):
             logits = self._mask_top_k(logits, top_k)
-        probs = torch.softmax(logits, dim=-1, out=self._buffer(1, logits.shape))
+        probs = torch.softmax(logits, dim=-1, out=self._buffer(1, logits))
         if any(p.top_p < 1.0 for p in params):
             # Zeroed, not renormalised: the draw scales its target by the row's own total.
-            keep_nucleus_(probs, torch.tensor([p.top_p for p in params], dtype=torch.float64))
+            keep_nucleus_(probs, torch.tensor([p.top_p for p in params], dtype=torch.float64, device=logits.device))
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
             torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), ZERO, probs, out=probs)
         # The running sums overwrite the scaled logits, spent once the softmax is taken.
-        return sample_from_probs(probs, self._uniforms(requests), out=self._buffer(0, logits.shape))
+        uniforms = self._uniforms(requests).to(logits.device, non_blocking=True)
+        return sample_from_probs(probs, uniforms, out=self._buffer(0, logits))
 
     def _mask_top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """`logits` with -inf below each row's k-th largest (top_k 0: the row is left alone),
         in a workspace buffer. The k-th comes from a top-k selection: sorting the vocabulary
         cost ~57 ms for 32 x 49k on two Zen 4 cores, more than the rest of a decode step."""
         vocab = logits.shape[1]
-        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k])
+        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=logits.device)
         largest = logits.topk(int(k.max()), dim=-1).values
         kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1).unsqueeze(1))
         kth[k == vocab] = float("-inf")
-        return torch.where(logits < kth, NEGATIVE_INFINITY, logits, out=self._buffer(4, logits.shape))
+        return torch.where(logits < kth, NEGATIVE_INFINITY, logits, out=self._buffer(4, logits))
 
     def _uniforms(self, requests: list[Request]) -> torch.Tensor:
         """One float32 uniform in [0, 1) per row: a seeded request's from its own generator,

@@ -180,4 +180,7 @@ class GrammarMasker:
             self._bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         matchers = [requests[row].grammar.matcher(requests[row].output_token_ids) for row in rows]
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, self._bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]], vocab_size=self.vocab_size, indices=rows)
+        bitmask = self._bitmask[: logits.shape[0]]
+        if bitmask.device != logits.device:  # filled on the CPU; applied where the logits are
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)

@@ -8,7 +8,9 @@ else the reference, or, where one exists, `<op>_cpu`: the CPU production path in
 contexts), RMSNorm, RoPE fused with the KV store, SiLU-and-mul, and the panel GEMM behind
 `linear`).
 Tests run the Triton kernels on CPU tensors through Triton's interpreter and compare them
-with the references (and the references with naive loops).
+with the references (and the references with naive loops); inside `triton_kernels_on_cpu()`
+the dispatchers send CPU tensors to the Triton kernels too, which lets a test drive the
+whole engine through the CUDA path's kernels on a machine without a GPU.
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
@@ -32,6 +34,8 @@ with the references (and the references with naive loops).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -67,14 +71,35 @@ __all__ = [
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
     "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
-    "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu",
+    "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu", "triton_kernels_on_cpu",
     "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu",
 ]
 
 
+_triton_on_cpu = False
+
+
+@contextlib.contextmanager
+def triton_kernels_on_cpu():
+    """While open, the dispatchers below run the Triton kernels for CPU tensors as well
+    (in Triton's interpreter, so float32 and float16 only: it has no bfloat16 arithmetic).
+    For tests: the engine on a CPU then takes the kernels, strides and metadata of its CUDA
+    path. Not thread-safe; the caller drives the engine from the thread that opened it."""
+    global _triton_on_cpu
+    previous, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = previous
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or _triton_on_cpu
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    if key.is_cuda:
+    if _triton(key):
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     return store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
@@ -86,7 +111,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_seqlen_k: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """`batch_invariant` (CPU): every token through the C++ kernel, whose order of reduction
     depends only on the token's context length, never SDPA for long chunks."""
-    if query.is_cuda:
+    if _triton(query):
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                       max_seqlen_q, max_seqlen_k)
     return paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
@@ -95,14 +120,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    fn = rms_norm_triton if x.is_cuda else rms_norm_cpu
+    fn = rms_norm_triton if _triton(x) else rms_norm_cpu
     return fn(x, weight, eps, residual)
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor, is_neox: bool = True,
                      head_size: int | None = None):
-    fn = rotary_embedding_triton if query.is_cuda else rotary_embedding_reference
+    fn = rotary_embedding_triton if _triton(query) else rotary_embedding_reference
     return fn(positions, query, key, cos_sin_cache, is_neox, head_size)
 
 
@@ -112,7 +137,7 @@ def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
     """RoPE on query [T, Hq, D] and key [T, Hkv, D]; the rotated key and the value go into
     the paged cache at `slot_mapping` (-1: skip); returns the rotated query. One pass on
     CPU; on CUDA the two Triton kernels."""
-    if query.is_cuda:
+    if _triton(query):
         query, key = rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return query
@@ -120,13 +145,13 @@ def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_cpu(x)
+    return silu_and_mul_triton(x) if _triton(x) else silu_and_mul_cpu(x)
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b, slice_offsets, seg_indptr: torch.Tensor,
                seg_adapter: torch.Tensor, packed=None, max_seg_len: int | None = None) -> None:
     """`packed` (CPU): per adapter, its weights packed for the panel GEMM; `max_seg_len`
     (CUDA): the longest segment, which spares reading it from the device (lora.py)."""
-    if x.is_cuda:
+    if _triton(x):
         return lora_delta_triton(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, max_seg_len)
     return lora_delta_cpu(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed)

@@ -12,11 +12,14 @@ runs the real default checkpoint (SmolLM2-135M-Instruct) on chat prompts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 
 import pytest
+import torch
 
+import kernels
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.paths import DEFAULT_CHECKPOINT
@@ -47,6 +50,18 @@ MAX_TOKENS = [MAX_NEW - (i * 5) % 9 for i in range(len(PROMPTS) + len(SHARED_PRO
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"))
+# Every tiny-model test runs on the CPU's C++ kernels and, on a GPU, on the compiled Triton
+# kernels (with cuBLAS in IEEE float32), against the same CPU oracle.
+ON_EVERY_DEVICE = pytest.mark.parametrize("device", ["cpu", _CUDA])
+# The two scenarios that vary most what the attention and KV kernels see (decodes beside
+# prefill chunks that start and end inside blocks; chunks after a prefix-cache hit, over
+# blocks another request wrote) also run the CUDA path's Triton kernels in Triton's
+# interpreter on the CPU (`run_engine`): how the engine calls them is checked wherever the
+# suite runs. The interpreter takes ~20 s a test on 2 cores, so not every scenario.
+ON_EVERY_KERNEL_PATH = pytest.mark.parametrize("device", ["cpu", "triton-on-cpu", _CUDA])
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-llama") / "ckpt"), family="llama")
@@ -66,13 +81,24 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
 
     Returns (engine, {request id: streamed token ids}, {request id: prompt}) and checks on
     the way that every request gets exactly one final output and the batch never exceeds
-    max_num_seqs.
+    max_num_seqs. `device` "triton-on-cpu": on the CPU, through the CUDA path's Triton kernels
+    (run by Triton's interpreter) and its per-module forward pass.
     """
+    triton_on_cpu = config.get("device") == "triton-on-cpu"
+    if triton_on_cpu:
+        config["device"] = "cpu"
     config.setdefault("device", "cpu")
     config.setdefault("dtype", "float32")
     engine = LLMEngine(EngineConfig(model_path=model_path, **config))
+    if triton_on_cpu:
+        engine.model.cpu_layers = None   # each layer's one C++ call would take none of the kernels
     if on_engine is not None:
         on_engine(engine)
+    with kernels.triton_kernels_on_cpu() if triton_on_cpu else contextlib.nullcontext():
+        return _drive(engine, prompts, max_tokens, arrivals, priorities, tenants, lora_names)
+
+
+def _drive(engine: LLMEngine, prompts, max_tokens, arrivals, priorities, tenants, lora_names):
     priorities = priorities or [0] * len(prompts)
     tenants = tenants or ["default"] * len(prompts)
     lora_names = lora_names or [None] * len(prompts)
@@ -123,15 +149,17 @@ def spread_arrivals(n: int, every: int = 2) -> list[int]:
     return [(i // 3) * every for i in range(n)]
 
 
-def test_staggered_arrivals_with_a_full_batch(tiny_llama, oracle):
+@ON_EVERY_DEVICE
+def test_staggered_arrivals_with_a_full_batch(tiny_llama, oracle, device):
     """20 prompts of different lengths arriving over ~12 steps, 4 seats."""
     arrivals = spread_arrivals(len(PROMPTS))
-    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4, num_kv_blocks=256)
+    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals, device=device, max_num_seqs=4, num_kv_blocks=256)
     assert engine.max_running == 4, "the batch never filled up"
     assert_matches_oracle(oracle, streamed, prompts, MAX_TOKENS)
 
 
-def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle):
+@ON_EVERY_KERNEL_PATH
+def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle, device):
     arrivals = spread_arrivals(len(PROMPTS), every=1)
     chunks = []
 
@@ -146,7 +174,7 @@ def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle):
         engine.scheduler.schedule = wrapped
 
     engine, streamed, prompts = run_engine(
-        tiny_llama, PROMPTS, MAX_TOKENS, arrivals, on_engine=record_chunks,
+        tiny_llama, PROMPTS, MAX_TOKENS, arrivals, on_engine=record_chunks, device=device,
         max_num_seqs=6, long_prefill_token_threshold=7, max_num_batched_tokens=40, num_kv_blocks=256,
     )
     assert max(n for _, n in chunks) == 7
@@ -154,23 +182,25 @@ def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle):
     assert_matches_oracle(oracle, streamed, prompts, MAX_TOKENS)
 
 
-def test_prefix_cache_hits(tiny_llama, oracle):
+@ON_EVERY_KERNEL_PATH
+def test_prefix_cache_hits(tiny_llama, oracle, device):
     # The first shared prompt runs alone, then the others arrive and hit its blocks.
     prompts = SHARED_PROMPTS + PROMPTS[:8]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, max_num_seqs=5,
+    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
                                          long_prefill_token_threshold=20, num_kv_blocks=256)
     assert engine.stats.totals.prefix_hit_rate > 0
     assert engine.stats.totals.prefix_hit_tokens >= 32 * (len(SHARED_PROMPTS) - 1), "the shared blocks were not reused"
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 
-def test_prefix_caching_disabled(tiny_llama, oracle):
+@ON_EVERY_DEVICE
+def test_prefix_caching_disabled(tiny_llama, oracle, device):
     prompts = SHARED_PROMPTS + PROMPTS[:8]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, max_num_seqs=5,
+    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
                                          enable_prefix_caching=False, num_kv_blocks=256)
     assert engine.stats.totals.prefix_hit_rate == 0 and engine.kv.pool.cached == {}
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
@@ -191,14 +221,15 @@ def _count_swaps(counter: collections.Counter):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode):
+@ON_EVERY_DEVICE
+def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode, device):
     """14 blocks of 8 tokens for 6 seats: requests keep evicting each other."""
     prompts = PROMPTS[:14] + SHARED_PROMPTS[:4]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = spread_arrivals(len(prompts), every=1)
     swaps: collections.Counter = collections.Counter()
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, on_engine=_count_swaps(swaps),
+        tiny_llama, prompts, max_tokens, arrivals, on_engine=_count_swaps(swaps), device=device,
         max_num_seqs=6, block_size=8, num_kv_blocks=14, long_prefill_token_threshold=13,
         preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
     )
@@ -210,13 +241,14 @@ def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode):
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 
-def test_priority_policy(tiny_llama, oracle):
+@ON_EVERY_DEVICE
+def test_priority_policy(tiny_llama, oracle, device):
     prompts = PROMPTS[:12] + SHARED_PROMPTS[:4]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = spread_arrivals(len(prompts), every=1)
     priorities = [(i * 7) % 4 for i in range(len(prompts))]
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, priorities,
+        tiny_llama, prompts, max_tokens, arrivals, priorities, device=device,
         scheduling_policy="priority", max_num_seqs=4, block_size=8, num_kv_blocks=20, long_prefill_token_threshold=16,
     )
     assert engine.stats.totals.preemptions > 0, "expected priority or block-pressure preemption"
@@ -224,7 +256,8 @@ def test_priority_policy(tiny_llama, oracle):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_fair_policy(tiny_llama, oracle, mode):
+@ON_EVERY_DEVICE
+def test_fair_policy(tiny_llama, oracle, mode, device):
     """Three tenants (one weighted 3x) and two priorities on a pool small enough to preempt:
     admission and victims follow the tenants' counters, the tokens stay transformers'."""
     prompts = PROMPTS[:12] + SHARED_PROMPTS[:6]
@@ -233,7 +266,7 @@ def test_fair_policy(tiny_llama, oracle, mode):
     tenants = [("gold", "free", "free", "batch")[i % 4] for i in range(len(prompts))]
     priorities = [1 if i % 5 == 4 else 0 for i in range(len(prompts))]
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, priorities, tenants=tenants, scheduling_policy="fair",
+        tiny_llama, prompts, max_tokens, arrivals, priorities, tenants=tenants, device=device, scheduling_policy="fair",
         tenant_weights={"gold": 3.0}, max_num_seqs=5, block_size=8, num_kv_blocks=18, long_prefill_token_threshold=13,
         preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
     )
@@ -242,9 +275,10 @@ def test_fair_policy(tiny_llama, oracle, mode):
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
 
 
-def test_static_policy(tiny_llama, oracle):
+@ON_EVERY_DEVICE
+def test_static_policy(tiny_llama, oracle, device):
     arrivals = spread_arrivals(len(PROMPTS))
-    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals,
+    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals, device=device,
                                            scheduling_policy="static", max_num_seqs=5, num_kv_blocks=256)
     assert engine.max_running == 5
     assert_matches_oracle(oracle, streamed, prompts, MAX_TOKENS)

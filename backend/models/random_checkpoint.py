@@ -4,7 +4,7 @@ Each is a real `transformers` model saved with safetensors and the default model
 tokenizer, so the engine, `transformers` and vLLM all load it. Tests use the tiny shape
 (a forward pass in milliseconds); the benchmarks use the small shape, a Llama of a few
 million parameters where the per-step overhead of a serving engine, not the matmuls,
-sets the speed (BENCHMARKS.md). `python -m tools.random_checkpoint` writes one from the
+sets the speed (BENCHMARKS.md), and on a GPU the shapes of Llama-3.2-1B and Llama-3.1-8B. `python -m tools.random_checkpoint` writes one from the
 command line.
 """
 
@@ -85,7 +85,23 @@ def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_sh
 # work is ~1/20 of the default model's, so per-iteration overhead dominates.
 SMALL_SHAPE = dict(TINY_SHAPE, initializer_range=0.1, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE}
+# The GPU benchmarks' shapes (BENCHMARKS.md): Llama-3.2-1B and Llama-3.1-8B, vocabulary and
+# RoPE scaling included. Their weights are random, so only the speed they give means anything;
+# token ids past the default tokenizer's vocabulary decode to nothing, which the benchmarks
+# never ask for.
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+LLAMA3_1B_SHAPE = dict(
+    initializer_range=0.02, vocab_size=128256, tie_word_embeddings=True, hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters={**_LLAMA3_ROPE, "factor": 32.0},
+    bos_token_id=1, eos_token_id=2,
+)
+LLAMA3_8B_SHAPE = dict(
+    LLAMA3_1B_SHAPE, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    head_dim=128, rope_parameters={**_LLAMA3_ROPE, "factor": 8.0},
+)
+SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "llama3-1b": LLAMA3_1B_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

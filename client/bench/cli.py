@@ -37,7 +37,7 @@ from client.bench.flops import add_flop_bound, matmul_peak_gflops
 from client.bench.plot import plot_path, plot_report
 from client.bench.records import git_commit, machine
 from client.bench.stats import DEFAULT_SLO, rate_label, ratios, summarize
-from client.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, RunContext, engine_dtype_name, target_runner
+from client.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, RunContext, engine_device, engine_dtype_name, target_runner
 from client.bench.table import print_table
 from client.bench.targets import parse_target
 from client.bench.workloads import BUILTIN_PROMPTS, WORKLOADS, TextPrompts, attach_text
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
 
     # The FLOP bound's peak, measured while the machine is quiet: before the systems, not after a peer.
-    matmul_peak = matmul_peak_gflops(engine_dtype_name(common))
+    device = engine_device(common)
+    matmul_peak = matmul_peak_gflops(engine_dtype_name(common), device=device)
     results = []
     workload = None
     for rate in rates:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["description"] += "; rates " + ", ".join(map(rate_label, rates))
     elif args.concurrency:
         summary["description"] += f"; closed loop, {args.concurrency} in flight"
-    flop_bound = add_flop_bound(results, args.model, engine_dtype_name(common), matmul_peak)
+    flop_bound = add_flop_bound(results, args.model, engine_dtype_name(common), matmul_peak, device)
     report = {
         "command": "python -m client.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),

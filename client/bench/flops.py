@@ -29,7 +29,7 @@ def model_flops(model_path: str) -> tuple[float, float]:
 
 
 def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, seconds: float = 0.5,
-                       windows: int = 4) -> float:
+                       windows: int = 4, device: torch.device | str = "cpu") -> float:
     """The best matmul rate of this machine now, at `rows` rows in `dtype_name`: the faster of
     torch's matmul and the engine's packed linear (BENCHMARKS.md's FLOP bound; measured in the
     same run as the systems it bounds). Both count: on a CPU without native bf16 the packed
@@ -39,18 +39,25 @@ def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, secon
     vLLM, whose processes take a while to go, it read 132 GFLOP/s in float32 where the machine
     does 184 (2-core AVX512-BF16 EPYC)."""
     dtype = getattr(torch, dtype_name)
-    a, b = torch.randn(rows, size).to(dtype), torch.randn(size, size).to(dtype)
+    device = torch.device(device)
+    if device.type == "cuda":
+        # A 256 x 2048 x 2048 product takes a few microseconds on a GPU, less than its launch.
+        size = max(size, 8192)
+    a, b = torch.randn(rows, size).to(dtype).to(device), torch.randn(size, size).to(dtype).to(device)
     packed = kernels.pack_linear_weight(b)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def rate(call) -> float:
         for _ in range(3):
             call()
         best = 0.0
         for _ in range(windows):
+            sync()
             calls, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds:
                 call()
                 calls += 1
+            sync()
             best = max(best, 2.0 * rows * size * size * calls / (time.perf_counter() - start) / 1e9)
         return best
 
@@ -60,10 +67,11 @@ def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, secon
     return peak
 
 
-def add_flop_bound(results: list[dict], model_path: str, dtype_name: str, peak: float | None = None) -> dict:
+def add_flop_bound(results: list[dict], model_path: str, dtype_name: str, peak: float | None = None,
+                   device: torch.device | str = "cpu") -> dict:
     """Each result's fraction of the FLOP bound: its matmul GFLOP/s (`model_flops`) over the
     matmul peak (`peak`, else measured now)."""
-    peak = matmul_peak_gflops(dtype_name) if peak is None else peak
+    peak = matmul_peak_gflops(dtype_name, device=device) if peak is None else peak
     per_token, per_output_token = model_flops(model_path)
     for result in results:
         achieved = (result["total_tokens_per_s"] * per_token + result["output_tokens_per_s"] * per_output_token) / 1e9

@@ -213,16 +213,16 @@ def hf_continuous_generate(model, workload: Workload, max_num_seqs: int, progres
 
 def run_hf_continuous(workload: Workload, model_path: str, max_num_seqs: int, dtype, progress: bool = True,
                       seed: int = 0, max_batch_tokens: int = HF_MAX_BATCH_TOKENS, page_size: int = HF_PAGE_SIZE,
-                      num_blocks: int | None = None) -> SystemRun:
+                      num_blocks: int | None = None, device: torch.device | str = "cpu") -> SystemRun:
     """The workload through transformers' continuous batching, `max_num_seqs` requests at most
-    per step, each request submitted at its arrival time.
+    per step, each request submitted at its arrival time, on `device` (the engine's).
 
     Every token has its own time (the manager's per-token timestamps), so TTFT and TPOT are
     real. The KV cache holds `max_num_seqs` of the longest requests unless `num_blocks` says
     otherwise.
     """
     torch_dtype = getattr(torch, _dtype_name(dtype))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
     results, arrivals, start, end, settings = hf_continuous_generate(
         model, workload, max_num_seqs, progress, seed, max_batch_tokens, page_size, num_blocks)
     records = []
@@ -236,6 +236,7 @@ def run_hf_continuous(workload: Workload, model_path: str, max_num_seqs: int, dt
             expected_output_tokens=spec.max_tokens, finish_reason="length", label=spec.label,
             queue_time=scheduled - arrival if scheduled > 0 else None,
         ))
-    kpis = {**settings, "dtype": _dtype_name(torch_dtype), "torch_threads": torch.get_num_threads(),
+    kpis = {**settings, "dtype": _dtype_name(torch_dtype), "device": str(device),
+            "torch_threads": torch.get_num_threads(),
             "attn_implementation": model.config._attn_implementation}
     return SystemRun("hf-continuous", records, end - start, kpis)

@@ -22,6 +22,7 @@ RATIOS = {
     "W2": [("continuous", "static"), ("continuous", "hf-static"), ("continuous", "hf-continuous"),
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant"),
            ("structured-half", "continuous")],
+    "G3": [("continuous", "static"), ("continuous", "hf-continuous")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
     "W7": [("continuous", "separate-no-prefix-cache")],

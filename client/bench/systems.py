@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from backend.config import EngineConfig
+from backend.model_runner import resolve_device, resolve_dtype
 from backend.models.random_checkpoint import make_random_adapter
 from backend.paths import MODELS_DIR
 from client.bench.peers import run_hf_continuous, run_vllm_offline
@@ -39,6 +42,7 @@ STRUCTURED_SYSTEMS = {
 DEFAULT_SYSTEMS = {
     "W1": ["continuous", "static"],
     "W2": ["continuous", "static"],
+    "G3": ["continuous", "static", "hf-continuous"],
     "W3": ["continuous"],
     "W4": ["prefix-cache", "no-prefix-cache"],
     "W5": ["priority", "fcfs"],
@@ -115,9 +119,16 @@ def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
 
 def engine_dtype_name(engine_parameters: dict) -> str:
     """The dtype the engine systems compute in (--engine dtype=...), which the peers and the
-    FLOP bound use too; `auto` is float32 on CPU, as for the engine."""
+    FLOP bound use too; `auto` as for the engine: float32 on CPU, bfloat16 on CUDA."""
     value = str(engine_parameters.get("dtype", "auto")).replace("torch.", "")
-    return "float32" if value == "auto" else value
+    if value != "auto":
+        return value
+    return str(resolve_dtype("auto", engine_device(engine_parameters))).replace("torch.", "")
+
+
+def engine_device(engine_parameters: dict) -> torch.device:
+    """The device the engine systems run on (--engine device=...), where the peers run too."""
+    return resolve_device(str(engine_parameters.get("device", "auto")))
 
 
 def _peer_batch(workload: Workload) -> int:
@@ -139,7 +150,7 @@ def _vllm_offline_runner(workload: Workload, ctx: RunContext) -> SystemRun:
 def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     _offline_only("hf-continuous", ctx)
     return run_hf_continuous(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
-                             ctx.progress)
+                             ctx.progress, device=engine_device(ctx.engine_parameters))
 
 
 # System name -> runner(workload, ctx) -> SystemRun. A new system is one entry here (its

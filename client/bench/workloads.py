@@ -18,7 +18,7 @@ engine see the same prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -203,6 +203,13 @@ def w2_offline(seed: int = 0, num_requests: int = 128, low: int = 16, high: int 
         requests, {"max_num_seqs": max_num_seqs}, {"seed": seed, "max_num_seqs": max_num_seqs},
         prompt_source=source.name,
     )
+
+
+def g3_offline(seed: int = 0, num_requests: int = 256, source: PromptSource | None = None) -> Workload:
+    """BENCHMARKS.md's G3: W2 at GPU size, its original definition (input and output uniform
+    in [100, 1024]), with 256 requests in flight as vLLM's GPU default allows."""
+    workload = w2_offline(seed, num_requests, low=100, high=1024, max_num_seqs=256, source=source)
+    return replace(workload, name="G3", description=workload.description + " (W2 at GPU size)")
 
 
 def w3_online(seed: int = 0, num_requests: int = 64, input_len: int = 128, output_len: int = 128,
@@ -400,6 +407,7 @@ def _poisson_arrivals(rng: np.random.Generator, n: int, rate_per_s: float) -> li
 WORKLOADS = {
     "W1": w1_variance,
     "W2": w2_offline,
+    "G3": g3_offline,
     "W3": w3_online,
     "W4": w4_shared_prefix,
     "W5": w5_priority,

@@ -489,3 +489,19 @@ def test_released_config_json_is_read(tmp_path, raw, want):
     assert arch.sliding_window == want["sliding_window"]
     assert arch.head_dim == raw.get("head_dim", 16)
     assert checkpoint_dtype(str(tmp_path)) == want["dtype"]
+
+
+@pytest.mark.parametrize("shape", ["llama3-1b", "llama3-8b"])
+def test_the_gpu_benchmark_shapes_are_the_models_they_name(shape, tmp_path):
+    """BENCHMARKS.md's GPU shapes (random_checkpoint.SHAPES): the engine takes their configs
+    as Llama-3.2-1B's and Llama-3-8B's (only config.json is written: the weights are GBs)."""
+    from backend.models.random_checkpoint import SHAPES
+
+    transformers.LlamaConfig(**SHAPES[shape], architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    arch, _ = load_arch(str(tmp_path))
+    params = (arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+              + arch.num_layers * (arch.hidden_size * arch.head_dim * (2 * arch.num_heads + 2 * arch.num_kv_heads)
+                                   + 3 * arch.hidden_size * arch.intermediate_size))
+    expected = {"llama3-1b": 1.24e9, "llama3-8b": 8.03e9}[shape]
+    assert abs(params / expected - 1) < 0.01, params
+    assert arch.rope_scaling["rope_type"] == "llama3" and arch.num_kv_heads == 8 and arch.vocab_size == 128256

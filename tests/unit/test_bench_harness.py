@@ -123,6 +123,31 @@ def test_goodput_and_latency_arithmetic():
     assert strict["slo_met"] == 1 and strict["slo"] == {"ttft_ms": 200.0, "tpot_ms": 1000.0}
 
 
+def test_g3_is_w2_at_gpu_size():
+    g3 = workloads.WORKLOADS["G3"](seed=2)
+    assert g3.name == "G3" and len(g3.requests) == 256 and g3.engine_overrides == {"max_num_seqs": 256}
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in g3.requests)
+    assert all(r.temperature == 0.6 for r in g3.requests)
+    # the same draws as W2 with GPU-sized bounds: one definition of the workload
+    w2 = workloads.w2_offline(seed=2, num_requests=256, low=100, high=1024, max_num_seqs=256)
+    assert [r.prompt_token_ids for r in g3.requests] == [r.prompt_token_ids for r in w2.requests]
+
+
+def test_the_engines_device_and_dtype_are_the_peers(monkeypatch):
+    """The peers and the FLOP bound run where the engine does, in its dtype: `auto` is
+    float32 on a CPU and bfloat16 on CUDA, as for the engine."""
+    import torch
+
+    from client.bench.systems import engine_device, engine_dtype_name
+
+    assert engine_device({"device": "cpu"}) == torch.device("cpu")
+    assert engine_dtype_name({"device": "cpu"}) == "float32"
+    assert engine_dtype_name({"device": "cpu", "dtype": "bfloat16"}) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_device({}) == torch.device("cuda")
+    assert engine_dtype_name({"device": "auto"}) == "bfloat16"
+
+
 # ---------------------------------------------------------------------------- engine runs
 
 

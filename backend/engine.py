@@ -149,6 +149,14 @@ class RequestOutput:
         )
 
 
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether `exc` leaves the accelerator unusable for good: after a CUDA error such as an
+    illegal address or a failed launch the context is lost, and every later step fails too.
+    Running out of memory (torch.OutOfMemoryError, not an AcceleratorError) is not one: the
+    step's memory is freed and the next may fit."""
+    return isinstance(exc, torch.AcceleratorError)
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
@@ -213,6 +221,8 @@ class LLMEngine:
         # Test-only: the first step whose batch holds at least this many requests never ends,
         # as a hung kernel or device would not (the health check's case).
         self._stall_at_batch = int(os.environ.get("INFLIGHT_FAULT_STALL_AT_BATCH", "0") or 0)
+        # Why the device can no longer run a step (`is_device_fault`), once it cannot.
+        self.device_fault: str | None = None
         log.info(
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
@@ -538,6 +548,8 @@ class LLMEngine:
             except Exception as exc:  # every in-flight request must end, whatever broke
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))
+                if is_device_fault(exc) and self.device_fault is None:
+                    self.device_fault = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             else:
                 forwarded = time.perf_counter()
                 tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}

@@ -120,11 +120,14 @@ class EngineLoop:
         self._commands.put(AbortRequest(request_id))
 
     def health(self, stall_s: float) -> str | None:
-        """None while the loop serves; otherwise why it does not: its thread has died, or it
-        has not come round for `stall_s` while requests wait on it (a step that hangs).
-        Safe from any thread."""
+        """None while the loop serves; otherwise why it does not: its thread has died, it
+        has not come round for `stall_s` while requests wait on it (a step that hangs), or
+        the device has failed for good (`LLMEngine.device_fault`). Safe from any thread."""
         if not self._thread.is_alive():
             return None if self._stop.is_set() else "the engine loop has died"
+        fault = self.engine.device_fault
+        if fault is not None:
+            return f"the device failed and cannot run another step: {fault}"
         quiet = time.monotonic() - self._last_progress
         if quiet > stall_s and (self._handlers or not self._commands.empty()):
             return f"no engine step has finished for {quiet:.1f}s while requests wait (limit {stall_s:g}s)"

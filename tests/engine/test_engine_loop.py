@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
@@ -274,6 +275,40 @@ def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model
                          collector.callback("after"))
         collector.wait()
         assert collector.finals("after")[0].finish_reason == "length"
+    finally:
+        loop.shutdown()
+
+
+@pytest.mark.parametrize("fault, fatal", [
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+], ids=["device-fault", "out-of-memory"])
+def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_not(tiny_model, fault, fatal):
+    """After a CUDA error the context is lost and every later step would fail: the health
+    check must say so, so that the model is unloaded rather than kept failing requests."""
+    loop = make_loop(tiny_model)
+    collector = Collector()
+    try:
+        execute = loop.engine.runner.execute
+        raised = []
+
+        def fail_once(*args, **kwargs):
+            if not raised:
+                raised.append(fault)
+                raise fault
+            return execute(*args, **kwargs)
+
+        loop.engine.runner.execute = fail_once
+        loop.add_request("r", "meets the fault", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         collector.callback("r"))
+        collector.wait()
+        final = collector.finals("r")[0]
+        assert final.finish_reason == "error" and final.error.code == RequestError.INTERNAL
+        if fatal:
+            assert loop.health(stall_s=60) == ("the device failed and cannot run another step: "
+                                               "AcceleratorError: CUDA error: an illegal memory access was encountered")
+        else:
+            assert loop.health(stall_s=60) is None and loop.engine.device_fault is None
     finally:
         loop.shutdown()
 

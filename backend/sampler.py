@@ -215,15 +215,20 @@ class Sampler:
         return sample_from_probs(probs, uniforms, out=self._buffer(0, logits))
 
     def _mask_top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-        """`logits` with -inf below each row's k-th largest (top_k 0: the row is left alone),
-        in a workspace buffer. The k-th comes from a top-k selection: sorting the vocabulary
+        """`logits` with -inf below each row's k-th largest (top_k 0, or at least the
+        vocabulary: the row is left alone), in a workspace buffer. The k-th comes from a top-k
+        selection over the rows with a k, as wide as their largest k: sorting the vocabulary
         cost ~57 ms for 32 x 49k on two Zen 4 cores, more than the rest of a decode step."""
         vocab = logits.shape[1]
-        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=logits.device)
-        largest = logits.topk(int(k.max()), dim=-1).values
-        kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1).unsqueeze(1))
-        kth[k == vocab] = float("-inf")
-        return torch.where(logits < kth, NEGATIVE_INFINITY, logits, out=self._buffer(4, logits))
+        rows = [row for row, k in enumerate(top_k) if 0 < k < vocab]
+        if not rows:
+            return logits
+        masked = self._buffer(4, logits).copy_(logits)
+        subset = logits[rows]
+        kth_index = torch.tensor([top_k[row] - 1 for row in rows], device=logits.device).unsqueeze(1)
+        kth = subset.topk(max(top_k[row] for row in rows), dim=-1).values.gather(1, kth_index)
+        masked[rows] = torch.where(subset < kth, NEGATIVE_INFINITY, subset)
+        return masked
 
     def _uniforms(self, requests: list[Request]) -> torch.Tensor:
         """One float32 uniform in [0, 1) per row: a seeded request's from its own generator,

@@ -22,7 +22,8 @@ sums them by buckets instead of sorting), and the draw needs no renormalised row
 
 Everything runs where the logits are: on a GPU the [rows, vocab] work stays there and only
 the sampled ids (and the asked-for logprobs) come back. The uniforms are drawn on the CPU
-from the same generators on every device, so a seed means the same draw everywhere.
+from the same generators on every device, so a seed means the same uniform everywhere (the
+token can still differ where the devices' running sums round differently at its edge).
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, out: torch.Te
     (non-negative, not necessarily normalised: min-p does not renormalise) exceeds
     uniform * the row's total, with `uniforms` in [0, 1).
 
-    The running sum is non-decreasing, and a token of probability zero leaves it unchanged,
-    so the first entry strictly above a target (searchsorted right=True) is always a token
+    Summed left to right (`_scan_is_sequential`; elsewhere `last_token_with_mass` restores
+    what follows), the running sum is non-decreasing, and a token of probability zero leaves
+    it unchanged, so the first entry strictly above a target (searchsorted right=True) is always a token
     of nonzero probability; u = 0 skips leading masked tokens the same way. The target is
     scaled by the running sum's own last entry, not assumed to be 1 nor taken from another
     summation, so u < 1 keeps it below that entry for any normal float32 total; where
@@ -264,4 +266,25 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, out: torch.Te
     last = torch.searchsorted(cumulative, total, right=False)
     # The final clamp only matters for a row with no finite logit (NaN probabilities),
     # which has no right answer; it keeps the index inside the vocabulary.
-    return torch.minimum(index, last).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    chosen = torch.minimum(index, last).clamp_(max=probs.shape[1] - 1)
+    if not _scan_is_sequential(probs):
+        chosen = last_token_with_mass(probs, chosen)
+    return chosen.squeeze(1)
+
+
+def _scan_is_sequential(probs: torch.Tensor) -> bool:
+    """Whether `cumsum_rows` sums `probs` left to right: on the CPU (the C++ kernel and
+    torch's) it does. CUDA's scan of a single row does not (a tree, in CUB's order), so it
+    neither adds an exact 0 for a token of probability zero nor keeps its sums monotone."""
+    return probs.device.type == "cpu"
+
+
+def last_token_with_mass(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`index` [rows, 1], each entry that points at a token of probability zero moved back to
+    the last token before it that has mass. Where the running sums are not monotone the
+    search can stop on such a token (masked by a grammar, a ban, top-k or top-p) by a
+    rounding step; the token before it is the one whose mass that step belongs to. A row
+    whose leading tokens are all zero never stops among them (a sum of zeros is exactly 0)."""
+    positions = torch.arange(probs.shape[1], device=probs.device).expand_as(probs)
+    with_mass = torch.where(probs > 0, positions, -1).cummax(dim=1).values
+    return with_mass.gather(1, index).clamp_(min=0)

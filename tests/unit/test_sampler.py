@@ -223,6 +223,29 @@ def test_top_k_selects_only_as_wide_as_the_rows_that_ask(monkeypatch):
 # Inverse-CDF sampling: the draw, and the uniform's extremes
 # --------------------------------------------------------------------------------------
 
+def test_a_scan_that_is_not_monotone_never_yields_a_token_without_mass(monkeypatch):
+    """CUDA sums a single row as a tree: a token of probability zero can get a running sum a
+    rounding step above its predecessor's, and the search can stop on it. The token kept is
+    then the last one before it with mass."""
+    import backend.sampler as sampler
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.0, 0.25, 0.0]])
+
+    def tree_rounded(x, out):
+        sums = torch.cumsum(x, dim=-1, out=out)
+        sums[0, 3] = sums[0, 2] + 1e-7   # a masked token a rounding step above the one before
+        return sums
+
+    monkeypatch.setattr(sampler, "cumsum_rows", tree_rounded)
+    target = torch.tensor([0.25 / 1.0 + 0.5e-7])   # between the two sums at tokens 2 and 3
+    assert sampler.sample_from_probs(probs, target).tolist() == [3]   # left to right, trusted: stops on it
+    monkeypatch.setattr(sampler, "_scan_is_sequential", lambda probs: False)
+    assert sampler.sample_from_probs(probs, target).tolist() == [1]
+    index = torch.tensor([[0], [1], [2], [3], [5], [7]])
+    moved = sampler.last_token_with_mass(probs.expand(6, -1), index).squeeze(1).tolist()
+    assert moved == [0, 1, 1, 1, 4, 6]   # a leading zero (never chosen) stays in the row
+
+
 # The largest float32 below 1: the largest value torch.rand returns.
 BELOW_ONE = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))
 

@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024)),
             ("lora_shrink", _lora_shrink_kernel,
              {"x_ptr": p, "a_ptr": p, "buf_ptr": "*fp32", "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
-             dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64)),
+             dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")),
             ("lora_expand", _lora_expand_kernel,
              {"buf_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
-             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16)),
+             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")),
         ]
         jobs = [job + (4,) for job in jobs]
         for hd, qpk, bs, max_q in attention:

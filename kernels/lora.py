@@ -68,7 +68,8 @@ def lora_delta_cpu(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, buf_ptr, indptr_ptr, adapter_ptr, K, R,
                         stride_xm, stride_al, stride_ar, stride_bm,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
     seg = tl.program_id(0)
     start = tl.load(indptr_ptr + seg)
     end = tl.load(indptr_ptr + seg + 1)
@@ -85,7 +86,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, buf_ptr, indptr_ptr, adapter_ptr, K, R,
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(a_ptr + adapter * stride_al + cols[None, :] * stride_ar + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(xs, w)
+        acc += tl.dot(xs, w, input_precision=DOT_PRECISION)
     tl.store(buf_ptr + rows[:, None].to(tl.int64) * stride_bm + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -93,7 +94,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, buf_ptr, indptr_ptr, adapter_ptr, K, R,
 @triton.jit
 def _lora_expand_kernel(buf_ptr, b_ptr, y_ptr, indptr_ptr, adapter_ptr, N, R, buf_col, y_col,
                         stride_bm, stride_bl, stride_bn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
     seg = tl.program_id(0)
     start = tl.load(indptr_ptr + seg)
     end = tl.load(indptr_ptr + seg + 1)
@@ -108,7 +110,7 @@ def _lora_expand_kernel(buf_ptr, b_ptr, y_ptr, indptr_ptr, adapter_ptr, N, R, bu
                   mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     w = tl.load(b_ptr + adapter * stride_bl + cols[None, :] * stride_bn + rs[:, None],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    delta = tl.dot(buf, w.to(tl.float32))
+    delta = tl.dot(buf, w.to(tl.float32), input_precision=DOT_PRECISION)
     out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + y_col + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
@@ -120,7 +122,9 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lo
                       max_seg_len: int | None = None) -> None:
     """Triton version of `lora_delta_reference`; the shrink accumulates in float32 into a
     float32 buffer, the expand adds to y in float32 and rounds once. `max_seg_len`: the
-    longest segment (read from seg_indptr when not given)."""
+    longest segment (read from seg_indptr when not given). A float32 model's dots are IEEE
+    float32, as its cuBLAS GEMMs and its attention; a 16-bit model's expand, whose operands
+    are float32, takes TF32 (10 mantissa bits, more than the bfloat16 output keeps)."""
     num_segments = seg_adapter.shape[0]
     if num_segments == 0:
         return
@@ -135,10 +139,11 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lo
     buf = torch.zeros((num_tokens, total_rank), dtype=torch.float32, device=x.device)
     block_m = 16
     block_r = max(16, min(64, next_power_of_2(total_rank)))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch(_lora_shrink_kernel, (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(total_rank, block_r)),
            x, lora_a, buf, seg_indptr, seg_adapter, k, total_rank,
            x.stride(0), lora_a.stride(0), lora_a.stride(1), buf.stride(0),
-           BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, num_warps=4)
+           BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
     block_rank = max(16, next_power_of_2(rank))
     for s, (b, offset) in enumerate(zip(lora_b, slice_offsets)):
         assert b.stride(-1) == 1
@@ -147,4 +152,4 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lo
         launch(_lora_expand_kernel, (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n)),
                buf, b, y, seg_indptr, seg_adapter, n, rank, s * rank, offset,
                buf.stride(0), b.stride(0), b.stride(1), y.stride(0),
-               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rank, num_warps=4)
+               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_rank, DOT_PRECISION=precision, num_warps=4)

@@ -12,7 +12,6 @@ runs the real default checkpoint (SmolLM2-135M-Instruct) on chat prompts.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import random
 
@@ -94,8 +93,18 @@ def run_engine(model_path: str, prompts: list[list[int]], max_tokens: list[int],
         engine.model.cpu_layers = None   # each layer's one C++ call would take none of the kernels
     if on_engine is not None:
         on_engine(engine)
-    with kernels.triton_kernels_on_cpu() if triton_on_cpu else contextlib.nullcontext():
+    if not triton_on_cpu:
         return _drive(engine, prompts, max_tokens, arrivals, priorities, tenants, lora_names)
+    attention = kernels.paged_attention_triton
+    launches = []
+    kernels.paged_attention_triton = lambda *args, **kw: launches.append(1) or attention(*args, **kw)
+    try:
+        with kernels.triton_kernels_on_cpu():
+            result = _drive(engine, prompts, max_tokens, arrivals, priorities, tenants, lora_names)
+    finally:
+        kernels.paged_attention_triton = attention
+    assert len(launches) >= engine.arch.num_layers, "the Triton kernels did not run"
+    return result
 
 
 def _drive(engine: LLMEngine, prompts, max_tokens, arrivals, priorities, tenants, lora_names):

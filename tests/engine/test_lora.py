@@ -80,9 +80,11 @@ def test_adapters_change_the_output(oracle):
         assert changed >= len(PROMPTS) // 2, f"{name} changed only {changed} of {len(PROMPTS)} outputs"
 
 
-def test_mixed_batch_of_three_adapters_and_base(base, adapters, oracle):
+# triton-on-cpu: the CUDA path's SGMV kernels (in Triton's interpreter), as the engine calls them.
+@pytest.mark.parametrize("device", ["cpu", "triton-on-cpu"])
+def test_mixed_batch_of_three_adapters_and_base(base, adapters, oracle, device):
     names = [NAMES[i % 4] for i in range(len(PROMPTS))]
-    engine = _run(base, adapters, oracle, names, max_num_seqs=8)
+    engine = _run(base, adapters, oracle, names, max_num_seqs=8, device=device)
     assert engine.max_running >= 4
 
 

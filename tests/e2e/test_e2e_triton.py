@@ -215,15 +215,23 @@ def test_metrics_endpoint_exports_engine_metrics(triton_server, reference_text):
         assert name in text, name
 
 
+# The requests that a stop or an unload must end take this many tokens: tens of seconds of
+# the tiny model's steps, so that they cannot end by themselves first, however quick the steps
+# and however slow the server's stop (1000 tokens took about a second, and once ran out first).
+LONG_REQUEST_TOKENS = 30000
+
+
 def _tiny_model(tmp_path) -> dict[str, dict[str, str]]:
-    """One model on a tiny random-weight checkpoint, for tests that stop or unload their own server."""
+    """One model on a tiny random-weight checkpoint, for tests that stop or unload their own
+    server, with room for two requests of LONG_REQUEST_TOKENS."""
     from tests.checkpoints import make_tiny_checkpoint
 
-    return {"llm": {"model_path": make_tiny_checkpoint(str(tmp_path / "tiny"), "llama"), "kv_cache_memory_mb": "16"}}
+    checkpoint = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama", max_position_embeddings=2 * LONG_REQUEST_TOKENS)
+    return {"llm": {"model_path": checkpoint, "max_model_len": str(2 * LONG_REQUEST_TOKENS), "kv_cache_memory_mb": "64"}}
 
 
 def _two_long_requests(server) -> tuple[list[threading.Thread], dict[str, object]]:
-    """A streaming and a non-streaming request of 1000 tokens, both live once this returns."""
+    """A streaming and a non-streaming request of LONG_REQUEST_TOKENS, both live once this returns."""
     import time
 
     results: dict[str, object] = {}
@@ -231,7 +239,7 @@ def _two_long_requests(server) -> tuple[list[threading.Thread], dict[str, object
 
     def run(stream: bool) -> None:
         try:
-            sampling = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+            sampling = {"max_tokens": LONG_REQUEST_TOKENS, "ignore_eos": True, "temperature": 0}
             responses = []
             for r in grpc_generate_iter(server, "Once upon a time", sampling, stream):
                 responses.append(r)

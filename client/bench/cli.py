@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
 
     # The FLOP bound's peak, measured while the machine is quiet: before the systems, not after a peer.
-    device = engine_device(common)
+    try:
+        device = engine_device(common)
+    except ValueError as exc:
+        parser.error(str(exc))
     matmul_peak = matmul_peak_gflops(engine_dtype_name(common), device=device)
     results = []
     workload = None

@@ -42,7 +42,9 @@ def print_table(report: dict) -> None:
             _fmt(r.get("fraction_of_flop_bound"), ".1%"),
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
-    print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({report['machine']['cpu']}, {report['machine']['cores']} cores)")
+    machine = report["machine"]
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({machine['cpu']}, {machine['cores']} cores{gpu})")
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
+        "device": device.type,  # where the engine systems ran (and the peers with them)
         "checkpoint": os.path.relpath(args.model, REPO_ROOT) if args.model.startswith(str(REPO_ROOT)) else args.model,
         "workload": summary,
         **({"note": args.note} if args.note else {}),

@@ -58,8 +58,8 @@ def print_table(report: dict) -> None:
 
 
 def tables(paths: list[str]) -> str:
-    """A section per machine kind, the kinds in their order of first appearance. Reports of
-    another shape (the cluster's routing runs, soaks, the sampler's micro-benchmark: no
+    """A section per machine kind, the kinds in their order of first appearance (`machine_kind`).
+    Reports of another shape (the cluster's routing runs, soaks, the sampler's micro-benchmark: no
     workload or genai-perf run per system) are left to their own sections of the README."""
     by_kind: dict[str, list[str]] = {}
     for path in paths:
@@ -67,8 +67,17 @@ def tables(paths: list[str]) -> str:
             report = json.load(f)
         per_system = "workload" in report or report.get("tool", "").startswith("genai-perf")
         if per_system and isinstance(report.get("results"), list):
-            by_kind.setdefault(report["machine"].get("cpu_kind", "unknown"), []).append(path)
+            by_kind.setdefault(machine_kind(report), []).append(path)
     return "\n\n".join(f"#### Machine kind: {kind}\n\n{table(kind_paths)}" for kind, kind_paths in by_kind.items())
+
+
+def machine_kind(report: dict) -> str:
+    """The CPU's kind (`cpu_kind`), or for an engine that ran on a GPU, the GPU: a GPU run
+    shares nothing with the CPU runs of its host's kind."""
+    machine = report["machine"]
+    if report.get("device") == "cuda":
+        return f"gpu ({machine.get('gpu', 'unknown')})"
+    return machine.get("cpu_kind", "unknown")
 
 
 def table(paths: list[str]) -> str:
@@ -87,7 +96,8 @@ def table(paths: list[str]) -> str:
             report = json.load(f)
         flags = report["machine"].get("cpu_flags")
         machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores"
-                     + (f" ({' '.join(flags)})" if flags else ""))
+                     + (f" ({' '.join(flags)})" if flags else "")
+                     + (f", {report['machine']['gpu']}" if report.get("device") == "cuda" else ""))
         rel = os.path.relpath(path, REPO_ROOT)
         if report.get("tool", "").startswith("genai-perf"):
             model = os.path.basename(os.path.normpath(report["recipe"]["tokenizer"]))

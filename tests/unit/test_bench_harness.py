@@ -411,6 +411,18 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
 
 
+def test_a_gpu_run_is_tabled_apart_from_its_hosts_cpu_kind(tmp_path):
+    cpu_run = Path(REPO_ROOT) / "bench" / "results" / "avx2" / "w1_vs_vllm_fp32.json"
+    report = json.loads(cpu_run.read_text())
+    report["device"] = "cuda"
+    report["machine"]["gpu"] = "NVIDIA H200"
+    gpu_run = tmp_path / "g3.json"
+    gpu_run.write_text(json.dumps(report))
+    sections = table.tables([str(cpu_run), str(gpu_run)]).split("#### Machine kind: ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["avx2", "gpu (NVIDIA H200)"]
+    assert str(gpu_run.name) in sections[1] and "NVIDIA H200" in sections[1] and "g3.json" not in sections[0]
+
+
 def test_the_table_command_takes_help_and_report_paths(capsys):
     with pytest.raises(SystemExit) as exited:
         table.main(["--help"])

@@ -149,13 +149,13 @@ class RequestOutput:
         )
 
 
-
 def is_device_fault(exc: BaseException) -> bool:
     """Whether `exc` leaves the accelerator unusable for good: after a CUDA error such as an
     illegal address or a failed launch the context is lost, and every later step fails too.
     Running out of memory (torch.OutOfMemoryError, not an AcceleratorError) is not one: the
     step's memory is freed and the next may fit."""
     return isinstance(exc, torch.AcceleratorError)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -549,7 +549,7 @@ class LLMEngine:
                 log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
                 outputs.extend(self._fail_scheduled(plan, exc))
                 if is_device_fault(exc) and self.device_fault is None:
-                    self.device_fault = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    self.device_fault = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             else:
                 forwarded = time.perf_counter()
                 tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}

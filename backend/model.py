@@ -440,8 +440,8 @@ class TritonPythonModel:
                     self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
 
     def _check_health(self) -> None:
-        """ENABLE_VLLM_HEALTH_CHECK: once the engine loop is dead, hung or without its device, answer every live
-        and later request with the vLLM backend's error, and stop being ready."""
+        """ENABLE_VLLM_HEALTH_CHECK: once the engine loop is dead, hung or without its device,
+        answer every live and later request with the vLLM backend's error, and stop being ready."""
         reason = self.loop.health(self.options.health_check_stall_s)
         if reason is None:
             return

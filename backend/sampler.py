@@ -80,10 +80,10 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
         # Float32 buffers for the [rows, vocab] intermediates on the logits' device, grown to
-        # the largest batch seen: the random path's two and the logprobs. malloc hands fresh temporaries of
-        # that size back to the OS when they are freed, and faulting them in again every
-        # step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the logprobs
-        # alone 4.6 ms against 0.9 ms in a reused buffer).
+        # the largest batch seen: the random path's two and the logprobs. malloc hands fresh
+        # temporaries of that size back to the OS when they are freed, and faulting them in
+        # again every step cost more than the arithmetic (~6 of ~10 ms for 32 rows x 49k; the
+        # logprobs alone 4.6 ms against 0.9 ms in a reused buffer).
         # The fourth holds the float32 copy of logits of another dtype (or of float32 logits
         # about to be masked: the caller's tensor is never written), the fifth the logits
         # with the top-k mask, the sixth the penalised logits, the seventh output token counts.
@@ -251,8 +251,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, out: torch.Te
 
     Summed left to right (`_scan_is_sequential`; elsewhere `last_token_with_mass` restores
     what follows), the running sum is non-decreasing, and a token of probability zero leaves
-    it unchanged, so the first entry strictly above a target (searchsorted right=True) is always a token
-    of nonzero probability; u = 0 skips leading masked tokens the same way. The target is
+    it unchanged, so the first entry strictly above a target (searchsorted right=True) is
+    always a token of nonzero probability; u = 0 skips leading masked tokens the same way. The target is
     scaled by the running sum's own last entry, not assumed to be 1 nor taken from another
     summation, so u < 1 keeps it below that entry for any normal float32 total; where
     rounding does put it at the total (a subnormal total can), the search runs past the

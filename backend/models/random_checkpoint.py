@@ -4,8 +4,8 @@ Each is a real `transformers` model saved with safetensors and the default model
 tokenizer, so the engine, `transformers` and vLLM all load it. Tests use the tiny shape
 (a forward pass in milliseconds); the benchmarks use the small shape, a Llama of a few
 million parameters where the per-step overhead of a serving engine, not the matmuls,
-sets the speed (BENCHMARKS.md), and on a GPU the shapes of Llama-3.2-1B and Llama-3.1-8B. `python -m tools.random_checkpoint` writes one from the
-command line.
+sets the speed (BENCHMARKS.md), and on a GPU the shapes of Llama-3.2-1B and Llama-3.1-8B.
+`python -m tools.random_checkpoint` writes one from the command line.
 """
 
 from __future__ import annotations

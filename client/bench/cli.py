@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if engine_params:
         parsed = EngineConfig.from_parameters({**engine_params, "model_path": args.model}, str(REPO_ROOT))
         common = {k: getattr(parsed, k) for k in engine_params}
+    try:
+        device = engine_device(common)
+    except ValueError as exc:
+        parser.error(str(exc))
     tokenizer = _load_tokenizer(args.model) if targets or args.text or args.text_prompts else None
     source = None
     if args.text_prompts:
@@ -152,10 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
 
     # The FLOP bound's peak, measured while the machine is quiet: before the systems, not after a peer.
-    try:
-        device = engine_device(common)
-    except ValueError as exc:
-        parser.error(str(exc))
     matmul_peak = matmul_peak_gflops(engine_dtype_name(common), device=device)
     results = []
     workload = None

@@ -43,8 +43,8 @@ def print_table(report: dict) -> None:
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
     machine = report["machine"]
-    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
-    print(f"\n{report['workload']['name']}: {report['workload']['description']}  ({machine['cpu']}, {machine['cores']} cores{gpu})")
+    print(f"\n{report['workload']['name']}: {report['workload']['description']}  "
+          f"({machine['cpu']}, {machine['cores']} cores{_gpu_suffix(report)})")
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
@@ -69,6 +69,11 @@ def tables(paths: list[str]) -> str:
         if per_system and isinstance(report.get("results"), list):
             by_kind.setdefault(machine_kind(report), []).append(path)
     return "\n\n".join(f"#### Machine kind: {kind}\n\n{table(kind_paths)}" for kind, kind_paths in by_kind.items())
+
+
+def _gpu_suffix(report: dict) -> str:
+    """", NAME" for a report whose engine ran on a GPU, else nothing."""
+    return f", {report['machine'].get('gpu', 'unknown')}" if report.get("device") == "cuda" else ""
 
 
 def machine_kind(report: dict) -> str:
@@ -97,7 +102,7 @@ def table(paths: list[str]) -> str:
         flags = report["machine"].get("cpu_flags")
         machines.add(f"{report['machine']['cpu']}, {report['machine']['cores']} cores"
                      + (f" ({' '.join(flags)})" if flags else "")
-                     + (f", {report['machine']['gpu']}" if report.get("device") == "cuda" else ""))
+                     + _gpu_suffix(report))
         rel = os.path.relpath(path, REPO_ROOT)
         if report.get("tool", "").startswith("genai-perf"):
             model = os.path.basename(os.path.normpath(report["recipe"]["tokenizer"]))

@@ -284,7 +284,9 @@ class Cluster:
         log.close()
 
     def wait_triton(self, replica: Replica) -> None:
-        _wait(lambda: _get(f"http://{replica.http_url}/v2/health/ready") == 200,
+        """Wait until the replica is ready and its metrics endpoint answers: tritonserver opens
+        its metrics port after HTTP, so a scrape right after readiness can be refused."""
+        _wait(lambda: _get(f"http://{replica.http_url}/v2/health/ready") == 200 and _get(replica.metrics_url) == 200,
               self.ready_timeout_s, f"{replica.name} tritonserver not ready", [replica.triton])
 
     def start_frontend(self, replica: Replica) -> None:

@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: {name}: {exc}", file=sys.stderr)
                     return 2
                 result = summarize(run, workload, slo)
+                # A line per run as it ends: a run cut short by a time limit keeps what finished.
+                print(f"{name}: {result['num_completed']}/{result['num_requests']} completed, "
+                      f"{result['output_tokens_per_s']:.1f} output tok/s in {result['duration_s']:.1f} s",
+                      file=sys.stderr, flush=True)
                 if args.repeat > 1:
                     result["run"], result["seed"] = repeat, seed
                 results.append(result)

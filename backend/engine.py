@@ -199,6 +199,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.swap_space)
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        if self.device.type == "cuda":
+            self.warm_up()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # Requests whose grammar is still compiling: enqueued, not yet the scheduler's.
@@ -232,6 +234,23 @@ class LLMEngine:
         )
 
     # ---- setup helpers -----------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Every kernel a step can launch, launched once before the first request (on CUDA
+        at load): without it the first requests wait for Triton's compiler, and on a GPU
+        that cost more time than a whole offline run's gap to static batching. The sampler
+        is warmed by a throwaway copy, so the engine's own random stream is untouched."""
+        started = time.perf_counter()
+        logits = self.runner.warm_up()
+        rows = [SamplingParams(temperature=0.0, logprobs=2),
+                SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1)]
+        requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=params, max_tokens=1,
+                            arrival_time=0.0, arrival_seq=-1, needs_logprobs=params.logprobs is not None)
+                    for i, params in enumerate(rows[: logits.shape[0]])]
+        Sampler(self.config.seed)(logits, requests)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warmed up the %s kernels in %.1f s", self.device.type, time.perf_counter() - started)
 
     def _resolve_max_model_len(self, arch) -> int:
         model_max = arch.max_position_embeddings

@@ -195,6 +195,57 @@ class ModelRunner:
             sample_requests=sample_requests,
         )
 
+    @torch.inference_mode()
+    def warm_up(self, chunk_len: int = 64) -> torch.Tensor:
+        """One forward pass per kernel variant a step can pick, so that the first requests
+        do not wait for Triton to compile them (nor for cuBLAS and the device's lazily loaded
+        modules): a step of decodes only (16-row attention tiles) and a chunk beside a
+        decode (64-row tiles), each once more through the LoRA kernels when adapters are
+        loaded. Logits of the last pass, for the caller to warm the sampler with. Runs before
+        any request: the blocks it writes hold nothing, and are zeroed again after."""
+        bs = self.block_size
+        chunk_len = max(17, min(chunk_len, self.config.max_num_batched_tokens - 1))
+        passes = [[1, 1], [chunk_len, 1]]
+        logits = None
+        used = 0
+        for q_lens in passes:
+            blocks = [-(-q // bs) for q in q_lens]
+            used = max(used, sum(blocks))
+            if used > self.kv_caches[0][0].shape[0]:
+                raise ValueError(f"KV pool too small to warm up: {used} blocks needed")
+            width = max(blocks)
+            tables = np.zeros((len(q_lens), width), dtype=np.int32)
+            first = np.cumsum([0] + blocks[:-1])
+            for i, (start, count) in enumerate(zip(first, blocks)):
+                tables[i, :count] = np.arange(start, start + count)
+            cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+            np.cumsum(q_lens, out=cu[1:])
+            positions = np.concatenate([np.arange(q) for q in q_lens])
+            seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
+            slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+            def put(array: np.ndarray, dtype) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
+
+            adapters = [None]
+            if self.has_lora:
+                adapters.append(LoRABatch(seg_indptr=put([0, cu[-1]], np.int32), seg_adapter=put([0], np.int32),
+                                          max_seg_len=int(cu[-1])))
+            for lora in adapters:
+                meta = AttentionMetadata(
+                    slot_mapping=put(slots, np.int64), block_tables=put(tables, np.int32),
+                    seq_lens=put(q_lens, np.int32), cu_seqlens_q=put(cu, np.int32),
+                    max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens), batch_invariant=self.batch_invariant,
+                    lora=lora,
+                )
+                input_ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=self.device)
+                hidden = self.model(input_ids, put(positions, np.int64), self.kv_caches, meta)
+                logits = self.model.compute_logits(hidden[put(cu[1:] - 1, np.int64)])
+        for k, v in self.kv_caches:
+            k[:used].zero_()
+            v[:used].zero_()
+        return logits
+
     def swap(self, plan: SchedulerOutput) -> None:
         """Swap-outs, then copy-on-write copies, then swap-ins: a block freed by a victim may
         be refilled in the same step. Each copy gathers all its sources before it writes."""

@@ -12,6 +12,7 @@ runs the real default checkpoint (SmolLM2-135M-Instruct) on chat prompts.
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import random
 
@@ -23,6 +24,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
+from kernels.paged_attention import attention_config
 from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 
 MAX_NEW = 16
@@ -296,6 +298,62 @@ def test_static_policy(tiny_llama, oracle, device):
 # --------------------------------------------------------------------------------------
 # The real default checkpoint
 # --------------------------------------------------------------------------------------
+
+def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_llama, oracle):
+    """`LLMEngine.warm_up` (at load on CUDA), driven here through the Triton kernels in the
+    interpreter: it launches attention for decodes alone (16-row tiles) and for a chunk
+    (64-row tiles), leaves the KV pool zeroed and the engine's random stream where it was,
+    and the engine then gives transformers' tokens."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=256,
+                                    max_num_seqs=4))
+    engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
+    random_state = engine.sampler.generator.get_state()
+    attention = kernels.paged_attention_triton
+    max_seqlen_q = []
+    kernels.paged_attention_triton = lambda *args, **kw: max_seqlen_q.append(args[7]) or attention(*args, **kw)
+    try:
+        with kernels.triton_kernels_on_cpu():
+            engine.warm_up()
+    finally:
+        kernels.paged_attention_triton = attention
+    tiles = {attention_config(2, 16, 4, q)["BLOCK_M"] for q in max_seqlen_q}
+    assert tiles == {16, 64}, max_seqlen_q
+    assert all(not k.any() and not v.any() for k, v in engine.runner.kv_caches)
+    assert torch.equal(engine.sampler.generator.get_state(), random_state)
+    prompts = PROMPTS[:8]
+    _, streamed, by_id = _drive(engine, prompts, MAX_TOKENS, spread_arrivals(len(prompts)), None, None, None)
+    assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many variants of each Triton kernel are compiled, on every device."""
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for module in ("activation", "kv_store", "lora", "paged_attention", "rms_norm", "rotary"):
+        for name, fn in vars(importlib.import_module(f"kernels.{module}")).items():
+            if isinstance(fn, JITFunction):
+                counts[f"{module}.{name}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+@pytest.mark.parametrize("device", [_CUDA])
+def test_no_kernel_compiles_after_the_engine_loads(tiny_llama, oracle, device):
+    """The engine compiles at load every Triton kernel variant its steps launch: steps of
+    decodes alone and of chunks beside decodes, block tables of every width (1, 16, others),
+    so no request waits for Triton's compiler."""
+    long_prompt = _random_prompt(random.Random(5), 300)
+    prompts = PROMPTS[:10] + [long_prompt]
+    max_tokens = MAX_TOKENS[:10] + [MAX_NEW]
+    at_load = {}
+    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, spread_arrivals(len(prompts)),
+                                         on_engine=lambda _: at_load.update(_compiled_variants()), device=device,
+                                         max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256)
+    assert any(at_load.values()), "nothing was compiled at load"
+    assert _compiled_variants() == at_load
+    del streamed[f"r{len(prompts) - 1}"]   # the oracle has no 300-token prompt
+    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -17,6 +17,7 @@ import random
 import pytest
 from safetensors.torch import load_file, save_file
 
+import kernels
 from backend.config import EngineConfig, read_multi_lora
 from backend.engine import LLMEngine
 from backend.lora import LoRAError, load_adapter
@@ -86,6 +87,22 @@ def test_mixed_batch_of_three_adapters_and_base(base, adapters, oracle, device):
     names = [NAMES[i % 4] for i in range(len(PROMPTS))]
     engine = _run(base, adapters, oracle, names, max_num_seqs=8, device=device)
     assert engine.max_running >= 4
+
+
+def test_warm_up_runs_the_lora_kernels(base, adapters):
+    """With adapters loaded, `LLMEngine.warm_up` (at load on CUDA) also launches the SGMV
+    kernels, here through Triton's interpreter."""
+    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters, **CONFIG))
+    engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
+    delta = kernels.lora_delta_triton
+    launches = []
+    kernels.lora_delta_triton = lambda *args, **kw: launches.append(1) or delta(*args, **kw)
+    try:
+        with kernels.triton_kernels_on_cpu():
+            engine.warm_up()
+    finally:
+        kernels.lora_delta_triton = delta
+    assert launches
 
 
 def test_one_adapter_alone_at_once(base, adapters, oracle):

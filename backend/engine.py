@@ -236,17 +236,17 @@ class LLMEngine:
     # ---- setup helpers -----------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Every kernel a step can launch, launched once before the first request (on CUDA
-        at load): without it the first requests wait for Triton's compiler, and on a GPU
-        that cost more time than a whole offline run's gap to static batching. The sampler
-        is warmed by a throwaway copy, so the engine's own random stream is untouched."""
+        """The largest steps, run once before the first request (on CUDA, at load; see
+        ModelRunner.warm_up): on an H200, G3's first requests otherwise waited ~2 s in all
+        for Triton to compile kernels. The sampler is warmed on max_num_seqs rows by a
+        throwaway copy, so the engine's own random stream is untouched."""
         started = time.perf_counter()
         logits = self.runner.warm_up()
-        rows = [SamplingParams(temperature=0.0, logprobs=2),
-                SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1)]
-        requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=params, max_tokens=1,
-                            arrival_time=0.0, arrival_seq=-1, needs_logprobs=params.logprobs is not None)
-                    for i, params in enumerate(rows[: logits.shape[0]])]
+        kinds = [SamplingParams(temperature=0.0, logprobs=2),
+                 SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1)]
+        requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=kinds[i % 2], max_tokens=1,
+                            arrival_time=0.0, arrival_seq=-1, needs_logprobs=kinds[i % 2].logprobs is not None)
+                    for i in range(logits.shape[0])]
         Sampler(self.config.seed)(logits, requests)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -196,35 +196,33 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def warm_up(self, chunk_len: int = 64) -> torch.Tensor:
-        """One forward pass per kernel variant a step can pick, so that the first requests
-        do not wait for Triton to compile them (nor for cuBLAS and the device's lazily loaded
-        modules): a step of decodes only (16-row attention tiles) and a chunk beside a
-        decode (64-row tiles), each once more through the LoRA kernels when adapters are
-        loaded. Logits of the last pass, for the caller to warm the sampler with. Runs before
-        any request: the blocks it writes hold nothing, and are zeroed again after."""
+    def warm_up(self) -> torch.Tensor:
+        """The largest steps the engine can take, once each, before any request: a chunk
+        filling the token budget beside a decode (64-row attention tiles), then max_num_seqs
+        decodes alone (16-row tiles), each again through the LoRA kernels when adapters are
+        loaded. The first requests then wait neither for Triton to compile a kernel nor for
+        the allocator to grow, and a batch too big for the memory left fails here, at load,
+        not in a request. Returns the decode pass's logits, for the caller to warm the
+        sampler with. The blocks it writes hold nothing yet, and are zeroed again after."""
         bs = self.block_size
-        chunk_len = max(17, min(chunk_len, self.config.max_num_batched_tokens - 1))
-        passes = [[1, 1], [chunk_len, 1]]
+        num_blocks = self.kv_caches[0][0].shape[0]
+        # Within the pool: a small pool (a test's) warms smaller steps, and never writes past it.
+        budget = self.config.max_num_batched_tokens
+        chunk = [max(1, min(budget - 1, (num_blocks - 1) * bs)), 1] if num_blocks > 1 else [min(budget, bs)]
+        decodes = [1] * min(self.config.max_num_seqs, num_blocks)
         logits = None
-        used = 0
-        for q_lens in passes:
+        for q_lens in (chunk, decodes):
             blocks = [-(-q // bs) for q in q_lens]
-            used = max(used, sum(blocks))
-            if used > self.kv_caches[0][0].shape[0]:
-                raise ValueError(f"KV pool too small to warm up: {used} blocks needed")
-            width = max(blocks)
-            tables = np.zeros((len(q_lens), width), dtype=np.int32)
-            first = np.cumsum([0] + blocks[:-1])
-            for i, (start, count) in enumerate(zip(first, blocks)):
-                tables[i, :count] = np.arange(start, start + count)
+            tables = np.zeros((len(q_lens), max(blocks)), dtype=np.int32)
+            for i, (first, count) in enumerate(zip(np.cumsum([0] + blocks[:-1]), blocks)):
+                tables[i, :count] = np.arange(first, first + count)
             cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
             np.cumsum(q_lens, out=cu[1:])
             positions = np.concatenate([np.arange(q) for q in q_lens])
             seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
             slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
-            def put(array: np.ndarray, dtype) -> torch.Tensor:
+            def put(array, dtype) -> torch.Tensor:
                 return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
 
             adapters = [None]
@@ -241,9 +239,9 @@ class ModelRunner:
                 input_ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=self.device)
                 hidden = self.model(input_ids, put(positions, np.int64), self.kv_caches, meta)
                 logits = self.model.compute_logits(hidden[put(cu[1:] - 1, np.int64)])
-        for k, v in self.kv_caches:
-            k[:used].zero_()
-            v[:used].zero_()
+            for k, v in self.kv_caches:
+                k[: sum(blocks)].zero_()
+                v[: sum(blocks)].zero_()
         return logits
 
     def swap(self, plan: SchedulerOutput) -> None:

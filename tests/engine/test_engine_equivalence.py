@@ -305,7 +305,7 @@ def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_ll
     (64-row tiles), leaves the KV pool zeroed and the engine's random stream where it was,
     and the engine then gives transformers' tokens."""
     engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=256,
-                                    max_num_seqs=4))
+                                    max_num_seqs=4, max_num_batched_tokens=64))
     engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
     random_state = engine.sampler.generator.get_state()
     attention = kernels.paged_attention_triton
@@ -323,6 +323,16 @@ def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_ll
     prompts = PROMPTS[:8]
     _, streamed, by_id = _drive(engine, prompts, MAX_TOKENS, spread_arrivals(len(prompts)), None, None, None)
     assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [1, 2, 5])
+def test_warm_up_stays_inside_a_small_pool(tiny_llama, num_kv_blocks):
+    """A pool smaller than the largest step (a test's, on CUDA) warms smaller steps and writes
+    no slot past the pool (which on the CPU crashes the process, on CUDA faults the device)."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+    engine.model.cpu_layers = None
+    engine.warm_up()
+    assert all(not k.any() and not v.any() for k, v in engine.runner.kv_caches)
 
 
 def _compiled_variants() -> dict[str, int]:

@@ -92,7 +92,8 @@ def test_mixed_batch_of_three_adapters_and_base(base, adapters, oracle, device):
 def test_warm_up_runs_the_lora_kernels(base, adapters):
     """With adapters loaded, `LLMEngine.warm_up` (at load on CUDA) also launches the SGMV
     kernels, here through Triton's interpreter."""
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters, **CONFIG))
+    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+                                    max_num_batched_tokens=64, **CONFIG))
     engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
     delta = kernels.lora_delta_triton
     launches = []

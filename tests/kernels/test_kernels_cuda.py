@@ -7,8 +7,8 @@ dtype's rounding; the kernels' exact operations (the KV store, the residual sum)
 bit for bit. The shapes include the engine's real ones (Llama-3-8B attention, 2k contexts),
 which a grid or an index that overflows only at size would fail.
 
-Skipped where torch sees no CUDA device; the GPU run of the suite is recorded in
-bench/results/gpu/ with the command that made it.
+Skipped where torch sees no CUDA device; its GPU runs are in bench/results/gpu/cuda_tests_*
+with the commands that made them.
 """
 
 import zlib

@@ -101,7 +101,16 @@ LLAMA3_8B_SHAPE = dict(
     LLAMA3_1B_SHAPE, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     head_dim=128, rope_parameters={**_LLAMA3_ROPE, "factor": 8.0},
 )
-SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "llama3-1b": LLAMA3_1B_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
+# The default checkpoint's shape (SmolLM2-135M-Instruct): its speed where its weights are not
+# at hand (a machine without the package they come from).
+SMOLLM2_135M_SHAPE = dict(
+    initializer_range=0.02, vocab_size=49152, tie_word_embeddings=True, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+    rms_norm_eps=9.999999747378752e-06, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1,
+    eos_token_id=2,
+)
+SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "smollm2-135m": SMOLLM2_135M_SHAPE, "llama3-1b": LLAMA3_1B_SHAPE,
+          "llama3-8b": LLAMA3_8B_SHAPE}
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -68,7 +68,9 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     present = [flag for flag in CPU_FLAGS if flag in flags]
-    info = {"cpu": cpu, "cpu_kind": cpu_kind(present), "cpu_flags": present, "cores": os.cpu_count(),
+    # The cores this process may run on (a taskset or a container's cpuset), not the host's.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"cpu": cpu, "cpu_kind": cpu_kind(present), "cpu_flags": present, "cores": cores,
             "platform": platform.platform(), "python": platform.python_version()}
     try:
         import torch

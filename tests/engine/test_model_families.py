@@ -24,6 +24,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.models.llama import AttentionMetadata
 from backend.models.loader import CheckpointError, checkpoint_dtype, load_arch, load_model
+from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
@@ -489,6 +490,15 @@ def test_released_config_json_is_read(tmp_path, raw, want):
     assert arch.sliding_window == want["sliding_window"]
     assert arch.head_dim == raw.get("head_dim", 16)
     assert checkpoint_dtype(str(tmp_path)) == want["dtype"]
+
+
+def test_the_default_checkpoints_shape_is_its_own(tmp_path):
+    """`--shape smollm2-135m` (random_checkpoint.SHAPES) is the default checkpoint's model but
+    for its weights: what a machine without that checkpoint benchmarks instead."""
+    from backend.models.random_checkpoint import SHAPES
+
+    transformers.LlamaConfig(**SHAPES["smollm2-135m"], architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    assert load_arch(str(tmp_path))[0] == load_arch(DEFAULT_CHECKPOINT)[0]
 
 
 @pytest.mark.parametrize("shape", ["llama3-1b", "llama3-8b"])

@@ -8,6 +8,8 @@ The same harness against a real tritonserver is tests/e2e/test_bench_targets.py'
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -482,3 +484,12 @@ def test_structured_half_constrains_every_other_request_and_keeps_the_token_coun
     seen = seen[1:]  # the warm-up request
     by_index = dict(zip(sorted(range(4), key=lambda i: w.requests[i].arrival_s), seen))
     assert [by_index[i] is not None for i in range(4)] == [True, False, True, False]
+
+
+def test_the_machine_records_the_cores_the_run_may_use():
+    """A run pinned to cores (taskset, a container's cpuset) records those, not the host's."""
+    run = subprocess.run(["taskset", "-c", "0", sys.executable, "-c",
+                          "from client.bench.records import machine; print(machine()['cores'])"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == "1"

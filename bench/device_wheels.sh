@@ -10,6 +10,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 #   mkdir -p .models/SmolLM2-135M-Instruct && cp .gpu/tok/* .models/SmolLM2-135M-Instruct/
+#   export INFLIGHT_GIT_COMMIT=<this checkout's HEAD>   (the copy there has a stale git directory)
 set -eu
 pyv=${1:-3.12}
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -88,6 +88,10 @@ def machine() -> dict:
 
 
 def git_commit() -> str:
+    """HEAD, or `INFLIGHT_GIT_COMMIT` where the tree was copied without its history (a device
+    machine's copy has a git directory of its own, at some older commit)."""
+    if os.environ.get("INFLIGHT_GIT_COMMIT"):
+        return os.environ["INFLIGHT_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

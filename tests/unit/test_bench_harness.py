@@ -17,7 +17,7 @@ import pytest
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
-from client.bench.records import RequestRecord, SystemRun
+from client.bench.records import RequestRecord, SystemRun, git_commit
 from client.bench.stats import summarize
 from client.bench.targets import parse_target
 from tests.checkpoints import make_tiny_checkpoint
@@ -493,3 +493,10 @@ def test_the_machine_records_the_cores_the_run_may_use():
                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[-1] == "1"
+
+
+def test_a_report_names_the_commit_it_was_given(monkeypatch):
+    head = git_commit()
+    assert len(head) == 40 or head == "unknown"
+    monkeypatch.setenv("INFLIGHT_GIT_COMMIT", "0123abc")
+    assert git_commit() == "0123abc"

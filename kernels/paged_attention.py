@@ -289,6 +289,9 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # Triton kernel
 # ---------------------------------------------------------------------------------------
 
+# The batch size and the block table's width change from step to step, and Triton compiles a
+# variant for each kind of int it sees (1, a multiple of 16, other): specialised on them, a
+# server would compile while requests wait (LLMEngine.warm_up compiles the rest at load).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,

@@ -8,8 +8,10 @@
 #
 # Writes OUT_DIR/gpu_tests.log, gpu_tests.xml, g3.json and g3.log. Each step has its own
 # time limit (TESTS_TIMEOUT, G3_TIMEOUT seconds), so a step that hangs costs only its share
-# of a short GPU lease. Needs the project's Python packages and the default checkpoint's
-# tokenizer (`make setup`), which the random checkpoints copy.
+# of a short GPU lease. G3_SYSTEMS picks G3's systems (transformers' alone took 150 s of an
+# H200). Needs the project's Python packages and the default checkpoint's tokenizer (`make
+# setup`, or bench/device_wheels.sh's .gpu/ on a machine without a package index), which the
+# random checkpoints copy.
 set -u
 out=${1:?usage: bash bench/gpu_checks.sh OUT_DIR [PYTHON]}
 py=${2:-python3}
@@ -30,7 +32,7 @@ echo "checkpoint in $((SECONDS - start)) s"
 
 start=$SECONDS
 # The KV pool holds every request of the workload at its longest (256 x 2048 tokens of 32 KiB).
-timeout "${G3_TIMEOUT:-300}" "$py" -m client.bench G3 --model "$ckpt" --systems continuous,static,hf-continuous \
+timeout "${G3_TIMEOUT:-300}" "$py" -m client.bench G3 --model "$ckpt" --systems "${G3_SYSTEMS:-continuous,static,hf-continuous}" \
     --engine device=cuda --engine dtype=bfloat16 --engine kv_cache_memory_mb=20480 --no-progress \
     --note "random-weight Llama-3.2-1B shape (python -m tools.random_checkpoint --shape llama3-1b --dtype bfloat16)" \
     --json "$out/g3.json" >"$out/g3.log" 2>&1

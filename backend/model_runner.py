@@ -195,6 +195,47 @@ class ModelRunner:
             sample_requests=sample_requests,
         )
 
+    def synthetic_inputs(self, q_lens: list[int], seq_lens: list[int] | None = None,
+                         lora: bool = False) -> StepInputs:
+        """A step over made-up sequences, for the warm-up and the benchmarks: sequence i holds
+        seq_lens[i] tokens (default q_lens[i]), the last q_lens[i] of them new, in the pool's
+        blocks from 0 on, one after another; each samples once. `lora`: every token through
+        the first adapter. No request owns the blocks it writes, so only before any request
+        (or with the pool's contents no longer needed) may it run."""
+        seq_lens = list(q_lens) if seq_lens is None else list(seq_lens)
+        bs = self.block_size
+        blocks = [-(-n // bs) for n in seq_lens]
+        if sum(blocks) > self.kv_caches[0][0].shape[0]:
+            raise ValueError(f"{sum(blocks)} KV blocks needed, the pool has {self.kv_caches[0][0].shape[0]}")
+        tables = np.zeros((len(q_lens), max(blocks)), dtype=np.int32)
+        for i, (first, count) in enumerate(zip(np.cumsum([0] + blocks[:-1]), blocks)):
+            tables[i, :count] = np.arange(first, first + count)
+        cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        positions = np.concatenate([np.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
+        seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        def put(array, dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=put(slots, np.int64), block_tables=put(tables, np.int32),
+            seq_lens=put(seq_lens, np.int32), cu_seqlens_q=put(cu, np.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), batch_invariant=self.batch_invariant,
+            lora=LoRABatch(seg_indptr=put([0, cu[-1]], np.int32), seg_adapter=put([0], np.int32),
+                           max_seg_len=int(cu[-1])) if lora else None,
+        )
+        return StepInputs(input_ids=torch.zeros(int(cu[-1]), dtype=torch.int64, device=self.device),
+                          positions=put(positions, np.int64), meta=meta,
+                          logits_indices=put(cu[1:] - 1, np.int64), sample_requests=[])
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of `inputs` and the logits of its sampling rows (float32)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
     @torch.inference_mode()
     def warm_up(self) -> torch.Tensor:
         """The largest steps the engine can take, once each, before any request: a chunk
@@ -203,7 +244,7 @@ class ModelRunner:
         loaded. The first requests then wait neither for Triton to compile a kernel nor for
         the allocator to grow, and a batch too big for the memory left fails here, at load,
         not in a request. Returns the decode pass's logits, for the caller to warm the
-        sampler with. The blocks it writes hold nothing yet, and are zeroed again after."""
+        sampler with. The blocks it writes are zeroed again after."""
         bs = self.block_size
         num_blocks = self.kv_caches[0][0].shape[0]
         # Within the pool: a small pool (a test's) warms smaller steps, and never writes past it.
@@ -212,36 +253,12 @@ class ModelRunner:
         decodes = [1] * min(self.config.max_num_seqs, num_blocks)
         logits = None
         for q_lens in (chunk, decodes):
-            blocks = [-(-q // bs) for q in q_lens]
-            tables = np.zeros((len(q_lens), max(blocks)), dtype=np.int32)
-            for i, (first, count) in enumerate(zip(np.cumsum([0] + blocks[:-1]), blocks)):
-                tables[i, :count] = np.arange(first, first + count)
-            cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
-            np.cumsum(q_lens, out=cu[1:])
-            positions = np.concatenate([np.arange(q) for q in q_lens])
-            seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
-            slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-
-            def put(array, dtype) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
-
-            adapters = [None]
-            if self.has_lora:
-                adapters.append(LoRABatch(seg_indptr=put([0, cu[-1]], np.int32), seg_adapter=put([0], np.int32),
-                                          max_seg_len=int(cu[-1])))
-            for lora in adapters:
-                meta = AttentionMetadata(
-                    slot_mapping=put(slots, np.int64), block_tables=put(tables, np.int32),
-                    seq_lens=put(q_lens, np.int32), cu_seqlens_q=put(cu, np.int32),
-                    max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens), batch_invariant=self.batch_invariant,
-                    lora=lora,
-                )
-                input_ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=self.device)
-                hidden = self.model(input_ids, put(positions, np.int64), self.kv_caches, meta)
-                logits = self.model.compute_logits(hidden[put(cu[1:] - 1, np.int64)])
+            for lora in (False, True) if self.has_lora else (False,):
+                logits = self.forward_logits(self.synthetic_inputs(q_lens, lora=lora))
+            used = sum(-(-q // bs) for q in q_lens)
             for k, v in self.kv_caches:
-                k[: sum(blocks)].zero_()
-                v[: sum(blocks)].zero_()
+                k[:used].zero_()
+                v[:used].zero_()
         return logits
 
     def swap(self, plan: SchedulerOutput) -> None:

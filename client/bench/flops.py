@@ -80,3 +80,26 @@ def add_flop_bound(results: list[dict], model_path: str, dtype_name: str, peak: 
     return {"dtype": dtype_name, "matmul_peak_gflops_at_256_rows": peak, "layer_gflops_per_token": per_token / 1e9,
             "head_gflops_per_output_token": per_output_token / 1e9}
 
+
+
+def copy_bandwidth_gbps(device: torch.device | str = "cpu", megabytes: int = 1024, seconds: float = 0.5,
+                        windows: int = 4) -> float:
+    """The device's memory bandwidth now, in GB/s: a copy of `megabytes` from one tensor to
+    another, counted as the bytes read plus the bytes written (BENCHMARKS.md's G1 and G2
+    roofline; a kernel that only reads reaches about this rate). Best of `windows` windows."""
+    device = torch.device(device)
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        dst.copy_(src)
+    best = 0.0
+    for _ in range(windows):
+        sync()
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            dst.copy_(src)
+            calls += 1
+        sync()
+        best = max(best, 2.0 * src.numel() * calls / (time.perf_counter() - start) / 1e9)
+    return best

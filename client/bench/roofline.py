@@ -1,0 +1,134 @@
+"""G1 decode roofline (BENCHMARKS.md): `python -m client.bench.roofline`.
+
+The time of one decode step of the engine's model (the forward pass and the output head)
+at each batch x context, against its memory roofline: the bytes the step must read (every
+layer weight and the output head once, each sequence's K/V) over the device's copy
+bandwidth, measured in the same run. At these batch sizes a decode step's arithmetic is far
+below the device's, so memory bounds it; the fraction says how close the engine comes.
+
+    python -m client.bench.roofline --model /tmp/random-llama3-8b --batch 1,32,128,256 \\
+        --context 512,2048 --json bench/results/gpu/g1.json
+
+The sequences are made up (`ModelRunner.synthetic_inputs`: one new token each, at the given
+context, over a zeroed KV pool); the sampler is not part of the time. Runs on the CPU too
+(`--device cpu`), where the same bound holds for the C++ kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model_runner import kv_block_bytes
+from backend.paths import DEFAULT_CHECKPOINT
+from client.bench.flops import copy_bandwidth_gbps
+from client.bench.records import git_commit, machine
+
+
+def weight_bytes_read(arch, element_size: int) -> int:
+    """Bytes of weights a decode step reads: every layer's projections and norms, the final
+    norm and the output head (the embedding table is read only at the batch's rows, so it
+    counts once, as the head, when the two are tied, and not at all when they are not)."""
+    qkv = arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads)
+    attention = arch.hidden_size * (qkv + arch.num_heads * arch.head_dim)
+    attention += qkv * arch.attention_bias + arch.hidden_size * arch.o_proj_bias + 2 * arch.head_dim * arch.qk_norm
+    mlp = 3 * arch.hidden_size * arch.intermediate_size + (2 * arch.intermediate_size + arch.hidden_size) * arch.mlp_bias
+    per_layer = attention + mlp + 2 * arch.hidden_size
+    return element_size * (arch.num_layers * per_layer + arch.hidden_size + arch.vocab_size * arch.hidden_size)
+
+
+def time_call(call, seconds: float, windows: int, sync) -> float:
+    """Best mean time of one call, in ms, over `windows` windows of about `seconds`."""
+    for _ in range(2):
+        call()
+    best = float("inf")
+    for _ in range(windows):
+        sync()
+        calls, start = 0, time.perf_counter()
+        while calls == 0 or time.perf_counter() - start < seconds:
+            call()
+            calls += 1
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls * 1e3)
+    return best
+
+
+def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidth_gbps: float,
+            seconds: float, windows: int) -> list[dict]:
+    runner = engine.runner
+    element_size = torch.empty((), dtype=engine.dtype).element_size()
+    weights = weight_bytes_read(engine.arch, element_size)
+    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            inputs = runner.synthetic_inputs([1] * batch, [context] * batch)
+            step_ms = time_call(lambda: runner.forward_logits(inputs), seconds, windows, sync)
+            read = weights + batch * context * kv_per_token
+            roofline_ms = read / (bandwidth_gbps * 1e9) * 1e3
+            rows.append({"batch": batch, "context": context, "step_ms": step_ms, "bytes_read": read,
+                         "weight_bytes": weights, "kv_bytes": read - weights, "roofline_ms": roofline_ms,
+                         "achieved_gbps": read / step_ms / 1e6, "fraction_of_roofline": roofline_ms / step_ms})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--batch", default="1,32,128,256", help="comma-separated batch sizes")
+    parser.add_argument("--context", default="512,2048", help="comma-separated context lengths")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    bs = args.block_size
+    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
+                          max_num_seqs=max(batches), max_model_len=max(contexts),
+                          num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1)
+    engine = LLMEngine(config)
+    bandwidth = copy_bandwidth_gbps(engine.device)
+    rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
+
+    dtype = str(engine.dtype).removeprefix("torch.")
+    print(f"G1 decode roofline: {os.path.basename(os.path.normpath(args.model))}, {dtype} on {engine.device}; "
+          f"copy bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'batch':>6} {'context':>8} {'step ms':>10} {'roofline ms':>12} {'GB/s':>9} {'of roofline':>12}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>10.3f} {r['roofline_ms']:>12.3f} "
+              f"{r['achieved_gbps']:>9.1f} {r['fraction_of_roofline']:>11.1%}")
+    report = {
+        "benchmark": "G1 decode roofline",
+        "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git_commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "device": engine.device.type,
+        "checkpoint": args.model,
+        "dtype": dtype,
+        "copy_bandwidth_gbps": bandwidth,
+        "results": rows,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of one session on one NVIDIA GPU: the CUDA tests (Triton kernels in every
 # dtype, the engine's greedy tokens against transformers under every scheduling feature),
-# then G3 (BENCHMARKS.md: W2 at GPU size) on a random-weight Llama-3.2-1B-shaped checkpoint
-# against transformers' continuous batching on the same GPU.
+# then BENCHMARKS.md's G1 (decode roofline) on a random-weight Llama-3.2-1B-shaped
+# checkpoint, G2 (paged attention at Llama-3-8B's heads) and G3 (W2 at GPU size) on that
+# checkpoint against transformers' continuous batching on the same GPU.
 #
 #   bash bench/gpu_checks.sh OUT_DIR [PYTHON]
 #
-# Writes OUT_DIR/gpu_tests.log, gpu_tests.xml, g3.json and g3.log. Each step has its own
-# time limit (TESTS_TIMEOUT, G3_TIMEOUT seconds), so a step that hangs costs only its share
-# of a short GPU lease. G3_SYSTEMS picks G3's systems (transformers' alone took 150 s of an
-# H200). Needs the project's Python packages and the default checkpoint's tokenizer (`make
-# setup`, or bench/device_wheels.sh's .gpu/ on a machine without a package index), which the
-# random checkpoints copy.
+# Writes OUT_DIR/gpu_tests.log, gpu_tests.xml, and g1, g2 and g3 .json and .log. Each step
+# has its own time limit (TESTS_TIMEOUT, G1_TIMEOUT, G2_TIMEOUT, G3_TIMEOUT seconds), so a
+# step that hangs costs only its share of a short GPU lease. G3_SYSTEMS picks G3's systems
+# (transformers' alone took 150 s of an H200). Needs the project's Python packages and the
+# default checkpoint's tokenizer (`make setup`, or bench/device_wheels.sh's .gpu/ on a
+# machine without a package index), which the random checkpoints copy.
 set -u
 out=${1:?usage: bash bench/gpu_checks.sh OUT_DIR [PYTHON]}
 py=${2:-python3}
@@ -29,6 +30,16 @@ start=$SECONDS
 ckpt=${GPU_CHECKPOINT:-/tmp/random-llama3-1b}
 "$py" -m tools.random_checkpoint "$ckpt" --shape llama3-1b --dtype bfloat16 >/dev/null 2>&1 || echo "checkpoint failed"
 echo "checkpoint in $((SECONDS - start)) s"
+
+start=$SECONDS
+timeout "${G1_TIMEOUT:-120}" "$py" -m client.bench.roofline --model "$ckpt" --device cuda --dtype bfloat16 \
+    --json "$out/g1.json" >"$out/g1.log" 2>&1
+echo "G1: exit $? in $((SECONDS - start)) s"; tail -12 "$out/g1.log"
+
+start=$SECONDS
+timeout "${G2_TIMEOUT:-150}" "$py" -m client.bench.attention --device cuda --dtype bfloat16 \
+    --json "$out/g2.json" >"$out/g2.log" 2>&1
+echo "G2: exit $? in $((SECONDS - start)) s"; tail -16 "$out/g2.log"
 
 start=$SECONDS
 # The KV pool holds every request of the workload at its longest (256 x 2048 tokens of 32 KiB).

@@ -34,8 +34,6 @@ the cast). Context 4096 doubles both.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -43,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from client.bench.flops import copy_bandwidth_gbps
-from client.bench.records import git_commit, machine
+from client.bench.flops import WARMUP_CALLS, copy_bandwidth_gbps, seconds_per_call
+from client.bench.records import git_commit, machine, write_report
 from kernels import cpu_ext
 from kernels.testing import PagedBatch, make_paged_batch
 
@@ -53,7 +51,6 @@ IMPLEMENTATIONS = ("engine", "reference", "sdpa")
 # 1): 16-bit kernels round scores, probabilities and outputs to 8 (bf16) or 11 (fp16) bits
 # in places that differ from the reference's.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-WARMUP_CALLS = 3
 
 
 def attention_flops(q_lens: list[int], seq_lens: list[int], heads: int, head_dim: int) -> int:
@@ -62,23 +59,6 @@ def attention_flops(q_lens: list[int], seq_lens: list[int], heads: int, head_dim
     keys sits at position seq_len - q_len + i and attends that many keys plus one."""
     keys = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(q_lens, seq_lens))
     return 4 * heads * head_dim * keys
-
-
-def seconds_per_call(call, device: torch.device, seconds: float, windows: int) -> float:
-    """The best of `windows` windows of at least `seconds` (and one call) each."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(WARMUP_CALLS):
-        call()
-    best = float("inf")
-    for _ in range(windows):
-        sync()
-        calls, start = 0, time.perf_counter()
-        while calls == 0 or time.perf_counter() - start < seconds:
-            call()
-            calls += 1
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
 
 
 def check_matches(name: str, out: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -281,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_tables(report)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import sys
 import time
@@ -35,7 +34,7 @@ from backend.config import EngineConfig
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from client.bench.flops import add_flop_bound, matmul_peak_gflops
 from client.bench.plot import plot_path, plot_report
-from client.bench.records import git_commit, machine
+from client.bench.records import git_commit, machine, write_report
 from client.bench.stats import DEFAULT_SLO, rate_label, ratios, summarize
 from client.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, RunContext, engine_device, engine_dtype_name, target_runner
 from client.bench.table import print_table
@@ -212,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(report)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     if args.plot:
         path = plot_path(args.json, args.workload)
         plot_report(report, path)

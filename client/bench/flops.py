@@ -45,21 +45,9 @@ def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, secon
         size = max(size, 8192)
     a, b = torch.randn(rows, size).to(dtype).to(device), torch.randn(size, size).to(dtype).to(device)
     packed = kernels.pack_linear_weight(b)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def rate(call) -> float:
-        for _ in range(3):
-            call()
-        best = 0.0
-        for _ in range(windows):
-            sync()
-            calls, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                call()
-                calls += 1
-            sync()
-            best = max(best, 2.0 * rows * size * size * calls / (time.perf_counter() - start) / 1e9)
-        return best
+        return 2.0 * rows * size * size / seconds_per_call(call, device, seconds, windows) / 1e9
 
     peak = rate(lambda: torch.mm(a, b))
     if packed is not None:
@@ -82,24 +70,32 @@ def add_flop_bound(results: list[dict], model_path: str, dtype_name: str, peak: 
 
 
 
+WARMUP_CALLS = 3
+
+
+def seconds_per_call(call, device: torch.device | str, seconds: float, windows: int) -> float:
+    """The best mean time of one call over `windows` windows of at least `seconds` (and one
+    call) each, after WARMUP_CALLS calls; synchronised with the device at each window's ends."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(WARMUP_CALLS):
+        call()
+    best = float("inf")
+    for _ in range(windows):
+        sync()
+        calls, start = 0, time.perf_counter()
+        while calls == 0 or time.perf_counter() - start < seconds:
+            call()
+            calls += 1
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
 def copy_bandwidth_gbps(device: torch.device | str = "cpu", megabytes: int = 1024, seconds: float = 0.5,
                         windows: int = 4) -> float:
     """The device's memory bandwidth now, in GB/s: a copy of `megabytes` from one tensor to
     another, counted as the bytes read plus the bytes written (BENCHMARKS.md's G1 and G2
-    roofline; a kernel that only reads reaches about this rate). Best of `windows` windows."""
-    device = torch.device(device)
+    roofline; a kernel that only reads reaches about this rate)."""
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        dst.copy_(src)
-    best = 0.0
-    for _ in range(windows):
-        sync()
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            dst.copy_(src)
-            calls += 1
-        sync()
-        best = max(best, 2.0 * src.numel() * calls / (time.perf_counter() - start) / 1e9)
-    return best
+    return 2.0 * src.numel() / seconds_per_call(lambda: dst.copy_(src), device, seconds, windows) / 1e9

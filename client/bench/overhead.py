@@ -16,7 +16,6 @@ machine and the command).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -31,7 +30,7 @@ from backend.engine import LLMEngine
 from backend.models.random_checkpoint import SMALL_SHAPE, make_tiny_checkpoint
 from backend.paths import MODELS_DIR
 from backend.request import SamplingParams
-from client.bench.records import git_commit, machine
+from client.bench.records import git_commit, machine, write_report
 
 SMALL_CHECKPOINT = str(MODELS_DIR / "random-llama-small")
 PHASES = ("schedule", "prepare", "forward", "update")
@@ -134,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

@@ -9,6 +9,7 @@ the client.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -97,3 +98,11 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
+
+def write_report(path: str, report: dict) -> None:
+    """The report as JSON at `path` (its folder made), and a line saying so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"wrote {path}")

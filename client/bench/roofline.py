@@ -17,7 +17,6 @@ context, over a zeroed KV pool); the sampler is not part of the time. Runs on th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,8 +27,8 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model_runner import kv_block_bytes
 from backend.paths import DEFAULT_CHECKPOINT
-from client.bench.flops import copy_bandwidth_gbps
-from client.bench.records import git_commit, machine
+from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
+from client.bench.records import git_commit, machine, write_report
 
 
 def weight_bytes_read(arch, element_size: int) -> int:
@@ -44,34 +43,17 @@ def weight_bytes_read(arch, element_size: int) -> int:
     return element_size * (arch.num_layers * per_layer + arch.hidden_size + arch.vocab_size * arch.hidden_size)
 
 
-def time_call(call, seconds: float, windows: int, sync) -> float:
-    """Best mean time of one call, in ms, over `windows` windows of about `seconds`."""
-    for _ in range(2):
-        call()
-    best = float("inf")
-    for _ in range(windows):
-        sync()
-        calls, start = 0, time.perf_counter()
-        while calls == 0 or time.perf_counter() - start < seconds:
-            call()
-            calls += 1
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls * 1e3)
-    return best
-
-
 def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidth_gbps: float,
             seconds: float, windows: int) -> list[dict]:
     runner = engine.runner
     element_size = torch.empty((), dtype=engine.dtype).element_size()
     weights = weight_bytes_read(engine.arch, element_size)
     kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     rows = []
     for batch in batches:
         for context in contexts:
             inputs = runner.synthetic_inputs([1] * batch, [context] * batch)
-            step_ms = time_call(lambda: runner.forward_logits(inputs), seconds, windows, sync)
+            step_ms = seconds_per_call(lambda: runner.forward_logits(inputs), engine.device, seconds, windows) * 1e3
             read = weights + batch * context * kv_per_token
             roofline_ms = read / (bandwidth_gbps * 1e9) * 1e3
             rows.append({"batch": batch, "context": context, "step_ms": step_ms, "bytes_read": read,
@@ -123,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

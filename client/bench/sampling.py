@@ -21,7 +21,7 @@ import torch
 
 from backend.request import Request, SamplingParams
 from backend.sampler import Sampler
-from client.bench.records import git_commit, machine
+from client.bench.records import git_commit, machine, write_report
 from kernels import keep_nucleus_, keep_nucleus_reference
 
 PARAMETER_SETS = {
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": args.rows, "vocab": args.vocab, "logit_scale": args.scale, "results": results}
     print(json.dumps(results, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_report(args.json, report)
     return report
 
 

@@ -241,13 +241,21 @@ class LLMEngine:
         for Triton to compile kernels. The sampler is warmed on max_num_seqs rows by a
         throwaway copy, so the engine's own random stream is untouched."""
         started = time.perf_counter()
-        logits = self.runner.warm_up()
         kinds = [SamplingParams(temperature=0.0, logprobs=2),
                  SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1)]
-        requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=kinds[i % 2], max_tokens=1,
-                            arrival_time=0.0, arrival_seq=-1, needs_logprobs=kinds[i % 2].logprobs is not None)
-                    for i in range(logits.shape[0])]
-        Sampler(self.config.seed)(logits, requests)
+        try:
+            logits = self.runner.warm_up()
+            requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=kinds[i % 2], max_tokens=1,
+                                arrival_time=0.0, arrival_seq=-1, needs_logprobs=kinds[i % 2].logprobs is not None)
+                        for i in range(logits.shape[0])]
+            Sampler(self.config.seed)(logits, requests)
+        except torch.OutOfMemoryError as exc:
+            kv = "gpu_memory_utilization" if self.config.gpu_memory_utilization else "kv_cache_memory_mb"
+            raise ValueError(
+                f"the largest step (max_num_batched_tokens={self.config.max_num_batched_tokens}, "
+                f"max_num_seqs={self.config.max_num_seqs}) does not fit in the {self.device.type} memory left beside "
+                f"the weights and the KV pool ({self.kv.num_blocks} blocks): lower {kv}, max_num_batched_tokens "
+                f"or max_num_seqs ({str(exc).splitlines()[0]})") from None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("warmed up the %s kernels in %.1f s", self.device.type, time.perf_counter() - started)

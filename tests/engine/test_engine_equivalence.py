@@ -325,6 +325,22 @@ def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_ll
     assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
 
 
+def test_a_warm_up_out_of_memory_names_the_parameters_to_lower(tiny_llama, monkeypatch):
+    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=48, max_num_batched_tokens=4096))
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    monkeypatch.setattr(engine.runner, "warm_up", out_of_memory)
+    with pytest.raises(ValueError) as err:
+        engine.warm_up()
+    message = str(err.value)
+    assert "max_num_batched_tokens=4096" in message and "max_num_seqs=48" in message and "64 blocks" in message
+    assert "lower kv_cache_memory_mb, max_num_batched_tokens or max_num_seqs" in message
+    assert "Tried to allocate 2.00 GiB" in message and "more lines" not in message
+
+
 @pytest.mark.parametrize("num_kv_blocks", [1, 2, 5])
 def test_warm_up_stays_inside_a_small_pool(tiny_llama, num_kv_blocks):
     """A pool smaller than the largest step (a test's, on CUDA) warms smaller steps and writes

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from .paged_attention import _paged_attention_kernel, attention_config
     from .rms_norm import _rms_norm_kernel
     from .rotary import _rotary_kernel
+    from .triton_utils import dot_precision
 
     dtypes = ["bf16"] if args.quick else ["bf16", "fp16", "fp32"]
     # (head_dim, queries per kv head, block size, max_seqlen_q: 1 = decode tiles, 64 = prefill tiles)
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for dt in dtypes:
         p = "*" + dt
+        element_size = 4 if dt == "fp32" else 2
         jobs = [
             ("store_kv", _store_kv_kernel,
              {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
@@ -72,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, dict(BLOCK=1024)),
             ("lora_shrink", _lora_shrink_kernel,
              {"x_ptr": p, "a_ptr": p, "buf_ptr": "*fp32", "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
-             dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")),
+             dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, DOT_PRECISION=dot_precision(element_size))),
             ("lora_expand", _lora_expand_kernel,
              {"buf_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
-             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION="ieee" if dt == "fp32" else "tf32")),
+             dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION=dot_precision(element_size))),
         ]
         jobs = [job + (4,) for job in jobs]
         for hd, qpk, bs, max_q in attention:
-            config = attention_config(qpk, hd, 4 if dt == "fp32" else 2, max_q)
+            config = attention_config(qpk, hd, element_size, max_q)
             num_warps = config.pop("num_warps")
             jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']}",
                          _paged_attention_kernel,

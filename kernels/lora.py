@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .linear import PackedWeight, linear
-from .triton_utils import launch, next_power_of_2
+from .triton_utils import dot_precision, launch, next_power_of_2
 
 
 def lora_delta_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
@@ -139,7 +139,7 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lo
     buf = torch.zeros((num_tokens, total_rank), dtype=torch.float32, device=x.device)
     block_m = 16
     block_r = max(16, min(64, next_power_of_2(total_rank)))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = dot_precision(x.element_size())
     launch(_lora_shrink_kernel, (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(total_rank, block_r)),
            x, lora_a, buf, seg_indptr, seg_adapter, k, total_rank,
            x.stride(0), lora_a.stride(0), lora_a.stride(1), buf.stride(0),

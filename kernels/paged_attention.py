@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import cpu_ext
-from .triton_utils import launch, next_power_of_2
+from .triton_utils import dot_precision, launch, next_power_of_2
 
 # ---------------------------------------------------------------------------------------
 # torch reference, and the CPU production path (the C++ kernel; SDPA for long chunks at long contexts)
@@ -401,7 +401,7 @@ def attention_config(queries_per_kv: int, head_dim: int, element_size: int, max_
         QUERIES_PER_KV=queries_per_kv, HEAD_PAD=head_pad, BLOCK_M=block_m,
         BLOCK_Q=block_m // queries_per_kv,
         TILE_N=64 if element_size <= 2 and head_pad <= 128 else 32,
-        DOT_PRECISION="ieee" if element_size == 4 else "tf32",
+        DOT_PRECISION=dot_precision(element_size),
         num_warps=4,
     )
 

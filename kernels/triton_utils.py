@@ -83,3 +83,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(int(n))
+
+
+def dot_precision(element_size: int) -> str:
+    """`tl.dot`'s input precision for operands of `element_size` bytes: IEEE for float32, so a
+    float32 model's kernels round as its cuBLAS GEMMs do; TF32 otherwise (16-bit operands
+    ignore it, and a 16-bit model's float32 intermediates keep more bits than its output)."""
+    return "ieee" if element_size == 4 else "tf32"

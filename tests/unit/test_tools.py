@@ -73,7 +73,7 @@ def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
 
 
 def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
-    from tools import vllm_backend_peer
+    from client.bench import vllm_backend_peer
 
     source = tmp_path / "vllm_backend"
     (source / "src" / "utils").mkdir(parents=True)
@@ -111,7 +111,7 @@ def _genai_result(system: str, tokens_per_s: float, ttft: float, run: int | None
 
 
 def test_genai_perf_ratios_of_repeated_runs_are_the_medians_of_each_runs_ratios():
-    from tools.loadtest import comparison_ratios
+    from client.bench.loadtest import comparison_ratios
 
     runs = [(1, 400.0, 300.0, 1.0, 2.0), (2, 480.0, 320.0, 1.0, 1.0), (3, 420.0, 400.0, 1.0, 4.0)]
     results = [r for run, ours, peer, ttft, peer_ttft in runs
@@ -131,7 +131,7 @@ def test_genai_perf_ratios_of_repeated_runs_are_the_medians_of_each_runs_ratios(
 
 
 def test_loadtest_refuses_genai_perf_options_for_perf_analyzer():
-    from tools.loadtest import main
+    from client.bench.loadtest import main
 
     with pytest.raises(SystemExit):
         main(["perf-analyzer", "--repeat", "3"])

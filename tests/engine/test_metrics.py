@@ -1,5 +1,5 @@
-"""EngineMetrics against a test double of pb_utils' metric API (the real /metrics
-endpoint is exercised by the end-to-end tests)."""
+"""EngineMetrics of a real engine on the tiny checkpoint, against a test double of pb_utils'
+metric API (the real /metrics endpoint is exercised by the end-to-end tests)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.metrics import EngineMetrics
 from backend.request import SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 
 
 class FakeMetric:
@@ -63,27 +62,26 @@ def value(name, **labels):
     return matches[0]
 
 
-def tiny_engine(tmp_path_factory, max_num_seqs: int = 4) -> LLMEngine:
-    """A fresh fake registry and an engine on a tiny checkpoint (max_num_seqs 4 unless told, 64 blocks)."""
+def tiny_engine(checkpoint: str, max_num_seqs: int = 4) -> LLMEngine:
+    """A fresh fake registry and an engine on `checkpoint` (max_num_seqs 4 unless told, 64 blocks)."""
     FakeMetricFamily.registry = {}
-    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    return LLMEngine(EngineConfig(model_path=model, max_num_seqs=max_num_seqs, num_kv_blocks=64))
+    return LLMEngine(EngineConfig(model_path=checkpoint, max_num_seqs=max_num_seqs, num_kv_blocks=64))
 
 
 @pytest.fixture
-def loop(tmp_path_factory):
-    engine = tiny_engine(tmp_path_factory)
+def loop(tiny_checkpoint):
+    engine = tiny_engine(tiny_checkpoint)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     loop = EngineLoop(lambda: engine, observer=metrics)
     yield loop
     loop.shutdown()
 
 
-def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
+def test_gauges_are_published_before_the_loop_runs(tiny_checkpoint):
     """A scrape right after the model reports ready must see the pool and batch sizes: the
     loop's first on_step comes only after its first idle wait. No loop here, so only the
     constructor can have set them."""
-    engine = tiny_engine(tmp_path_factory)
+    engine = tiny_engine(tiny_checkpoint)
     EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max").value == engine.kv.pool.num_blocks > 0
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free").value == engine.kv.pool.num_blocks
@@ -92,13 +90,13 @@ def test_gauges_are_published_before_the_loop_runs(tmp_path_factory):
     assert value("inflight_iterations_total").value == 0
 
 
-def test_what_routers_read_follows_the_engine(tmp_path_factory):
+def test_what_routers_read_follows_the_engine(tiny_checkpoint):
     """The families llm-d's endpoint picker and the production-stack router parse, with
     vLLM's labels: gpu_cache_usage_perc moves with kv_cache_usage_perc, cache_config_info
     holds the pool's geometry in its labels, lora_requests_info's value is a refresh time."""
     from backend import metrics as metrics_module
 
-    engine = tiny_engine(tmp_path_factory)
+    engine = tiny_engine(tiny_checkpoint)
     clock = [1000.0]
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, clock=lambda: clock[0])
     info = value("vllm:cache_config_info")
@@ -126,12 +124,12 @@ def test_what_routers_read_follows_the_engine(tmp_path_factory):
     assert lora.value == clock[0]
 
 
-def test_lora_requests_info_has_a_series_per_adapter_combination(tmp_path_factory):
+def test_lora_requests_info_has_a_series_per_adapter_combination(tiny_checkpoint):
     """vLLM's lora_requests_info: the adapters running and waiting and max_lora are labels, the
     value the time of the sample; a new combination is a new series, at once."""
     import dataclasses
 
-    engine = tiny_engine(tmp_path_factory)
+    engine = tiny_engine(tiny_checkpoint)
     clock = [1000.0]
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, clock=lambda: clock[0])
     engine.stats = dataclasses.replace(engine.stats, max_loras=2, running_lora_adapters=("sql", "tone"),
@@ -184,9 +182,9 @@ def test_metrics_move_and_return_to_idle(loop):
             assert metric.labels["model"] == "llm" and metric.labels["version"] == "1"
 
 
-def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
+def test_a_step_that_changes_nothing_sets_no_gauge(tiny_checkpoint):
     """Every set is an IPC round trip to the Triton process: unchanged values are not sent again."""
-    engine = tiny_engine(tmp_path_factory)
+    engine = tiny_engine(tiny_checkpoint)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     gauges = [m for f in FakeMetricFamily.registry.values() if f.kind == f.GAUGE for m in f.metrics]
 
@@ -204,12 +202,12 @@ def test_a_step_that_changes_nothing_sets_no_gauge(tmp_path_factory):
     assert value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used").value == engine.kv.pool.num_used > 0
 
 
-def test_updates_go_through_publish_and_only_apply_there(tmp_path_factory):
+def test_updates_go_through_publish_and_only_apply_there(tiny_checkpoint):
     """The Triton adapter queues the loop's metric updates for its response thread, the one
     thread that calls Triton (model.py): reading the engine must not touch a metric."""
     from backend.metrics import apply
 
-    engine = tiny_engine(tmp_path_factory)
+    engine = tiny_engine(tiny_checkpoint)
     queued = []
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine, publish=queued.append)
     assert not queued  # the constructor's first publication is applied at once (before ready)
@@ -245,7 +243,7 @@ class StepClock:
 
 
 @pytest.fixture
-def stepped(tmp_path_factory, monkeypatch):
+def stepped(tiny_checkpoint, monkeypatch):
     """An engine on a tiny checkpoint with two seats, its metrics, a step clock, and `run`,
     which drives it as the loop does (final outputs to on_finished, then on_step), one
     clock tick per step."""
@@ -255,7 +253,7 @@ def stepped(tmp_path_factory, monkeypatch):
     clock = StepClock()
     monkeypatch.setattr(backend.engine, "time", clock)
     monkeypatch.setattr(backend.scheduler, "time", clock)
-    engine = tiny_engine(tmp_path_factory, max_num_seqs=2)
+    engine = tiny_engine(tiny_checkpoint, max_num_seqs=2)
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
 
     def run(steps=None):
@@ -360,12 +358,11 @@ def test_a_failed_forward_pass_counts_as_error(stepped):
 # ------------------------------------------------------------- per tenant
 
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
-def test_per_tenant_service_and_requests_with_a_bounded_label_set(tmp_path_factory, policy):
+def test_per_tenant_service_and_requests_with_a_bounded_label_set(tiny_checkpoint, policy):
     """Tenants in tenant_weights and "default" have their own label; every other tenant is
     counted under "other", however many there are."""
     FakeMetricFamily.registry = {}
-    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=2, num_kv_blocks=64, scheduling_policy=policy,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, max_num_seqs=2, num_kv_blocks=64, scheduling_policy=policy,
                                     tenant_weights={"gold": 2.0}, enable_prefix_caching=False))
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     tenants = ["gold", "gold", "default", "stranger-1", "stranger-2"]
@@ -396,22 +393,12 @@ def test_per_tenant_service_and_requests_with_a_bounded_label_set(tmp_path_facto
     assert all(value("inflight_tenant_requests_running", tenant=t).value == 0 for t in expected)
 
 
-def test_jain_index():
-    from backend.metrics import jain_index
-
-    assert jain_index([]) == jain_index([5.0]) == jain_index([0.0, 0.0]) == 1.0
-    assert jain_index([3.0, 3.0, 3.0]) == pytest.approx(1.0)
-    assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
-    assert jain_index([2.0, 1.0]) == pytest.approx(9 / 10)
-
-
 @pytest.mark.parametrize("policy, fair", [("fcfs", False), ("fair", True)])
-def test_fairness_index_over_backlogged_tenants(tmp_path_factory, policy, fair):
+def test_fairness_index_over_backlogged_tenants(tiny_checkpoint, policy, fair):
     """Two tenants backlogged on one seat: fcfs serves the first flood only (index 1/2),
     fair alternates them (index near 1)."""
     FakeMetricFamily.registry = {}
-    model = make_tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny-llama"))
-    engine = LLMEngine(EngineConfig(model_path=model, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, max_num_seqs=1, num_kv_blocks=64, scheduling_policy=policy,
                                     tenant_weights={"a": 1.0, "b": 1.0}, enable_prefix_caching=False))
     metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
     for tenant in ("a", "b"):

@@ -13,20 +13,14 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
 from backend.stats import StepStats, Totals
-from tests.checkpoints import make_tiny_checkpoint
 
 PROMPT_A = list(range(100, 140))  # 40 tokens: two full blocks of 16 and 8 more
 PROMPT_B = PROMPT_A[:32] + list(range(500, 508))  # shares A's two full blocks
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("stats") / "tiny-llama"))
-
-
-def test_the_snapshot_counts_a_few_known_steps(tiny_model):
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", block_size=16,
+def test_the_snapshot_counts_a_few_known_steps(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=16,
                                     num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
                                     long_prefill_token_threshold=32))
     stats = engine.stats
@@ -88,22 +82,10 @@ def test_the_snapshot_counts_a_few_known_steps(tiny_model):
     assert (window.prefix_query_tokens, window.prefix_hit_tokens) == (40, 32)
 
 
-def test_totals_count_preemptions_and_lookups_of_every_step_but_iterations_only_when_a_pass_ran():
-    ran = StepStats(ran=True, num_running=3, num_scheduled_tokens=10, num_generated_tokens=2, num_preempted=1,
-                    prefix_query_tokens=16, prefix_hit_tokens=8, schedule_time_s=0.5, forward_time_s=2.0)
-    idle = StepStats(num_running=1, num_scheduled_tokens=4, num_preempted=2, prefix_query_tokens=16)
-    totals = Totals().with_step(ran).with_step(idle)
-    assert (totals.steps, totals.sum_running, totals.sum_scheduled_tokens, totals.generation_tokens) == (1, 3, 10, 2)
-    assert (totals.preemptions, totals.prefix_query_tokens, totals.prefix_hit_tokens) == (3, 32, 8)
-    assert (totals.sum_schedule_time_s, totals.sum_forward_time_s) == (0.5, 2.0)
-    assert totals.prefix_hit_rate == 0.25 and Totals().prefix_hit_rate == 0.0
-    assert totals.since(totals) == Totals()
-
-
-def test_the_snapshot_times_each_first_token_and_each_interval_after_it(tiny_model):
+def test_the_snapshot_times_each_first_token_and_each_interval_after_it(tiny_checkpoint):
     """A step lists, per request that received a token, the time from arrival to it when it
     was the first (with that request's prompt tokens), else the time since its previous one."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", block_size=16,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=16,
                                     num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
                                     long_prefill_token_threshold=32))
     engine.add_request("a", PROMPT_A, PARAMS)
@@ -127,10 +109,10 @@ def test_the_snapshot_times_each_first_token_and_each_interval_after_it(tiny_mod
     assert engine.stats.totals.prefilled_prompt_tokens == 80 and engine.stats.totals.prompt_tokens == 120
 
 
-def test_a_cpu_engine_computes_at_most_512_tokens_a_step_by_default(tiny_model):
+def test_a_cpu_engine_computes_at_most_512_tokens_a_step_by_default(tiny_checkpoint):
     """max_num_batched_tokens 0 (the default) is the device's budget: a 600-token prompt on the
     CPU is prefilled in two steps, 512 tokens then 88."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", num_kv_blocks=64,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
                                     long_prefill_token_threshold=1024))
     assert engine.config.max_num_batched_tokens == 512
     engine.add_request("long", [100 + i % 400 for i in range(600)], PARAMS)

@@ -5,6 +5,17 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_collection_modifyitems(items):
+    """The markers mean what pyproject.toml says: a test that starts a tritonserver (the e2e
+    tests' `tritonserver` fixture, or a cluster of them) is marked e2e, so `-m "not e2e"`
+    leaves out every server."""
+    for item in items:
+        starts_servers = {"tritonserver", "cluster"} & set(getattr(item, "fixturenames", ()))
+        if starts_servers and item.get_closest_marker("e2e") is None:
+            raise pytest.UsageError(f"{item.nodeid} starts a tritonserver (fixture {sorted(starts_servers)[0]}) "
+                                    "but is not marked e2e")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of small tensors (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`):

@@ -3,6 +3,7 @@
 #   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
 #   make test    setup, then the whole pytest suite
+#   make test-fast   setup, then the unit, kernel and engine tests: no tritonserver, no deploy tools (minutes)
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
@@ -40,10 +41,10 @@ TRITON_STAMP := .triton/.inflight-setup
 MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 
-.PHONY: help setup serve test bench lint clean distclean
+.PHONY: help setup serve test test-fast bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
+	@echo "make setup | serve | openai | cluster | test | test-fast | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -77,6 +78,9 @@ test: setup
 	@# One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
 	@# where a second spinning OpenMP thread per process costs far more than it gives.
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests/unit tests/kernels tests/engine $(PYTEST_ARGS)
 
 # genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
 # out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/e2e/genai_perf_setup.py).

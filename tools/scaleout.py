@@ -22,25 +22,22 @@ Routing, and why:
 
 Each replica may live in a network namespace of its own (``Replica.netns``, see
 ``tools/netns.py``): its processes then run under ``ip netns exec`` and bind its address.
+The replicas' tritonservers and frontends are started by tools/launch.py, as `make serve`'s
+and the tests' are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Sequence
 
 from backend.paths import REPO_ROOT
-from tools import serve
+from tools import launch
 
 ROUTER_BIN = REPO_ROOT / ".venv-router" / "bin" / "vllm-router"
 ROUTER_POLICIES = ("round_robin", "power_of_two", "consistent_hash", "cache_aware", "kv_aware", "random")
@@ -91,9 +88,6 @@ class Replica:
     @property
     def kv_replay_endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port(KV_REPLAY)}"
-
-    def wrap(self, cmd: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *cmd] if self.netns else list(cmd)
 
 
 def haproxy_config(replicas: Sequence[Replica], bind_host: str, http_port: int, grpc_port: int) -> str:
@@ -163,16 +157,6 @@ def router_command(replicas: Sequence[Replica], bind_host: str, port: int, metri
     return cmd
 
 
-def _get(url: str, timeout: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
 def _wait(predicate, timeout_s: float, what: str, procs: Sequence[subprocess.Popen | None] = ()) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -184,23 +168,9 @@ def _wait(predicate, timeout_s: float, what: str, procs: Sequence[subprocess.Pop
         time.sleep(0.5)
 
 
-def _kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
-    """Stop ``proc`` and what its process group left (the Triton stubs) by its pid."""
-    if proc is None:
-        return
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    if proc is not None:
+        launch.stop(proc, timeout_s)
 
 
 class Cluster:
@@ -274,33 +244,31 @@ class Cluster:
             if replica.kv_events:
                 parameters["kv_events_endpoint"] = replica.kv_events_endpoint
                 parameters["kv_events_replay_endpoint"] = replica.kv_replay_endpoint
-            serve.repository_with_parameters(self.model_repository, repo, parameters)
-        cmd = serve.build_command(repo, replica.host, replica.port(HTTP), replica.port(GRPC), replica.port(METRICS))
-        serve.check_setup()
-        log = open(self.log_dir / f"{replica.name}-triton.log", "ab")
-        replica.triton = subprocess.Popen(replica.wrap(cmd), env=serve.server_env(), cwd=str(REPO_ROOT),
-                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-        log.close()
+            launch.repository_with_parameters(self.model_repository, repo, parameters)
+        with open(self.log_dir / f"{replica.name}-triton.log", "ab") as log:
+            replica.triton = launch.launch_tritonserver(repo, replica.host, replica.port(HTTP), replica.port(GRPC),
+                                                        replica.port(METRICS), stdout=log, stderr=subprocess.STDOUT,
+                                                        netns=replica.netns)
 
     def wait_triton(self, replica: Replica) -> None:
-        """Wait until the replica is ready and its metrics endpoint answers: tritonserver opens
-        its metrics port after HTTP, so a scrape right after readiness can be refused."""
-        _wait(lambda: _get(f"http://{replica.http_url}/v2/health/ready") == 200 and _get(replica.metrics_url) == 200,
-              self.ready_timeout_s, f"{replica.name} tritonserver not ready", [replica.triton])
+        """Wait until the replica is ready and its metrics endpoint answers."""
+        try:
+            launch.wait_tritonserver(replica.port(HTTP), self.ready_timeout_s, replica.host, replica.triton,
+                                     replica.port(METRICS))
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{replica.name}: {exc}") from None
 
     def start_frontend(self, replica: Replica) -> None:
         if replica.frontend is not None and replica.frontend.poll() is None:
             return
-        cmd = [sys.executable, "-m", "client.openai", "--triton-url", replica.grpc_url, "--host", replica.host,
-               "--port", str(replica.port(OPENAI)), "--model-repository", str(self.repository(replica))]
-        log = open(self.log_dir / f"{replica.name}-openai.log", "ab")
-        replica.frontend = subprocess.Popen(replica.wrap(cmd), cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
-        _wait(lambda: _get(f"{replica.openai_url}/health") == 200, 120,
-              f"{replica.name} OpenAI frontend not healthy", [replica.frontend])
+        with open(self.log_dir / f"{replica.name}-openai.log", "ab") as log:
+            replica.frontend = launch.launch_frontend(replica.grpc_url, replica.host, replica.port(OPENAI),
+                                                      model_repository=self.repository(replica), stdout=log,
+                                                      stderr=subprocess.STDOUT, netns=replica.netns)
+        try:
+            launch.wait_frontend(replica.port(OPENAI), 120, replica.host, replica.frontend)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{replica.name}: {exc}") from None
 
     def _start_routers(self) -> None:
         config = self.log_dir / "haproxy.cfg"
@@ -315,9 +283,10 @@ class Cluster:
         with open(self.log_dir / "vllm-router.log", "ab") as log:
             self.router = subprocess.Popen(wrap(cmd), stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(lambda: _get(f"http://{self.http_url}/v2/health/ready") == 200, 30, "haproxy not serving",
+        _wait(lambda: launch.tritonserver_ready(self.http_port, self.router_host), 30, "haproxy not serving",
               [self.haproxy])
-        _wait(lambda: _get(f"{self.openai_url}/v1/models") == 200, 60, "vllm-router not serving", [self.router])
+        _wait(lambda: launch.http_status(self.router_host, self.openai_port, "/v1/models") == 200, 60,
+              "vllm-router not serving", [self.router])
 
     def kill_triton(self, replica: Replica) -> None:
         """SIGKILL the replica's tritonserver alone, as a crash would; its Python backend stubs
@@ -328,18 +297,18 @@ class Cluster:
     def restart_triton(self, replica: Replica) -> None:
         """Relaunch a dead replica's tritonserver and wait until it is ready; its frontend,
         which reconnects by itself, is left running."""
-        _kill_group(replica.triton, signal.SIGKILL)
+        _stop(replica.triton, 0)
         self.start_triton(replica)
         self.wait_triton(replica)
         self.start_frontend(replica)
 
     def stop(self) -> None:
         for proc in (self.router, self.haproxy):
-            _kill_group(proc, signal.SIGTERM, 10)
+            _stop(proc, 10)
         for replica in self.replicas:
-            _kill_group(replica.frontend, signal.SIGTERM, 15)
+            _stop(replica.frontend, 15)
         for replica in self.replicas:
-            _kill_group(replica.triton, signal.SIGTERM, serve.EXIT_TIMEOUT_SECS + 15)
+            _stop(replica.triton, launch.EXIT_TIMEOUT_SECS + 15)
 
 
 def local_replicas(n: int, base_port: int, host: str = "127.0.0.1", kv_events: bool = False) -> list[Replica]:

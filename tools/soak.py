@@ -59,18 +59,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--grpc-url needs --metrics-url")
         return soak(args.grpc_url, args.metrics_url, args.server_pid)
 
-    from tools import serve
+    from tools import launch
 
-    repository = args.model_repository or str(serve.DEFAULT_MODEL_REPOSITORY)
+    repository = args.model_repository or str(launch.DEFAULT_MODEL_REPOSITORY)
     with tempfile.NamedTemporaryFile(prefix="soak-tritonserver-", suffix=".log", delete=False) as log:
         print(f"tritonserver log: {log.name}", flush=True)
-        proc = serve.launch(repository, "127.0.0.1", args.http_port, args.grpc_port, args.metrics_port,
-                            stdout=log, stderr=log)
+        proc = launch.launch_tritonserver(repository, "127.0.0.1", args.http_port, args.grpc_port, args.metrics_port,
+                                           stdout=log, stderr=log)
         try:
-            serve.wait_ready(args.http_port, proc=proc, metrics_port=args.metrics_port)
+            launch.wait_tritonserver(args.http_port, proc=proc, metrics_port=args.metrics_port)
             return soak(f"127.0.0.1:{args.grpc_port}", f"http://127.0.0.1:{args.metrics_port}/metrics", proc.pid)
         finally:
-            serve.stop(proc)
+            launch.stop(proc)
 
 
 if __name__ == "__main__":

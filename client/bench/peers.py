@@ -2,7 +2,7 @@
 
 - `run_vllm_offline`: vLLM's offline `LLM.generate` on CPU. vLLM needs its own torch and
   numpy 2, so it lives in .venv-peers (`make peers`) and runs as a subprocess
-  (`client/vllm_offline.py`) that gets the requests and returns the results as JSON.
+  (`client/bench/vllm_offline.py`) that gets the requests and returns the results as JSON.
 - `run_hf_continuous`: Hugging Face transformers' own continuous batching (the manager behind
   `generate_batch`), in this process.
 
@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 from backend.paths import REPO_ROOT
 from client.bench.records import RequestRecord, SystemRun
+from client.bench.vllm_peer import check_requests, make_request
 from client.bench.workloads import Workload
-from client.vllm_peer import check_requests, make_request
 
 PEERS_VENV = os.path.join(REPO_ROOT, ".venv-peers")
 PEERS_PYTHON = os.path.join(PEERS_VENV, "bin", "python")
@@ -54,14 +54,14 @@ def _warn_if_timed_arrivals(workload: Workload, system: str) -> None:
 
 
 def vllm_requests(workload: Workload) -> list[dict]:
-    """The workload as client.vllm_offline's requests.json, in workload order."""
+    """The workload as client.bench.vllm_offline's requests.json, in workload order."""
     requests = [make_request(r.prompt_token_ids, r.max_tokens, r.temperature) for r in workload.requests]
     check_requests(requests)
     return requests
 
 
 def vllm_records(workload: Workload, result: dict, start: float, end: float) -> list[RequestRecord]:
-    """RequestRecords from client.vllm_offline's result.json: the batch ran from `start` to `end`."""
+    """RequestRecords from client.bench.vllm_offline's result.json: the batch ran from `start` to `end`."""
     counts = result["num_output_tokens"]
     if len(counts) != len(workload.requests):
         raise ValueError(f"vllm-offline returned {len(counts)} results for {len(workload.requests)} requests")
@@ -80,7 +80,7 @@ def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dty
 
     Model load, compilation (about two minutes here, every start) and one warm-up generate are
     not timed; the duration is the one timed generate. vLLM's CPU settings are those of
-    client/vllm_offline.py. A sampled request's seed is `seed` plus its index.
+    client/bench/vllm_offline.py. A sampled request's seed is `seed` plus its index.
     """
     if not os.path.exists(PEERS_PYTHON):
         raise FileNotFoundError(f"{PEERS_PYTHON} is missing: run `make peers` (vLLM for CPU in .venv-peers)")
@@ -95,7 +95,7 @@ def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dty
         result_path = os.path.join(tmp, "result.json")
         with open(requests_path, "w") as f:
             json.dump(requests, f)
-        command = [PEERS_PYTHON, "-m", "client.vllm_offline", "--requests", requests_path, "--out", result_path,
+        command = [PEERS_PYTHON, "-m", "client.bench.vllm_offline", "--requests", requests_path, "--out", result_path,
                    "--model", os.path.abspath(model_path), "--dtype", _dtype_name(dtype),
                    "--max-num-seqs", str(max_num_seqs), "--seed", str(seed)]
         if progress:
@@ -107,7 +107,7 @@ def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dty
                                   stderr=subprocess.STDOUT, text=True)
             output = proc.stdout
         if proc.returncode != 0:
-            raise RuntimeError(f"client.vllm_offline failed (exit {proc.returncode}): {' '.join(command)}\n"
+            raise RuntimeError(f"client.bench.vllm_offline failed (exit {proc.returncode}): {' '.join(command)}\n"
                                f"{output[-4000:]}")
         with open(result_path) as f:
             result = json.load(f)

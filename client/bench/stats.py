@@ -2,7 +2,7 @@
 
 `summarize` turns a `SystemRun` into every metric of a result; `ratios` compares the
 results of one report pair by pair; `format_ratio` and the labels print them the same way
-in the console table, the markdown tables and tools/loadtest.py.
+in the console table, the markdown tables and client/bench/loadtest.py.
 """
 
 from __future__ import annotations

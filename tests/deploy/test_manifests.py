@@ -103,7 +103,7 @@ def serve_args(command: list[str]) -> argparse.Namespace:
         launched["args"] = args
         raise FileNotFoundError("captured")
 
-    with mock.patch.object(serve, "launch", capture):
+    with mock.patch.object(serve, "launch_tritonserver", capture):
         assert serve.main(command[3:]) == 2
     repository, host, http, grpc, metrics, _log_verbose, _extra = launched["args"]
     return argparse.Namespace(model_repository=repository, host=host, http_port=http, grpc_port=grpc,

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,8 +23,8 @@ from typing import Iterator
 
 import requests
 
-from backend.paths import REPO_ROOT
-from tests.e2e.server import free_ports
+from tools import launch
+from tools.launch import free_ports
 
 READY_TIMEOUT_S = 60
 
@@ -55,40 +53,24 @@ class Frontend:
 
 @contextlib.contextmanager
 def run_frontend(triton_grpc_url: str, *args: str, wait_healthy: bool = True) -> Iterator[Frontend]:
-    """Start `python -m client.openai` on a free port; stop it (by PID) afterwards.
+    """Start the frontend (`tools.launch.launch_frontend`) on a free port; stop it afterwards.
 
     Waits until `/health` answers 200 (Triton reachable), or any answer with `wait_healthy` false.
     """
     (port,) = free_ports(1)
     log_path = Path(tempfile.mkdtemp(prefix="openai-frontend-")) / "frontend.log"
-    cmd = [sys.executable, "-m", "client.openai", "--triton-url", triton_grpc_url, "--port", str(port), *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = launch.launch_frontend(triton_grpc_url, "127.0.0.1", port, extra_args=args, stdout=log,
+                                      stderr=subprocess.STDOUT)
     frontend = Frontend(port, proc, log_path)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"openai frontend exited with {proc.returncode}:\n{frontend.log_tail()}")
-            try:
-                status = requests.get(f"{frontend.url}/health", timeout=2).status_code
-                if status == 200 or not wait_healthy:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"openai frontend not healthy after {READY_TIMEOUT_S}s:\n{frontend.log_tail()}")
-            time.sleep(0.2)
+        try:
+            launch.wait_frontend(port, READY_TIMEOUT_S, proc=proc, healthy=wait_healthy)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}:\n{frontend.log_tail()}") from None
         yield frontend
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        launch.stop(proc, timeout=15)
 
 
 def metrics_text(metrics_port: int) -> str:

@@ -1,10 +1,11 @@
-"""The one tritonserver launcher of the tests.
+"""The tests' tritonservers.
 
 `start_tritonserver` lays out a model repository of the test's own (each model a copy of
 model_repository/llm with its config.pbtxt parameters replaced) and starts tritonserver on
-it, on free ports, through the launcher `make serve` uses (`tools.serve.launch`), so the
-tests run the server exactly as users do. Tests reach it through the `tritonserver` factory
-fixture of tests/e2e/conftest.py, which also stops whatever a test leaves running.
+it, on free ports, through the launcher of `make serve` and of the cluster
+(`tools.launch.launch_tritonserver`), so the tests run the server exactly as users do. Tests
+reach it through the `tritonserver` factory fixture of tests/e2e/conftest.py, which also stops
+whatever a test leaves running.
 
     with tritonserver({"tiny": {"model_path": path}}, env={...}, args=["--log-verbose=1"]) as server:
         server.grpc_url, server.http_url, server.metrics_url, server.log_tail()
@@ -15,14 +16,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from tools.serve import set_parameters
+from tools import launch
+from tools.launch import free_ports, set_parameters
 
 READY_TIMEOUT_S = 300.0
 
@@ -33,20 +34,6 @@ E2E_PARAMETERS = {
     "max_num_seqs": "8",
     "kv_cache_memory_mb": "128",
 }
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports that were free a moment ago (bound together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def set_instance_count(config_text: str, count: int) -> str:
@@ -117,10 +104,8 @@ class TritonServer:
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after the server's exit timeout; returns the exit code. Only
         the first call signals: the process group's id may belong to another group by then."""
-        from tools import serve
-
         if self.exit_code is None:
-            self.exit_code = serve.stop(self.proc)
+            self.exit_code = launch.stop(self.proc)
         return self.exit_code
 
     def __enter__(self) -> "TritonServer":
@@ -139,8 +124,6 @@ def start_tritonserver(root: Path, models: Mapping[str, Mapping[str, str]], env:
     after the launcher's own options, and `model_files` (model -> {file name: text}) in the
     models' folders; returns once it and its /metrics answer, or raises
     RuntimeError with the log's tail."""
-    from tools import serve
-
     repository = root / "model_repository"
     for name, parameters in models.items():
         make_model_repository(repository, parameters, name=name, instances=(instances or {}).get(name),
@@ -148,12 +131,12 @@ def start_tritonserver(root: Path, models: Mapping[str, Mapping[str, str]], env:
     http_port, grpc_port, metrics_port = free_ports(3)
     log_path = root / "tritonserver.log"
     with open(log_path, "wb") as log:
-        proc = serve.launch(repository, "127.0.0.1", http_port, grpc_port, metrics_port, log_verbose=log_verbose,
-                            extra_args=tuple(args), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+        proc = launch.launch_tritonserver(repository, "127.0.0.1", http_port, grpc_port, metrics_port,
+                                          log_verbose=log_verbose, extra_args=tuple(args), stdout=log,
+                                          stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = TritonServer(http_port, grpc_port, metrics_port, proc, log_path, tuple(models))
     try:
-        serve.wait_ready(http_port, ready_timeout, proc=proc, metrics_port=metrics_port)
+        launch.wait_tritonserver(http_port, ready_timeout, proc=proc, metrics_port=metrics_port)
     except (RuntimeError, TimeoutError) as exc:
         server.stop()
         raise RuntimeError(f"{exc}\n--- tritonserver log (tail) ---\n{server.log_tail()}") from None

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from backend.paths import REPO_ROOT
-from tests.e2e.server import free_ports
+from tools.launch import free_ports
 
 
 def run_client(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -20,10 +20,11 @@ import urllib.request
 import pytest
 import requests
 
-from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
-from tests.e2e.server import free_ports
 from tools import scaleout
+from tools.launch import free_ports
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "llm"
 # The replicas share the machine's cores: bound, both teams would take the same ones, and each
@@ -40,41 +41,28 @@ MAX_POSITIONS = 4096
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
-def free_base_port() -> int:
-    """A base port whose replica ports (base + 10 i + 0..5) are free for two replicas."""
-    for _ in range(50):
-        (base,) = free_ports(1)
-        base -= base % 10
-        probe = [base + 10 * i + k for i in range(2) for k in range(6)]
-        if all(_free(p) for p in probe):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+def free_base_port(replicas: int = 2) -> int:
+    """A base port whose replica ports (base + 10 i + 0..5, scaleout's offsets) are free."""
+    return free_ports(10 * (replicas - 1) + 6, consecutive=True)[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def tiny_checkpoint_options() -> dict:
+    return {"max_position_embeddings": MAX_POSITIONS}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):
     # vllm-router's venv and Debian's haproxy, pinned (a second run is a no-op).
     setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
     assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
     root = tmp_path_factory.mktemp("cluster")
-    tiny = make_tiny_checkpoint(str(root / "tiny-llama"), max_position_embeddings=MAX_POSITIONS)
     http_port, grpc_port, openai_port, router_metrics_port = free_ports(4)
     replicas = scaleout.local_replicas(2, free_base_port())
     c = scaleout.Cluster(replicas, scaleout.REPO_ROOT / "model_repository", http_port=http_port,
                          grpc_port=grpc_port, openai_port=openai_port, router_metrics_port=router_metrics_port,
                          log_dir=root / "logs",
-                         engine_parameters={"model_path": tiny, **PARAMETERS})
+                         engine_parameters={"model_path": tiny_checkpoint, **PARAMETERS})
     try:
         c.start()
     except Exception as exc:

@@ -17,9 +17,7 @@ import time
 
 import pytest
 
-from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import Stream, inputs_for, wait_for
-from tests.e2e.server import free_ports
 from tests.e2e.test_cluster import (
     LONG_REQUEST,
     MAX_POSITIONS,
@@ -31,6 +29,9 @@ from tests.e2e.test_cluster import (
     streams_on,
 )
 from tools import netns, scaleout
+from tools.launch import free_ports
+
+pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 32
 
@@ -44,11 +45,15 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def cluster(hosts, tmp_path_factory):
+def tiny_checkpoint_options() -> dict:
+    return {"max_position_embeddings": MAX_POSITIONS}
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tiny_checkpoint, tmp_path_factory):
     setup = subprocess.run(["make", "router", "haproxy"], cwd=scaleout.REPO_ROOT, capture_output=True, text=True)
     assert setup.returncode == 0 and shutil.which("haproxy"), setup.stdout[-2000:] + setup.stderr[-2000:]
     root = tmp_path_factory.mktemp("cluster-netns")
-    tiny = make_tiny_checkpoint(str(root / "tiny-llama"), max_position_embeddings=MAX_POSITIONS)
     # Each host has its own addresses, so any free port number serves every replica.
     base = free_ports(1)[0] // 10 * 10
     replicas = [scaleout.Replica(i, hosts.replica_host(i), base, netns=ns) for i, ns in enumerate(hosts.replica_ns)]
@@ -57,7 +62,7 @@ def cluster(hosts, tmp_path_factory):
                          grpc_port=grpc_port, openai_port=openai_port, router_metrics_port=router_metrics_port,
                          router_host=hosts.router_host,
                          router_netns=hosts.router_ns, log_dir=root / "logs",
-                         engine_parameters={"model_path": tiny, **PARAMETERS})
+                         engine_parameters={"model_path": tiny_checkpoint, **PARAMETERS})
     try:
         c.start()
     except Exception as exc:

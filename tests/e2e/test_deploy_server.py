@@ -138,7 +138,7 @@ def test_hpa_adapter_rule_reads_the_queue_through_a_real_prometheus(triton_serve
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.e2e.server import free_ports
+    from tools.launch import free_ports
 
     if shutil.which("prometheus") is None:
         made = subprocess.run(["make", "-s", "deploy-prometheus"], capture_output=True, text=True, timeout=600)

@@ -4,7 +4,7 @@
 - the base image is the Triton release whose server our clients pin (24.10 = 2.51);
 - what it installs is requirements.txt as pinned (and any other pin matches the project's);
 - the server command is tools/serve.py's, i.e. `make serve`'s, and yields the expected
-  tritonserver command line inside the image (through tools.serve.build_command);
+  tritonserver command line inside the image (through tools.launch.tritonserver_command);
 - compose.yaml's OpenAI frontend and Prometheus point at the Triton service's ports, and
   every published port is bound to 127.0.0.1;
 - hadolint passes, and deploy/'s Kubernetes pods match the image (user, command, ports).
@@ -152,7 +152,7 @@ def image_cmd(dockerfile) -> list[str]:
 
 
 def test_server_command_is_make_serves(dockerfile, monkeypatch):
-    from tools import serve
+    from tools import launch, serve
 
     cmd = image_cmd(dockerfile)
     assert cmd[:3] == ["python", "-m", "tools.serve"]
@@ -169,10 +169,10 @@ def test_server_command_is_make_serves(dockerfile, monkeypatch):
         launched["args"] = args
         raise FileNotFoundError("captured")
 
-    monkeypatch.setattr(serve, "launch", fake_launch)
+    monkeypatch.setattr(serve, "launch_tritonserver", fake_launch)
     assert serve.main(cmd[3:]) == 2
     repository, host, http, grpc, metrics, log_verbose, extra = launched["args"]
-    line = serve.build_command(repository, host, http, grpc, metrics, log_verbose, extra, triton_dir=IMAGE_TRITON_DIR)
+    line = launch.tritonserver_command(repository, host, http, grpc, metrics, log_verbose, extra, triton_dir=IMAGE_TRITON_DIR)
     assert line[0] == "/opt/tritonserver/bin/tritonserver"
     for flag in ("--model-repository=/models", "--backend-directory=/opt/tritonserver/backends",
                  "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0",
@@ -180,7 +180,7 @@ def test_server_command_is_make_serves(dockerfile, monkeypatch):
                  "--allow-metrics=true"):
         assert flag in line, flag
     # The same builder makes `make serve`'s command: only paths and addresses differ.
-    local = serve.build_command("model_repository")
+    local = launch.tritonserver_command("model_repository")
     strip = lambda c: [f.split("=")[0] for f in c[1:]]
     assert strip(local) == strip(line)
     exposed = {int(p) for kw, args in dockerfile if kw == "EXPOSE" for p in args.split()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import Stream, generate, inputs_for, output, scrape, wait_for, wait_idle, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -25,9 +24,8 @@ def prompt_tokens(outcome) -> int:
 
 
 @pytest.fixture(scope="module")
-def fair_server(tritonserver, tmp_path_factory):
-    checkpoint = make_tiny_checkpoint(str(tmp_path_factory.mktemp("fair-ckpt") / "tiny-llama"), "llama")
-    parameters = {"model_path": checkpoint, "kv_cache_memory_mb": "16", "max_num_seqs": "2",
+def fair_server(tritonserver, tiny_checkpoint):
+    parameters = {"model_path": tiny_checkpoint, "kv_cache_memory_mb": "16", "max_num_seqs": "2",
                   "scheduling_policy": "fair", "tenant_weights": '{"alice": 1, "bob": 1}',
                   "enable_prefix_caching": "false"}
     with tritonserver({"llm": parameters}) as server:

@@ -32,7 +32,6 @@ import pytest
 import requests
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.e2e_util import (
     Stream,
     engine_state,
@@ -53,20 +52,19 @@ UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("faults-ckpt") / "tiny-llama"), "llama",
-                                max_position_embeddings=4096)
+def tiny_checkpoint_options() -> dict:
+    return {"max_position_embeddings": 4096}
 
 
-def tiny(checkpoint: str, **extra: str) -> dict[str, str]:
-    return {"model_path": checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16", **extra}
+def tiny(tiny_checkpoint: str, **extra: str) -> dict[str, str]:
+    return {"model_path": tiny_checkpoint, "max_num_seqs": "16", "kv_cache_memory_mb": "16", **extra}
 
 
 @pytest.fixture(scope="module")
-def server(tritonserver, checkpoint):
+def server(tritonserver, tiny_checkpoint):
     models = {
-        SICK: tiny(checkpoint, ENABLE_VLLM_HEALTH_CHECK="true", health_check_stall_s=str(STALL_S)),
-        QUIET: tiny(checkpoint, REPORT_CUSTOM_METRICS="false"),
+        SICK: tiny(tiny_checkpoint, ENABLE_VLLM_HEALTH_CHECK="true", health_check_stall_s=str(STALL_S)),
+        QUIET: tiny(tiny_checkpoint, REPORT_CUSTOM_METRICS="false"),
     }
     # Any step of 2 requests or more never ends: only the health check's test sends two at once.
     with tritonserver(models, env={"INFLIGHT_FAULT_STALL_AT_BATCH": "2"},
@@ -133,9 +131,9 @@ LOOP = "loop"
 
 
 @pytest.fixture(scope="module")
-def loop_fault_server(tritonserver, checkpoint):
+def loop_fault_server(tritonserver, tiny_checkpoint):
     # The response loop raises once, right after delivering its third engine output.
-    with tritonserver({LOOP: tiny(checkpoint)}, env={"INFLIGHT_FAULT_RESPONSE_LOOP_AT": "3"}) as srv:
+    with tritonserver({LOOP: tiny(tiny_checkpoint)}, env={"INFLIGHT_FAULT_RESPONSE_LOOP_AT": "3"}) as srv:
         yield srv
 
 
@@ -158,9 +156,9 @@ SLOW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def slow_send_server(tritonserver, checkpoint):
+def slow_send_server(tritonserver, tiny_checkpoint):
     # Every response takes SEND_DELAY_S to send, many times a step of the tiny model.
-    models = {MERGED: tiny(checkpoint), PER_OUTPUT: tiny(checkpoint, merge_queued_responses="false")}
+    models = {MERGED: tiny(tiny_checkpoint), PER_OUTPUT: tiny(tiny_checkpoint, merge_queued_responses="false")}
     with tritonserver(models, env={"INFLIGHT_FAULT_SEND_DELAY_S": str(SEND_DELAY_S)}) as srv:
         yield srv
 
@@ -188,11 +186,11 @@ INTERVAL_TOKENS = 23
 
 
 @pytest.fixture(scope="module")
-def stream_interval_server(tritonserver, checkpoint):
+def stream_interval_server(tritonserver, tiny_checkpoint):
     # Queued outputs are not merged here, so that a busy machine (a response thread that falls
     # behind the tiny model's steps) cannot fold the middle responses into the final one.
     serial = {"merge_queued_responses": "false"}
-    models = {EVERY_TOKEN: tiny(checkpoint, **serial), EVERY_FOURTH: tiny(checkpoint, stream_interval="4", **serial)}
+    models = {EVERY_TOKEN: tiny(tiny_checkpoint, **serial), EVERY_FOURTH: tiny(tiny_checkpoint, stream_interval="4", **serial)}
     with tritonserver(models) as srv:
         yield srv
 
@@ -235,8 +233,8 @@ LONG_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
-def clients_server(tritonserver, checkpoint):
-    with tritonserver({CLIENTS: tiny(checkpoint, max_num_seqs="64", kv_cache_memory_mb="64")}) as srv:
+def clients_server(tritonserver, tiny_checkpoint):
+    with tritonserver({CLIENTS: tiny(tiny_checkpoint, max_num_seqs="64", kv_cache_memory_mb="64")}) as srv:
         yield srv
 
 
@@ -401,7 +399,7 @@ def stub_pids(srv) -> list[int]:
     return pids
 
 
-def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recovers(tritonserver, checkpoint):
+def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recovers(tritonserver, tiny_checkpoint):
     """What tritonserver 2.51 does when the stub dies under 16 live streams (README,
     Reliability): the backend dies with the stub, so nothing of ours can answer those
     streams; Triton neither ends them nor marks the model not ready. A new request is
@@ -411,7 +409,7 @@ def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recove
     shared-memory mutex, tritonserver itself aborts (boost::interprocess::lock_exception
     in libtriton_python.so)."""
     model = "stub"
-    with tritonserver({model: tiny(checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}"],
+    with tritonserver({model: tiny(tiny_checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}"],
                       ) as srv:
         streams = [Stream(srv.grpc_url) for _ in range(16)]
         outcomes = [s.send(model, request(i, max_tokens=LONG_TOKENS)) for i, s in enumerate(streams)]

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import transformers
 
-from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy, make_random_adapter
 from tests.e2e.openai_frontend import run_frontend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,14 +24,13 @@ ADAPTERS = {"all-r8": dict(rank=8, seed=1), "qv-r16": dict(rank=16, seed=2, targ
 
 
 @pytest.fixture(scope="module")
-def lora_server(tritonserver, tmp_path_factory):
+def lora_server(tritonserver, tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-triton")
-    base = make_tiny_checkpoint(str(root / "base"), family="llama")
-    adapters = {name: make_random_adapter(str(root / name), base, **kw) for name, kw in ADAPTERS.items()}
-    parameters = {"model_path": base, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256",
+    adapters = {name: make_random_adapter(str(root / name), tiny_checkpoint, **kw) for name, kw in ADAPTERS.items()}
+    parameters = {"model_path": tiny_checkpoint, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256",
                   "max_lora_rank": "16", "max_loras": "2"}
     with tritonserver({"llm": parameters}, model_files={"llm": {"multi_lora.json": json.dumps(adapters)}}) as server:
-        yield server, base, adapters
+        yield server, tiny_checkpoint, adapters
 
 
 @pytest.mark.e2e

@@ -10,20 +10,24 @@ import json
 import pytest
 import transformers
 
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy
 from tests.engine.test_model_families import MAX_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tritonserver, tmp_path_factory):
+def tiny_checkpoint_options() -> dict:
+    return {"family": "qwen3", "attention_bias": True}
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tritonserver, tiny_checkpoint):
     """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
-    root = tmp_path_factory.mktemp("qwen3-triton")
-    path = make_tiny_checkpoint(str(root / "qwen3"), family="qwen3", attention_bias=True)
-    parameters = {"model_path": path, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
+    parameters = {"model_path": tiny_checkpoint, "max_num_seqs": "8", "kv_cache_memory_mb": "64",
+                  "max_model_len": "256"}
     with tritonserver({"llm": parameters}) as server:
-        yield server, path
+        yield server, tiny_checkpoint
 
 
 @pytest.mark.e2e

@@ -10,7 +10,7 @@ import re
 import pytest
 import transformers
 
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
@@ -48,7 +48,7 @@ def stub_thread_cpus(server_pid: int) -> dict[int, set[int]]:
 
 
 @pytest.mark.e2e
-def test_the_stub_pins_its_openmp_team_and_keeps_its_other_threads_off_the_engine_cpu(tritonserver, tmp_path):
+def test_the_stub_pins_its_openmp_team_and_keeps_its_other_threads_off_the_engine_cpu(tritonserver, tiny_checkpoint):
     import tritonclient.grpc as grpcclient
 
     from client.triton import make_inputs, stream_generate, text_of
@@ -56,8 +56,7 @@ def test_the_stub_pins_its_openmp_team_and_keeps_its_other_threads_off_the_engin
     allowed = sorted(os.sched_getaffinity(0))
     assert len(allowed) >= 2, "this test needs a machine of at least 2 CPUs (CI has 2)"
     cpus = [allowed[1], allowed[0]]  # an order of our own, not the kernel's
-    model = make_tiny_checkpoint(str(tmp_path / "tiny-llama"))
-    parameters = {"model_path": model, "max_num_seqs": "4", "kv_cache_memory_mb": "64", "max_model_len": "256",
+    parameters = {"model_path": tiny_checkpoint, "max_num_seqs": "4", "kv_cache_memory_mb": "64", "max_model_len": "256",
                   "omp_threads_bind": f"{cpus[0]},{cpus[1]}"}
     with tritonserver({"llm": parameters}, env={"OMP_NUM_THREADS": "2"}) as server:
         found = re.search(r"OpenMP threads \[(\d+), (\d+)\] on CPUs \[(\d+), (\d+)\]", server.log())
@@ -75,6 +74,6 @@ def test_the_stub_pins_its_openmp_team_and_keeps_its_other_threads_off_the_engin
             responses = list(stream_generate(client, "llm", make_inputs(PROMPT, sampling), timeout_s=120))
         finally:
             client.close()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    expected = hf_greedy(model, [tokenizer.encode(PROMPT)], MAX_TOKENS)[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
+    expected = hf_greedy(tiny_checkpoint, [tokenizer.encode(PROMPT)], MAX_TOKENS)[0]
     assert "".join(text_of(r) for r in responses) == tokenizer.decode(expected)

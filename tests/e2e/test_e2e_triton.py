@@ -221,12 +221,14 @@ def test_metrics_endpoint_exports_engine_metrics(triton_server, reference_text):
 LONG_REQUEST_TOKENS = 30000
 
 
-def _tiny_model(tmp_path) -> dict[str, dict[str, str]]:
-    """One model on a tiny random-weight checkpoint, for tests that stop or unload their own
-    server, with room for two requests of LONG_REQUEST_TOKENS."""
-    from tests.checkpoints import make_tiny_checkpoint
+@pytest.fixture(scope="module")
+def tiny_checkpoint_options() -> dict:
+    return {"max_position_embeddings": 2 * LONG_REQUEST_TOKENS}
 
-    checkpoint = make_tiny_checkpoint(str(tmp_path / "tiny"), "llama", max_position_embeddings=2 * LONG_REQUEST_TOKENS)
+
+def _tiny_model(checkpoint: str) -> dict[str, dict[str, str]]:
+    """One model on the tiny random-weight checkpoint, for tests that stop or unload their own
+    server, with room for two requests of LONG_REQUEST_TOKENS."""
     return {"llm": {"model_path": checkpoint, "max_model_len": str(2 * LONG_REQUEST_TOKENS), "kv_cache_memory_mb": "64"}}
 
 
@@ -264,7 +266,7 @@ def _assert_aborted(results: dict[str, object], server) -> None:
         assert responses[-1].as_numpy("finish_reason").reshape(-1)[0].decode() == "abort"
 
 
-def test_server_shutdown_ends_live_requests(tritonserver, tmp_path):
+def test_server_shutdown_ends_live_requests(tritonserver, tiny_checkpoint):
     """SIGTERM with streams in flight: each gets its final response (abort), the server exits 0.
 
     Triton keeps a decoupled model loaded while any response sender is open, so without
@@ -274,7 +276,7 @@ def test_server_shutdown_ends_live_requests(tritonserver, tmp_path):
     """
     import time
 
-    with tritonserver(_tiny_model(tmp_path)) as server:
+    with tritonserver(_tiny_model(tiny_checkpoint)) as server:
         expected = f"[inflight] unload detection: GET {server.http_url}/v2/models/llm/versions/1/ready"
         assert expected in server.log(), server.log_tail()
         threads, results = _two_long_requests(server)
@@ -288,14 +290,14 @@ def test_server_shutdown_ends_live_requests(tritonserver, tmp_path):
         assert "Fatal Python error" not in server.log()
 
 
-def test_unloading_a_model_ends_its_live_requests(tritonserver, tmp_path):
+def test_unloading_a_model_ends_its_live_requests(tritonserver, tiny_checkpoint):
     """An explicit unload with streams in flight ends each (abort) and the unload completes."""
     import time
 
     import tritonclient.http as httpclient
 
     explicit = ("--model-control-mode=explicit", "--load-model=llm")
-    with tritonserver(_tiny_model(tmp_path), args=explicit) as server:
+    with tritonserver(_tiny_model(tiny_checkpoint), args=explicit) as server:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
         try:
             threads, results = _two_long_requests(server)

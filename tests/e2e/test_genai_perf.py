@@ -5,7 +5,7 @@ answered, and the engine idle afterwards.
 
 genai-perf 0.0.16 lives in its own venv (`make genai-perf-setup`, run here; a no-op once
 done), whose `perf_analyzer` is the project's wrapper of the tritonclient 2.51 binary. The
-command is `make genai-perf`'s (tools/loadtest.py), with its five `return_*` inputs and,
+command is `make genai-perf`'s (client/bench/loadtest.py), with its five `return_*` inputs and,
 as genai-perf users type it, without them; `make perf`'s perf_analyzer recipe is tested
 here too, and so is the comparison run (the same recipe against an OpenAI-compatible
 server, here the project's own frontend standing in for vLLM's).
@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from backend.protocol import RETURN_FLAGS
+from client.bench.loadtest import genai_perf_command
 from tests.e2e.e2e_util import scrape, wait_idle
-from tools.loadtest import genai_perf_command
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +88,7 @@ def run_profile(triton_server, genai_perf, tmp_path, return_inputs: bool) -> tup
 
 def assert_every_output_real(responses: list[dict]) -> None:
     """perf_analyzer 2.51 records all seven declared outputs of every response; one a response
-    lacks reads as stray memory (tools/loadtest.py). Every one must be the real value."""
+    lacks reads as stray memory (client/bench/loadtest.py). Every one must be the real value."""
     assert all(r["num_input_tokens"] == INPUT_TOKENS for r in responses), responses
     assert sum(r["num_output_tokens"] for r in responses) == OUTPUT_TOKENS
     assert [r["finish_reason"] for r in responses[:-1]] == ["None"] * (len(responses) - 1)
@@ -159,7 +159,7 @@ def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
     model, requests, output_tokens = triton_server.model, 6, 8
     before = wait_idle(triton_server.metrics_port, model)
     out = tmp_path / "perf_analyzer"
-    command = [sys.executable, "-m", "tools.loadtest", "perf-analyzer", "--url", triton_server.grpc_url,
+    command = [sys.executable, "-m", "client.bench.loadtest", "perf-analyzer", "--url", triton_server.grpc_url,
                "--model", model, "--concurrency", "3", "--num-requests", str(requests),
                "--input-tokens", "24", "--output-tokens", str(output_tokens), "--out", str(out)]
     run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -181,7 +181,7 @@ def test_perf_analyzer_recipe_measures_every_request(triton_server, tmp_path):
 
 
 def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, genai_perf, tmp_path):
-    """`python -m tools.loadtest genai-perf --openai-url NAME=HOST:PORT --repeat 2 --json ...`:
+    """`python -m client.bench.loadtest genai-perf --openai-url NAME=HOST:PORT --repeat 2 --json ...`:
     the same recipe against Triton (kserve) and an OpenAI-compatible server (completions),
     twice, interleaved, each run with prompts of its own; one export folder per profile; a
     report with every profile and the median ratios. The OpenAI server here is the
@@ -192,7 +192,7 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
     before = wait_idle(triton_server.metrics_port, model)
     out, report_path = tmp_path / "genai_perf", tmp_path / "results" / "compare.json"
     with run_frontend(triton_server.grpc_url) as frontend:
-        command = [sys.executable, "-m", "tools.loadtest", "genai-perf", "--url", triton_server.grpc_url,
+        command = [sys.executable, "-m", "client.bench.loadtest", "genai-perf", "--url", triton_server.grpc_url,
                    "--openai-url", f"frontend=127.0.0.1:{frontend.port}", "--model", model, "--concurrency", "2",
                    "--num-requests", str(requests), "--input-tokens", "16", "--output-tokens", str(output_tokens),
                    "--out", str(out), "--json", str(report_path), "--repeat", "2"]

@@ -26,7 +26,6 @@ import openai
 import pytest
 import requests
 
-from tests.checkpoints import make_tiny_checkpoint
 from tests.e2e.openai_frontend import metric, metrics_text, run_frontend, wait_for
 from tests.e2e.server import TritonServer
 
@@ -47,9 +46,8 @@ PROMPT = "Hello there, how are"
 
 
 @pytest.fixture(scope="module")
-def server(tritonserver, tmp_path_factory):
-    checkpoint = make_tiny_checkpoint(str(tmp_path_factory.mktemp("multi") / "tiny-llama"))
-    models = {name: {"model_path": checkpoint, **params} for name, params in MODELS.items()}
+def server(tritonserver, tiny_checkpoint):
+    models = {name: {"model_path": tiny_checkpoint, **params} for name, params in MODELS.items()}
     with tritonserver(models, args=RESTRICTED, instances=INSTANCES, log_verbose=1) as running:
         yield running
 
@@ -234,9 +232,9 @@ def test_frontend_serves_only_named_models(server):
 
 def test_local_defaults_bind_loopback_and_disable_model_control():
     from client.openai.cli import build_parser
-    from tools import serve
+    from tools import launch
 
-    cmd = serve.build_command("model_repository")
+    cmd = launch.tritonserver_command("model_repository")
     for flag in ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                  "--model-control-mode=none"):
         assert flag in cmd, flag

@@ -80,7 +80,7 @@ def test_relative_model_path_resolves_like_the_backend():
 
 
 def test_triton_down_is_503_with_openai_error_json():
-    from tests.e2e.server import free_ports
+    from tools.launch import free_ports
 
     with run_frontend(f"127.0.0.1:{free_ports(1)[0]}", wait_healthy=False) as fe:
         assert requests.get(f"{fe.url}/health", timeout=30).status_code == 503

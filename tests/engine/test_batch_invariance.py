@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 
 VOCAB = 49152
 PROBE_TOKENS = 24
@@ -28,11 +27,6 @@ PROBE = [_rng.randrange(3, VOCAB) for _ in range(70)]
 # Long enough that, without batch invariance, its chunks would go to SDPA (64 tokens or more
 # at a mean context of 320 or more).
 LONG_PROBE = [_rng.randrange(3, VOCAB) for _ in range(420)]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-llama-invariance") / "ckpt"), family="llama")
 
 
 def run(model: str, dtype: str, probe: list[int], probe_params: SamplingParams, others: list[tuple[int, list[int]]],
@@ -99,14 +93,14 @@ def crowd(seed: int, count: int, shortest: int = 1, longest: int = 120, last_ste
        kv_blocks=st.integers(24, 256), policy=st.sampled_from(["fcfs", "priority", "static"]),
        preemption=st.sampled_from(["recompute", "swap"]), prefix_caching=st.booleans(),
        shares_prefix=st.booleans(), seeded=st.booleans())
-def test_the_probe_is_bitwise_the_same_under_any_schedule(tiny_llama, dtype, seed, count, probe_step, chunk, budget,
+def test_the_probe_is_bitwise_the_same_under_any_schedule(tiny_checkpoint, dtype, seed, count, probe_step, chunk, budget,
                                                          seats, kv_blocks, policy, preemption, prefix_caching,
                                                          shares_prefix, seeded):
     others = crowd(seed, count)
     if shares_prefix:  # an earlier request computes (and caches) the probe's first 3 blocks
         others.append((0, PROBE[:48] + [5, 6, 7]))
     assert_same_as_alone(
-        tiny_llama, dtype, PROBE, SEEDED if seeded else GREEDY, others, probe_step=probe_step,
+        tiny_checkpoint, dtype, PROBE, SEEDED if seeded else GREEDY, others, probe_step=probe_step,
         long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=seats,
         num_kv_blocks=kv_blocks, scheduling_policy=policy, preemption_mode=preemption,
         enable_prefix_caching=prefix_caching, swap_space_mb=64)
@@ -114,46 +108,46 @@ def test_the_probe_is_bitwise_the_same_under_any_schedule(tiny_llama, dtype, see
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_preemption_leaves_the_probe_as_it_was(tiny_llama, dtype, preemption):
+def test_preemption_leaves_the_probe_as_it_was(tiny_checkpoint, dtype, preemption):
     # A pool of 20 blocks for 8 requests of up to ~100 tokens: the probe is preempted too.
-    engine = assert_same_as_alone(tiny_llama, dtype, PROBE, GREEDY, crowd(1, 8, 40, 100, 0), num_kv_blocks=20,
+    engine = assert_same_as_alone(tiny_checkpoint, dtype, PROBE, GREEDY, crowd(1, 8, 40, 100, 0), num_kv_blocks=20,
                                   preemption_mode=preemption, swap_space_mb=64)
     assert engine.stats.totals.preemptions > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_prefix_cache_hit_leaves_the_probe_as_it_was(tiny_llama, dtype):
-    engine = assert_same_as_alone(tiny_llama, dtype, PROBE, GREEDY, [(0, PROBE[:64] + [9, 9])], probe_step=3)
+def test_a_prefix_cache_hit_leaves_the_probe_as_it_was(tiny_checkpoint, dtype):
+    engine = assert_same_as_alone(tiny_checkpoint, dtype, PROBE, GREEDY, [(0, PROBE[:64] + [9, 9])], probe_step=3)
     assert engine.stats.totals.prefix_hit_tokens > 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_thread_count_leaves_the_probe_as_it_was(tiny_llama, dtype, threads):
+def test_the_thread_count_leaves_the_probe_as_it_was(tiny_checkpoint, dtype, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert_same_as_alone(tiny_llama, dtype, PROBE, GREEDY, crowd(2, 10))
+        assert_same_as_alone(tiny_checkpoint, dtype, PROBE, GREEDY, crowd(2, 10))
     finally:
         torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("chunk", [16, 100, 512])
-def test_long_prefill_chunks_at_long_contexts_stay_invariant(tiny_llama, dtype, chunk):
+def test_long_prefill_chunks_at_long_contexts_stay_invariant(tiny_checkpoint, dtype, chunk):
     # Chunks of 64 tokens or more at contexts of 320 or more: where the engine would take SDPA.
-    assert_same_as_alone(tiny_llama, dtype, LONG_PROBE, GREEDY, crowd(3, 6, 200, 400), long_prefill_token_threshold=chunk,
+    assert_same_as_alone(tiny_checkpoint, dtype, LONG_PROBE, GREEDY, crowd(3, 6, 200, 400), long_prefill_token_threshold=chunk,
                          num_kv_blocks=512)
 
 
-def test_without_batch_invariance_long_chunks_take_another_order(tiny_llama):
+def test_without_batch_invariance_long_chunks_take_another_order(tiny_checkpoint):
     """The switch is what makes the difference: off, SDPA computes the long chunks and the
     probe's logprobs move with the chunk size."""
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-    _, chunked, _ = run(tiny_llama, "float32", LONG_PROBE, greedy, [], batch_invariant=False,
+    _, chunked, _ = run(tiny_checkpoint, "float32", LONG_PROBE, greedy, [], batch_invariant=False,
                         long_prefill_token_threshold=16, num_kv_blocks=512)
     # 100-token chunks: the fourth, positions 300-399, has a mean context of 350.
-    _, long_chunks, _ = run(tiny_llama, "float32", LONG_PROBE, greedy, [], batch_invariant=False,
+    _, long_chunks, _ = run(tiny_checkpoint, "float32", LONG_PROBE, greedy, [], batch_invariant=False,
                             long_prefill_token_threshold=100, num_kv_blocks=512)
     assert chunked != long_chunks
 

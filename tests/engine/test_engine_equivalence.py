@@ -25,7 +25,7 @@ from backend.engine import LLMEngine
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
 from kernels.paged_attention import attention_config
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy
 
 MAX_NEW = 16
 VOCAB = 49152
@@ -63,15 +63,10 @@ ON_EVERY_DEVICE = pytest.mark.parametrize("device", ["cpu", _CUDA])
 ON_EVERY_KERNEL_PATH = pytest.mark.parametrize("device", ["cpu", "triton-on-cpu", _CUDA])
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-llama") / "ckpt"), family="llama")
-
-
 @pytest.fixture(scope="module")
-def oracle(tiny_llama) -> dict[tuple[int, ...], list[int]]:
+def oracle(tiny_checkpoint) -> dict[tuple[int, ...], list[int]]:
     prompts = PROMPTS + SHARED_PROMPTS
-    outputs = hf_greedy(tiny_llama, prompts, MAX_NEW)
+    outputs = hf_greedy(tiny_checkpoint, prompts, MAX_NEW)
     return {tuple(p): out for p, out in zip(prompts, outputs)}
 
 
@@ -161,16 +156,16 @@ def spread_arrivals(n: int, every: int = 2) -> list[int]:
 
 
 @ON_EVERY_DEVICE
-def test_staggered_arrivals_with_a_full_batch(tiny_llama, oracle, device):
+def test_staggered_arrivals_with_a_full_batch(tiny_checkpoint, oracle, device):
     """20 prompts of different lengths arriving over ~12 steps, 4 seats."""
     arrivals = spread_arrivals(len(PROMPTS))
-    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals, device=device, max_num_seqs=4, num_kv_blocks=256)
+    engine, streamed, prompts = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, device=device, max_num_seqs=4, num_kv_blocks=256)
     assert engine.max_running == 4, "the batch never filled up"
     assert_matches_oracle(oracle, streamed, prompts, MAX_TOKENS)
 
 
 @ON_EVERY_KERNEL_PATH
-def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle, device):
+def test_odd_chunk_size_crossing_block_edges(tiny_checkpoint, oracle, device):
     arrivals = spread_arrivals(len(PROMPTS), every=1)
     chunks = []
 
@@ -185,7 +180,7 @@ def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle, device):
         engine.scheduler.schedule = wrapped
 
     engine, streamed, prompts = run_engine(
-        tiny_llama, PROMPTS, MAX_TOKENS, arrivals, on_engine=record_chunks, device=device,
+        tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=record_chunks, device=device,
         max_num_seqs=6, long_prefill_token_threshold=7, max_num_batched_tokens=40, num_kv_blocks=256,
     )
     assert max(n for _, n in chunks) == 7
@@ -194,12 +189,12 @@ def test_odd_chunk_size_crossing_block_edges(tiny_llama, oracle, device):
 
 
 @ON_EVERY_KERNEL_PATH
-def test_prefix_cache_hits(tiny_llama, oracle, device):
+def test_prefix_cache_hits(tiny_checkpoint, oracle, device):
     # The first shared prompt runs alone, then the others arrive and hit its blocks.
     prompts = SHARED_PROMPTS + PROMPTS[:8]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
+    engine, streamed, by_id = run_engine(tiny_checkpoint, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
                                          long_prefill_token_threshold=20, num_kv_blocks=256)
     assert engine.stats.totals.prefix_hit_rate > 0
     assert engine.stats.totals.prefix_hit_tokens >= 32 * (len(SHARED_PROMPTS) - 1), "the shared blocks were not reused"
@@ -207,11 +202,11 @@ def test_prefix_cache_hits(tiny_llama, oracle, device):
 
 
 @ON_EVERY_DEVICE
-def test_prefix_caching_disabled(tiny_llama, oracle, device):
+def test_prefix_caching_disabled(tiny_checkpoint, oracle, device):
     prompts = SHARED_PROMPTS + PROMPTS[:8]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = [0] + [3 + i // 4 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
+    engine, streamed, by_id = run_engine(tiny_checkpoint, prompts, max_tokens, arrivals, device=device, max_num_seqs=5,
                                          enable_prefix_caching=False, num_kv_blocks=256)
     assert engine.stats.totals.prefix_hit_rate == 0 and engine.kv.pool.cached == {}
     assert_matches_oracle(oracle, streamed, by_id, max_tokens)
@@ -233,14 +228,14 @@ def _count_swaps(counter: collections.Counter):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @ON_EVERY_DEVICE
-def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode, device):
+def test_preemption_under_a_tiny_kv_pool(tiny_checkpoint, oracle, mode, device):
     """14 blocks of 8 tokens for 6 seats: requests keep evicting each other."""
     prompts = PROMPTS[:14] + SHARED_PROMPTS[:4]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = spread_arrivals(len(prompts), every=1)
     swaps: collections.Counter = collections.Counter()
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, on_engine=_count_swaps(swaps), device=device,
+        tiny_checkpoint, prompts, max_tokens, arrivals, on_engine=_count_swaps(swaps), device=device,
         max_num_seqs=6, block_size=8, num_kv_blocks=14, long_prefill_token_threshold=13,
         preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
     )
@@ -253,13 +248,13 @@ def test_preemption_under_a_tiny_kv_pool(tiny_llama, oracle, mode, device):
 
 
 @ON_EVERY_DEVICE
-def test_priority_policy(tiny_llama, oracle, device):
+def test_priority_policy(tiny_checkpoint, oracle, device):
     prompts = PROMPTS[:12] + SHARED_PROMPTS[:4]
     max_tokens = MAX_TOKENS[: len(prompts)]
     arrivals = spread_arrivals(len(prompts), every=1)
     priorities = [(i * 7) % 4 for i in range(len(prompts))]
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, priorities, device=device,
+        tiny_checkpoint, prompts, max_tokens, arrivals, priorities, device=device,
         scheduling_policy="priority", max_num_seqs=4, block_size=8, num_kv_blocks=20, long_prefill_token_threshold=16,
     )
     assert engine.stats.totals.preemptions > 0, "expected priority or block-pressure preemption"
@@ -268,7 +263,7 @@ def test_priority_policy(tiny_llama, oracle, device):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @ON_EVERY_DEVICE
-def test_fair_policy(tiny_llama, oracle, mode, device):
+def test_fair_policy(tiny_checkpoint, oracle, mode, device):
     """Three tenants (one weighted 3x) and two priorities on a pool small enough to preempt:
     admission and victims follow the tenants' counters, the tokens stay transformers'."""
     prompts = PROMPTS[:12] + SHARED_PROMPTS[:6]
@@ -277,7 +272,7 @@ def test_fair_policy(tiny_llama, oracle, mode, device):
     tenants = [("gold", "free", "free", "batch")[i % 4] for i in range(len(prompts))]
     priorities = [1 if i % 5 == 4 else 0 for i in range(len(prompts))]
     engine, streamed, by_id = run_engine(
-        tiny_llama, prompts, max_tokens, arrivals, priorities, tenants=tenants, device=device, scheduling_policy="fair",
+        tiny_checkpoint, prompts, max_tokens, arrivals, priorities, tenants=tenants, device=device, scheduling_policy="fair",
         tenant_weights={"gold": 3.0}, max_num_seqs=5, block_size=8, num_kv_blocks=18, long_prefill_token_threshold=13,
         preemption_mode=mode, swap_space_mb=1, max_preemptions=3,
     )
@@ -287,9 +282,9 @@ def test_fair_policy(tiny_llama, oracle, mode, device):
 
 
 @ON_EVERY_DEVICE
-def test_static_policy(tiny_llama, oracle, device):
+def test_static_policy(tiny_checkpoint, oracle, device):
     arrivals = spread_arrivals(len(PROMPTS))
-    engine, streamed, prompts = run_engine(tiny_llama, PROMPTS, MAX_TOKENS, arrivals, device=device,
+    engine, streamed, prompts = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, device=device,
                                            scheduling_policy="static", max_num_seqs=5, num_kv_blocks=256)
     assert engine.max_running == 5
     assert_matches_oracle(oracle, streamed, prompts, MAX_TOKENS)
@@ -299,12 +294,12 @@ def test_static_policy(tiny_llama, oracle, device):
 # The real default checkpoint
 # --------------------------------------------------------------------------------------
 
-def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_llama, oracle):
+def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_checkpoint, oracle):
     """`LLMEngine.warm_up` (at load on CUDA), driven here through the Triton kernels in the
     interpreter: it launches attention for decodes alone (16-row tiles) and for a chunk
     (64-row tiles), leaves the KV pool zeroed and the engine's random stream where it was,
     and the engine then gives transformers' tokens."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=256,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=256,
                                     max_num_seqs=4, max_num_batched_tokens=64))
     engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
     random_state = engine.sampler.generator.get_state()
@@ -325,8 +320,8 @@ def test_warm_up_launches_both_attention_tile_shapes_and_leaves_no_trace(tiny_ll
     assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
 
 
-def test_a_warm_up_out_of_memory_names_the_parameters_to_lower(tiny_llama, monkeypatch):
-    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=64,
+def test_a_warm_up_out_of_memory_names_the_parameters_to_lower(tiny_checkpoint, monkeypatch):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
                                     max_num_seqs=48, max_num_batched_tokens=4096))
 
     def out_of_memory():
@@ -342,10 +337,10 @@ def test_a_warm_up_out_of_memory_names_the_parameters_to_lower(tiny_llama, monke
 
 
 @pytest.mark.parametrize("num_kv_blocks", [1, 2, 5])
-def test_warm_up_stays_inside_a_small_pool(tiny_llama, num_kv_blocks):
+def test_warm_up_stays_inside_a_small_pool(tiny_checkpoint, num_kv_blocks):
     """A pool smaller than the largest step (a test's, on CUDA) warms smaller steps and writes
     no slot past the pool (which on the CPU crashes the process, on CUDA faults the device)."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks))
     engine.model.cpu_layers = None
     engine.warm_up()
     assert all(not k.any() and not v.any() for k, v in engine.runner.kv_caches)
@@ -364,7 +359,7 @@ def _compiled_variants() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("device", [_CUDA])
-def test_no_kernel_compiles_after_the_engine_loads(tiny_llama, oracle, device):
+def test_no_kernel_compiles_after_the_engine_loads(tiny_checkpoint, oracle, device):
     """The engine compiles at load every Triton kernel variant its steps launch: steps of
     decodes alone and of chunks beside decodes, block tables of every width (1, 16, others),
     so no request waits for Triton's compiler."""
@@ -372,7 +367,7 @@ def test_no_kernel_compiles_after_the_engine_loads(tiny_llama, oracle, device):
     prompts = PROMPTS[:10] + [long_prompt]
     max_tokens = MAX_TOKENS[:10] + [MAX_NEW]
     at_load = {}
-    engine, streamed, by_id = run_engine(tiny_llama, prompts, max_tokens, spread_arrivals(len(prompts)),
+    engine, streamed, by_id = run_engine(tiny_checkpoint, prompts, max_tokens, spread_arrivals(len(prompts)),
                                          on_engine=lambda _: at_load.update(_compiled_variants()), device=device,
                                          max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=256)
     assert any(at_load.values()), "nothing was compiled at load"

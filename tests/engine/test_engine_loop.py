@@ -14,12 +14,6 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.request import RequestError, SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("loop") / "tiny-llama"))
 
 
 class Collector:
@@ -63,9 +57,9 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_model):
+def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_checkpoint):
     """One thread owns the engine (OpenMP gives each thread that runs torch kernels its own team)."""
-    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64)
+    config = EngineConfig(model_path=tiny_checkpoint, max_num_seqs=4, num_kv_blocks=64)
     threads: dict[str, threading.Thread] = {}
 
     def build() -> LLMEngine:
@@ -100,13 +94,13 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-def test_the_loop_thread_pins_its_openmp_team_and_no_other_thread(tiny_model, torch_threads):
+def test_the_loop_thread_pins_its_openmp_team_and_no_other_thread(tiny_checkpoint, torch_threads):
     """omp_threads_bind: the loop thread and its OpenMP team run one per CPU listed; the
     caller's thread keeps every CPU it had (a process it starts later keeps them too)."""
     allowed = sorted(os.sched_getaffinity(0))
     cpus = list(reversed(allowed[:2]))  # a team of 2 where the machine has 2 CPUs, in an order of our own
     torch_threads(len(cpus))
-    loop = make_loop(tiny_model, omp_threads_bind=",".join(map(str, cpus)))
+    loop = make_loop(tiny_checkpoint, omp_threads_bind=",".join(map(str, cpus)))
     collector = Collector()
     try:
         assert loop.binding.cpus == cpus and len(set(loop.binding.thread_ids)) == len(cpus)
@@ -119,11 +113,11 @@ def test_the_loop_thread_pins_its_openmp_team_and_no_other_thread(tiny_model, to
         loop.shutdown()
 
 
-def test_auto_binds_nothing_for_a_team_of_one_thread(tiny_model, torch_threads):
+def test_auto_binds_nothing_for_a_team_of_one_thread(tiny_checkpoint, torch_threads):
     """The default: a one-thread engine (OMP_NUM_THREADS=1) may share its machine with others,
     and binding every such engine would stack them all on the first CPU."""
     torch_threads(1)
-    loop = make_loop(tiny_model)
+    loop = make_loop(tiny_checkpoint)
     try:
         assert loop.binding is None
         assert os.sched_getaffinity(loop._thread.native_id) == os.sched_getaffinity(0)
@@ -131,13 +125,13 @@ def test_auto_binds_nothing_for_a_team_of_one_thread(tiny_model, torch_threads):
         loop.shutdown()
 
 
-def test_a_binding_that_does_not_fit_fails_the_build(tiny_model, torch_threads):
+def test_a_binding_that_does_not_fit_fails_the_build(tiny_checkpoint, torch_threads):
     torch_threads(1)
     with pytest.raises(ValueError, match=r"omp_threads_bind='0,1' names 2 CPU\(s\), but the engine runs 1 OpenMP"):
-        make_loop(tiny_model, omp_threads_bind="0,1")
+        make_loop(tiny_checkpoint, omp_threads_bind="0,1")
 
 
-def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread(tiny_model):
+def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread(tiny_checkpoint):
     def build() -> LLMEngine:
         raise ValueError("no such checkpoint")
 
@@ -147,8 +141,8 @@ def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread(tiny_model):
     wait_until(lambda: threading.active_count() == before)
 
 
-def test_every_request_gets_exactly_one_final_output(tiny_model):
-    loop = make_loop(tiny_model)
+def test_every_request_gets_exactly_one_final_output(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint)
     collector = Collector()
     try:
         for i in range(10):
@@ -166,8 +160,8 @@ def test_every_request_gets_exactly_one_final_output(tiny_model):
     assert loop.engine.kv.pool.num_used == 0
 
 
-def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_model):
-    loop = make_loop(tiny_model)
+def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint)
     engine = loop.engine
     collector = Collector()
     cancelled = threading.Event()
@@ -193,8 +187,8 @@ def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_model):
         loop.shutdown()
 
 
-def test_cancel_while_queued_and_twice(tiny_model):
-    loop = make_loop(tiny_model, max_num_seqs=1)
+def test_cancel_while_queued_and_twice(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint, max_num_seqs=1)
     collector = Collector()
     try:
         loop.add_request("busy", "occupies the only slot", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
@@ -216,8 +210,8 @@ def test_cancel_while_queued_and_twice(tiny_model):
         loop.shutdown()
 
 
-def test_admission_errors_are_raised_at_once(tiny_model):
-    loop = make_loop(tiny_model, max_model_len=64)
+def test_admission_errors_are_raised_at_once(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint, max_model_len=64)
     collector = Collector()
     try:
         with pytest.raises(RequestError) as info:
@@ -234,8 +228,8 @@ def test_admission_errors_are_raised_at_once(tiny_model):
         loop.shutdown()
 
 
-def test_kv_pool_too_small_for_a_request_is_rejected_with_numbers(tiny_model):
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, num_kv_blocks=4, block_size=16))
+def test_kv_pool_too_small_for_a_request_is_rejected_with_numbers(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, num_kv_blocks=4, block_size=16))
     with pytest.raises(RequestError) as info:
         engine.add_request("r", "hello", SamplingParams(max_tokens=100))
     message = str(info.value)
@@ -243,8 +237,8 @@ def test_kv_pool_too_small_for_a_request_is_rejected_with_numbers(tiny_model):
     assert "the whole pool has 4" in message and "KV blocks" in message
 
 
-def test_full_waiting_queue_answers_unavailable(tiny_model):
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, max_queue_len=2))
+def test_full_waiting_queue_answers_unavailable(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, max_queue_len=2))
     engine.add_request("a", "one", SamplingParams(max_tokens=2))
     engine.add_request("b", "two", SamplingParams(max_tokens=2))
     with pytest.raises(RequestError) as info:
@@ -252,9 +246,9 @@ def test_full_waiting_queue_answers_unavailable(tiny_model):
     assert info.value.code == RequestError.UNAVAILABLE and "max_queue_len" in str(info.value)
 
 
-def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model, monkeypatch):
+def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("INFLIGHT_FAULT_INJECT_AT_BATCH", "3")
-    loop = make_loop(tiny_model)
+    loop = make_loop(tiny_checkpoint)
     engine = loop.engine
     collector = Collector()
     try:
@@ -283,10 +277,10 @@ def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_model
     (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
 ], ids=["device-fault", "out-of-memory"])
-def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_not(tiny_model, fault, fatal):
+def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_not(tiny_checkpoint, fault, fatal):
     """After a CUDA error the context is lost and every later step would fail: the health
     check must say so, so that the model is unloaded rather than kept failing requests."""
-    loop = make_loop(tiny_model)
+    loop = make_loop(tiny_checkpoint)
     collector = Collector()
     try:
         execute = loop.engine.runner.execute
@@ -313,8 +307,8 @@ def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_
         loop.shutdown()
 
 
-def test_shutdown_drains_live_requests(tiny_model):
-    loop = make_loop(tiny_model)
+def test_shutdown_drains_live_requests(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint)
     collector = Collector()
     for i in range(6):
         loop.add_request(f"r{i}", "keeps going", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
@@ -330,12 +324,12 @@ def test_shutdown_drains_live_requests(tiny_model):
     assert info.value.code == RequestError.UNAVAILABLE
 
 
-def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_model):
+def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_checkpoint):
     """A refusal (here a duplicate id) ends through the one finish path, as an error output,
     and leaves the in-flight request of the same id as it was."""
     from backend.request import FinishReason
 
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, num_kv_blocks=64))
     first = engine.add_request("same", "one", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     twin = engine.make_request("same", "two", SamplingParams(max_tokens=3))
     with pytest.raises(RequestError) as info:
@@ -351,11 +345,11 @@ def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_m
     assert sum(len(o.token_ids_delta) for o in outputs) == 3
 
 
-def test_an_aborted_request_ends_before_the_next_step(tiny_model):
+def test_an_aborted_request_ends_before_the_next_step(tiny_checkpoint):
     """A cancel must not wait behind the next step (a long prefill can take a second): the
     loop hands out the aborted request's final output, and a snapshot with its blocks freed,
     before it steps again."""
-    loop = make_loop(tiny_model)
+    loop = make_loop(tiny_checkpoint)
     engine = loop.engine
     collector = Collector()
     cancelled = threading.Event()
@@ -389,9 +383,9 @@ def test_an_aborted_request_ends_before_the_next_step(tiny_model):
         loop.shutdown()
 
 
-def test_health_reports_a_hung_step_only_while_requests_wait(tiny_model, monkeypatch):
+def test_health_reports_a_hung_step_only_while_requests_wait(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("INFLIGHT_FAULT_STALL_AT_BATCH", "2")
-    loop = make_loop(tiny_model)
+    loop = make_loop(tiny_checkpoint)
     collector = Collector()
     try:
         loop.add_request("one", "alone in its batch", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -410,8 +404,8 @@ def test_health_reports_a_hung_step_only_while_requests_wait(tiny_model, monkeyp
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
-def test_health_reports_a_dead_loop(tiny_model):
-    loop = make_loop(tiny_model)
+def test_health_reports_a_dead_loop(tiny_checkpoint):
+    loop = make_loop(tiny_checkpoint)
     try:
         assert loop.health(stall_s=1) is None
 
@@ -426,10 +420,10 @@ def test_health_reports_a_dead_loop(tiny_model):
         loop.shutdown(timeout_s=0.1)
 
 
-def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_model):
+def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_checkpoint):
     """A step abandoned between layers (for a cancel) is computed again by the next one:
     greedy tokens are those of a run never interrupted."""
-    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64, long_prefill_token_threshold=8)
+    config = EngineConfig(model_path=tiny_checkpoint, max_num_seqs=4, num_kv_blocks=64, long_prefill_token_threshold=8)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["an interrupted prefill of some length " * 3, "and a second request beside it"]
 
@@ -457,13 +451,13 @@ def test_an_interrupted_step_advances_nothing_and_the_output_is_unchanged(tiny_m
 
 
 
-def test_a_steps_metrics_come_between_its_tokens_and_its_final_outputs(tiny_model):
+def test_a_steps_metrics_come_between_its_tokens_and_its_final_outputs(tiny_checkpoint):
     """The observer sees each step once its tokens have gone out and before its final outputs
     do, and a request's end just before its final output: a client that has its final
     response finds its last step on /metrics (the Triton adapter sends and applies in this
     order), and no token waits for the metrics."""
     events: list = []
-    config = EngineConfig(model_path=tiny_model, max_num_seqs=4, num_kv_blocks=64)
+    config = EngineConfig(model_path=tiny_checkpoint, max_num_seqs=4, num_kv_blocks=64)
     loop: EngineLoop
 
     class Observer:

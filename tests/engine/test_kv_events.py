@@ -25,7 +25,6 @@ from backend.engine import LLMEngine
 from backend.kv_events import external_hash
 from backend.paths import REPO_ROOT
 from backend.request import SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -158,17 +157,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], tag: str, max_tokens: int =
         assert steps < 5000
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("kv-events") / "tiny-llama"))
-
-
-def test_the_events_rebuild_the_engines_prefix_cache(tiny_model, tmp_path):
+def test_the_events_rebuild_the_engines_prefix_cache(tiny_checkpoint, tmp_path):
     endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     subscriber = Subscriber(endpoint, replay)
     # 16 blocks of 8 tokens for 4 seats: prompts sharing a system prompt hit the cache, and
     # the pool is small enough that requests evict cached blocks and preempt each other.
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", block_size=BLOCK,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=BLOCK,
                                     num_kv_blocks=16, max_num_seqs=4, long_prefill_token_threshold=12,
                                     kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay))
     try:
@@ -204,8 +198,8 @@ def test_the_events_rebuild_the_engines_prefix_cache(tiny_model, tmp_path):
         subscriber.close()
 
 
-def test_kv_events_are_off_by_default(tiny_model):
-    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", dtype="float32", num_kv_blocks=16))
+def test_kv_events_are_off_by_default(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=16))
     assert engine.kv_event_publisher is None and engine.kv.pool.events is None
 
 

@@ -24,7 +24,7 @@ from backend.lora import LoRAError, load_adapter
 from backend.models.loader import load_arch
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import RequestError, SamplingParams
-from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy, make_random_adapter
 from tests.engine.test_engine_equivalence import run_engine, spread_arrivals
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,30 +45,25 @@ CONFIG = dict(max_lora_rank=64, max_loras=4, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("lora-base") / "ckpt"), family="llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory) -> dict[str, str]:
+def adapters(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_random_adapter(str(root / name), base, **kw) for name, kw in ADAPTERS.items()}
+    return {name: make_random_adapter(str(root / name), tiny_checkpoint, **kw) for name, kw in ADAPTERS.items()}
 
 
 @pytest.fixture(scope="module")
-def oracle(base, adapters) -> dict[tuple, list[int]]:
+def oracle(tiny_checkpoint, adapters) -> dict[tuple, list[int]]:
     """(adapter name or None, prompt) -> transformers (+ PEFT) greedy tokens."""
     table = {}
     for name in NAMES:
-        outs = hf_greedy(base, PROMPTS, MAX_NEW, adapter_dir=adapters[name] if name else None)
+        outs = hf_greedy(tiny_checkpoint, PROMPTS, MAX_NEW, adapter_dir=adapters[name] if name else None)
         table.update({(name, tuple(p)): o for p, o in zip(PROMPTS, outs)})
     return table
 
 
-def _run(base, adapters, oracle, names, arrivals=None, **config):
+def _run(tiny_checkpoint, adapters, oracle, names, arrivals=None, **config):
     max_tokens = [MAX_NEW - (i * 5) % 7 for i in range(len(PROMPTS))]
     arrivals = arrivals if arrivals is not None else spread_arrivals(len(PROMPTS), every=1)
-    engine, streamed, by_id = run_engine(base, PROMPTS, max_tokens, arrivals, lora_names=names,
+    engine, streamed, by_id = run_engine(tiny_checkpoint, PROMPTS, max_tokens, arrivals, lora_names=names,
                                          lora_modules=adapters, **{**CONFIG, **config})
     _assert(oracle, names, streamed, by_id, max_tokens)
     return engine
@@ -83,16 +78,16 @@ def test_adapters_change_the_output(oracle):
 
 # triton-on-cpu: the CUDA path's SGMV kernels (in Triton's interpreter), as the engine calls them.
 @pytest.mark.parametrize("device", ["cpu", "triton-on-cpu"])
-def test_mixed_batch_of_three_adapters_and_base(base, adapters, oracle, device):
+def test_mixed_batch_of_three_adapters_and_base(tiny_checkpoint, adapters, oracle, device):
     names = [NAMES[i % 4] for i in range(len(PROMPTS))]
-    engine = _run(base, adapters, oracle, names, max_num_seqs=8, device=device)
+    engine = _run(tiny_checkpoint, adapters, oracle, names, max_num_seqs=8, device=device)
     assert engine.max_running >= 4
 
 
-def test_warm_up_runs_the_lora_kernels(base, adapters):
+def test_warm_up_runs_the_lora_kernels(tiny_checkpoint, adapters):
     """With adapters loaded, `LLMEngine.warm_up` (at load on CUDA) also launches the SGMV
     kernels, here through Triton's interpreter."""
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters,
                                     max_num_batched_tokens=64, **CONFIG))
     engine.model.cpu_layers = None   # the CUDA path's per-module forward pass
     delta = kernels.lora_delta_triton
@@ -106,12 +101,12 @@ def test_warm_up_runs_the_lora_kernels(base, adapters):
     assert launches
 
 
-def test_one_adapter_alone_at_once(base, adapters, oracle):
+def test_one_adapter_alone_at_once(tiny_checkpoint, adapters, oracle):
     """All arrive at step 0, one adapter: every step is one segment."""
-    _run(base, adapters, oracle, ["qv-r16"] * len(PROMPTS), arrivals=[0] * len(PROMPTS), max_num_seqs=16)
+    _run(tiny_checkpoint, adapters, oracle, ["qv-r16"] * len(PROMPTS), arrivals=[0] * len(PROMPTS), max_num_seqs=16)
 
 
-def test_chunked_prefill(base, adapters, oracle):
+def test_chunked_prefill(tiny_checkpoint, adapters, oracle):
     names = [NAMES[(i + 1) % 4] for i in range(len(PROMPTS))]
     chunks = []
 
@@ -126,7 +121,7 @@ def test_chunked_prefill(base, adapters, oracle):
         engine.scheduler.schedule = wrapped
 
     max_tokens = [MAX_NEW - (i * 5) % 7 for i in range(len(PROMPTS))]
-    engine, streamed, by_id = run_engine(base, PROMPTS, max_tokens, spread_arrivals(len(PROMPTS), every=1),
+    engine, streamed, by_id = run_engine(tiny_checkpoint, PROMPTS, max_tokens, spread_arrivals(len(PROMPTS), every=1),
                                          on_engine=record, lora_names=names, lora_modules=adapters,
                                          long_prefill_token_threshold=7, max_num_batched_tokens=30, max_num_seqs=6,
                                          **CONFIG)
@@ -135,10 +130,10 @@ def test_chunked_prefill(base, adapters, oracle):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption(base, adapters, oracle, mode):
+def test_preemption(tiny_checkpoint, adapters, oracle, mode):
     names = [NAMES[(i + 2) % 4] for i in range(len(PROMPTS))]
     max_tokens = [MAX_NEW - (i * 5) % 7 for i in range(len(PROMPTS))]
-    engine, streamed, by_id = run_engine(base, PROMPTS, max_tokens, spread_arrivals(len(PROMPTS), every=1),
+    engine, streamed, by_id = run_engine(tiny_checkpoint, PROMPTS, max_tokens, spread_arrivals(len(PROMPTS), every=1),
                                          lora_names=names, lora_modules=adapters, max_num_seqs=6, block_size=8,
                                          num_kv_blocks=14, long_prefill_token_threshold=13, preemption_mode=mode,
                                          swap_space_mb=1, max_preemptions=3, max_lora_rank=64, max_loras=4)
@@ -157,7 +152,7 @@ def _assert(oracle, names, streamed, by_id, max_tokens):
 
 
 @pytest.mark.parametrize("max_loras", [1, 2])
-def test_max_loras_limits_adapters_per_step_without_starving(base, adapters, oracle, max_loras):
+def test_max_loras_limits_adapters_per_step_without_starving(tiny_checkpoint, adapters, oracle, max_loras):
     names = [NAMES[1 + i % 3] if i % 4 else None for i in range(len(PROMPTS))]
     seen = []
 
@@ -172,17 +167,17 @@ def test_max_loras_limits_adapters_per_step_without_starving(base, adapters, ora
         engine.scheduler.schedule = wrapped
 
     max_tokens = [MAX_NEW - (i * 5) % 7 for i in range(len(PROMPTS))]
-    engine, streamed, by_id = run_engine(base, PROMPTS, max_tokens, [0] * len(PROMPTS), on_engine=record,
+    engine, streamed, by_id = run_engine(tiny_checkpoint, PROMPTS, max_tokens, [0] * len(PROMPTS), on_engine=record,
                                          lora_names=names, lora_modules=adapters, max_num_seqs=12,
                                          max_lora_rank=64, max_loras=max_loras, num_kv_blocks=256)
     assert max(len(s) for s in seen) == max_loras
     _assert(oracle, names, streamed, by_id, max_tokens)  # every request finished, correctly
 
 
-def test_prefix_cache_keys_on_the_adapter(base, adapters, oracle):
+def test_prefix_cache_keys_on_the_adapter(tiny_checkpoint, adapters, oracle):
     """The same 40-token prompt under the base model, two adapters, then each again: blocks
     are reused only under the adapter that computed them."""
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters,
                                     **CONFIG))
     prompt = PROMPTS[7]
     assert len(prompt) == 40
@@ -197,12 +192,12 @@ def test_prefix_cache_keys_on_the_adapter(base, adapters, oracle):
     assert hits == [0, 0, 0, 32, 32, 32]
 
 
-def test_kv_events_name_the_adapter_a_block_was_computed_under(base, adapters):
+def test_kv_events_name_the_adapter_a_block_was_computed_under(tiny_checkpoint, adapters):
     """vLLM's BlockStored carries lora_id (from 1) and lora_name, so a cache-aware router keeps
     one adapter's blocks apart from another's; a first block has no parent under any adapter."""
     from backend.kv_events import BlockStored
 
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters,
                                     **CONFIG))
     engine.kv.pool.events = []  # record, as kv_events_endpoint does, without a socket
     for k, name in enumerate([None, "qv-r16"]):
@@ -220,13 +215,13 @@ def test_kv_events_name_the_adapter_a_block_was_computed_under(base, adapters):
     assert base_blocks[0].block_hashes != adapter_blocks[0].block_hashes  # same tokens, other adapter
 
 
-def test_unknown_lora_name_lists_the_known_ones(base, adapters):
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters, **CONFIG))
+def test_unknown_lora_name_lists_the_known_ones(tiny_checkpoint, adapters):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters, **CONFIG))
     with pytest.raises(RequestError) as err:
         engine.add_request("x", [5, 6, 7], SamplingParams(lora_name="nope"))
     assert err.value.code == RequestError.INVALID_ARG
     assert str(err.value) == "lora_name: unknown LoRA adapter 'nope'; known adapters: ['all-r8', 'mlp-r64', 'qv-r16']"
-    plain = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", num_kv_blocks=16))
+    plain = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=16))
     with pytest.raises(RequestError, match="lora_name: unknown LoRA adapter 'all-r8'; this model serves no LoRA"):
         plain.add_request("y", [5, 6, 7], SamplingParams(lora_name="all-r8"))
 
@@ -245,8 +240,8 @@ def _copy_adapter(src: str, dest, config_changes=None, tensors=None) -> str:
     return str(dest)
 
 
-def test_bad_adapters_are_refused_at_load(base, adapters, tmp_path):
-    arch, _ = load_arch(base)
+def test_bad_adapters_are_refused_at_load(tiny_checkpoint, adapters, tmp_path):
+    arch, _ = load_arch(tiny_checkpoint)
     with pytest.raises(LoRAError, match=r"r=64: exceeds max_lora_rank=16"):
         load_adapter("mlp-r64", adapters["mlp-r64"], arch, max_lora_rank=16)
     dora = _copy_adapter(adapters["all-r8"], tmp_path / "dora", {"use_dora": True})
@@ -277,20 +272,20 @@ def test_bad_adapters_are_refused_at_load(base, adapters, tmp_path):
         load_adapter("missing", str(tmp_path / "nothing"), arch, 64)
     # Through the engine: the load fails, naming the adapter.
     with pytest.raises(LoRAError, match="LoRA adapter 'mlp-r64'"):
-        LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters, num_kv_blocks=16))
+        LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters, num_kv_blocks=16))
 
 
-def test_multi_lora_json_in_the_model_folder(base, adapters, tmp_path):
+def test_multi_lora_json_in_the_model_folder(tiny_checkpoint, adapters, tmp_path):
     model_folder = tmp_path / "llm"
     (model_folder / "1").mkdir(parents=True)
     os.symlink(adapters["all-r8"], tmp_path / "adapter-link")
     (model_folder / "multi_lora.json").write_text(json.dumps({"a": "../adapter-link", "b": adapters["qv-r16"]}))
-    config = EngineConfig.from_parameters({"model_path": base}, str(model_folder / "1"))
+    config = EngineConfig.from_parameters({"model_path": tiny_checkpoint}, str(model_folder / "1"))
     assert config.lora_modules == {"a": str(tmp_path / "adapter-link"), "b": adapters["qv-r16"]}
-    off = EngineConfig.from_parameters({"model_path": base, "enable_lora": "false"}, str(model_folder / "1"))
+    off = EngineConfig.from_parameters({"model_path": tiny_checkpoint, "enable_lora": "false"}, str(model_folder / "1"))
     assert off.lora_modules is None
     with pytest.raises(ValueError, match="enable_lora=true but there is no"):
-        EngineConfig.from_parameters({"model_path": base, "enable_lora": "true"}, str(tmp_path / "other" / "1"))
+        EngineConfig.from_parameters({"model_path": tiny_checkpoint, "enable_lora": "true"}, str(tmp_path / "other" / "1"))
     (tmp_path / "bad.json").write_text('["a"]')
     with pytest.raises(ValueError, match="must be a JSON object"):
         read_multi_lora(str(tmp_path / "bad.json"))
@@ -316,9 +311,9 @@ def test_default_model_with_a_rank8_adapter(tmp_path_factory):
         assert streamed[f"r{i}"] == want, (i, names[i])
 
 
-def test_stats_report_running_and_waiting_adapters(base, adapters):
+def test_stats_report_running_and_waiting_adapters(tiny_checkpoint, adapters):
     """vLLM's lora_requests_info labels come from the engine's snapshot."""
-    engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype="float32", lora_modules=adapters,
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", lora_modules=adapters,
                                     max_lora_rank=64, max_loras=1, num_kv_blocks=64))
     assert (engine.stats.running_lora_adapters, engine.stats.waiting_lora_adapters) == ((), ())
     for k, name in enumerate(["qv-r16", None, "all-r8", "qv-r16"]):
@@ -335,12 +330,12 @@ def test_stats_report_running_and_waiting_adapters(base, adapters):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariant_logprobs_with_adapters(base, adapters, dtype):
+def test_batch_invariant_logprobs_with_adapters(tiny_checkpoint, adapters, dtype):
     """With batch_invariant on, a request's logprobs under an adapter are bitwise the same
     alone and in a batch where its adapter's segment also holds other requests' tokens and
     other adapters' segments surround it."""
     def probe_logprobs(others):
-        engine = LLMEngine(EngineConfig(model_path=base, device="cpu", dtype=dtype, lora_modules=adapters,
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype=dtype, lora_modules=adapters,
                                         batch_invariant=True, **CONFIG))
         for k, (name, prompt) in enumerate(others):
             engine.add_request(f"o{k}", prompt, SamplingParams(temperature=0.0, max_tokens=3 + k % 5, ignore_eos=True,
@@ -359,26 +354,26 @@ def test_batch_invariant_logprobs_with_adapters(base, adapters, dtype):
     assert len(alone) == 8 and alone == mixed
 
 
-def test_random_adapter_from_the_command_line(base, tmp_path, capsys):
+def test_random_adapter_from_the_command_line(tiny_checkpoint, tmp_path, capsys):
     from tools.random_checkpoint import main
 
     dest = str(tmp_path / "cli-r4")
-    assert main([dest, "--lora-for", base, "--rank", "4", "--target-modules", "q_proj", "down_proj"]) == 0
+    assert main([dest, "--lora-for", tiny_checkpoint, "--rank", "4", "--target-modules", "q_proj", "down_proj"]) == 0
     assert capsys.readouterr().out.strip() == dest
-    adapter = load_adapter("cli", dest, load_arch(base)[0], max_lora_rank=4)
+    adapter = load_adapter("cli", dest, load_arch(tiny_checkpoint)[0], max_lora_rank=4)
     assert adapter.rank == 4 and adapter.target_modules == ["down_proj", "q_proj"]
     assert adapter.scaling == 2.0  # lora_alpha defaults to 2r
     assert all(b.abs().sum() > 0 for _, b in adapter.weights.values()), "B must be nonzero to change anything"
 
 
-def test_cpu_decoder_layers_add_the_adapters_as_the_modules_do(base, adapters):
+def test_cpu_decoder_layers_add_the_adapters_as_the_modules_do(tiny_checkpoint, adapters):
     """With adapters installed each layer still runs as one C++ call (kernels.cpu_decoder_layer),
     adding every segment's delta as lora_delta_cpu does: the same tokens and the same
     cumulative logprobs, to the bit, as the modules, on a batch of three adapters and base."""
     names = [NAMES[i % 4] for i in range(len(PROMPTS))]
 
     def run(fused: bool) -> list[tuple[list[int], float]]:
-        engine = LLMEngine(EngineConfig(model_path=base, lora_modules=adapters, max_num_seqs=16, **CONFIG))
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, lora_modules=adapters, max_num_seqs=16, **CONFIG))
         assert engine.model.cpu_layers is not None
         if not fused:
             engine.model.cpu_layers = None

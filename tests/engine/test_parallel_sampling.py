@@ -18,7 +18,6 @@ import pytest
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, RequestOutput
 from backend.request import RequestError, RequestStatus, SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,11 +26,6 @@ _rng = random.Random(25)
 # 37 tokens: two full blocks of 16 and a partial one that the sequences share, then copy.
 PROMPT = [_rng.randrange(3, VOCAB) for _ in range(37)]
 OTHER = [_rng.randrange(3, VOCAB) for _ in range(21)]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-llama-n") / "ckpt"), family="llama")
 
 
 def make_engine(model_path: str, **config) -> LLMEngine:
@@ -89,13 +83,13 @@ def single_runs(model_path: str, prompt: list[int], seeds: list[int], **config) 
 
 
 @pytest.fixture(scope="module")
-def singles(tiny_llama):
-    return single_runs(tiny_llama, PROMPT, list(range(7, 15)))
+def singles(tiny_checkpoint):
+    return single_runs(tiny_checkpoint, PROMPT, list(range(7, 15)))
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_each_sequence_equals_a_single_request_with_its_derived_seed(tiny_llama, singles, prefix_caching):
-    engine = make_engine(tiny_llama, enable_prefix_caching=prefix_caching)
+def test_each_sequence_equals_a_single_request_with_its_derived_seed(tiny_checkpoint, singles, prefix_caching):
+    engine = make_engine(tiny_checkpoint, enable_prefix_caching=prefix_caching)
     copies = collections.Counter()
     runner_swap = engine.runner.swap
 
@@ -126,10 +120,10 @@ def test_each_sequence_equals_a_single_request_with_its_derived_seed(tiny_llama,
     assert engine.stats.totals.prompt_tokens == len(PROMPT) + len(OTHER) + 9
 
 
-def test_n8_on_a_512_token_prompt_shares_the_prompt_blocks(tiny_llama):
+def test_n8_on_a_512_token_prompt_shares_the_prompt_blocks(tiny_checkpoint):
     """Measured: peak KV blocks of one n=8 request against one request's prompt blocks plus
     every sequence's decode blocks (the issue's bound is 1.3x the prompt's plus those)."""
-    engine = make_engine(tiny_llama, max_num_seqs=8, num_kv_blocks=400)
+    engine = make_engine(tiny_checkpoint, max_num_seqs=8, num_kv_blocks=400)
     prompt = [random.Random(512).randrange(3, VOCAB) for _ in range(512)]
     max_tokens = 40
     engine.add_request("g", prompt, sampled(1, n=8, max_tokens=max_tokens))
@@ -144,8 +138,8 @@ def test_n8_on_a_512_token_prompt_shares_the_prompt_blocks(tiny_llama):
     assert run.peak_blocks < bound
 
 
-def test_best_of_returns_the_n_highest_cumulative_logprobs(tiny_llama, singles):
-    engine = make_engine(tiny_llama)
+def test_best_of_returns_the_n_highest_cumulative_logprobs(tiny_checkpoint, singles):
+    engine = make_engine(tiny_checkpoint)
     engine.add_request("g", PROMPT, sampled(7, n=2, best_of=5))
     run = Run(engine).until_idle()
     final = run.final("g")
@@ -156,14 +150,14 @@ def test_best_of_returns_the_n_highest_cumulative_logprobs(tiny_llama, singles):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_takes_the_whole_group_and_output_stays_identical(tiny_llama, mode):
+def test_preemption_takes_the_whole_group_and_output_stays_identical(tiny_checkpoint, mode):
     """16 blocks of 8 tokens: the group (5 prompt blocks shared, then 4 tails) and two other
     requests cannot all fit, so requests keep evicting each other."""
     config = dict(block_size=8, num_kv_blocks=16, max_num_seqs=6, preemption_mode=mode, swap_space_mb=1,
                   max_preemptions=3, long_prefill_token_threshold=13)
     seeds = [7, 8, 9, 10]
-    want = single_runs(tiny_llama, PROMPT, seeds, **{**config, "num_kv_blocks": 64})
-    engine = make_engine(tiny_llama, **config)
+    want = single_runs(tiny_checkpoint, PROMPT, seeds, **{**config, "num_kv_blocks": 64})
+    engine = make_engine(tiny_checkpoint, **config)
     preempted_together = []
     schedule = engine.scheduler.schedule
 
@@ -187,8 +181,8 @@ def test_preemption_takes_the_whole_group_and_output_stays_identical(tiny_llama,
 
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])
-def test_cancelling_a_group_frees_every_sequence(tiny_llama, when):
-    engine = make_engine(tiny_llama, long_prefill_token_threshold=8)
+def test_cancelling_a_group_frees_every_sequence(tiny_checkpoint, when):
+    engine = make_engine(tiny_checkpoint, long_prefill_token_threshold=8)
     engine.add_request("g", PROMPT, sampled(7, n=4, max_tokens=50))
     run = Run(engine)
     for _ in range(2 if when == "prefill" else 9):
@@ -203,15 +197,15 @@ def test_cancelling_a_group_frees_every_sequence(tiny_llama, when):
     assert engine.stats.totals.aborts == 1
 
 
-def test_seedless_sequences_draw_from_the_engine_generator(tiny_llama):
-    engine = make_engine(tiny_llama)
+def test_seedless_sequences_draw_from_the_engine_generator(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
     engine.add_request("g", PROMPT, sampled(None, n=3))
     run = Run(engine).until_idle()
     assert len({tuple(run.tokens["g"][i]) for i in range(3)}) == 3
 
 
-def test_greedy_sequences_are_all_the_greedy_output(tiny_llama):
-    engine = make_engine(tiny_llama)
+def test_greedy_sequences_are_all_the_greedy_output(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     single = engine.add_request("one", PROMPT, greedy)
     Run(engine).until_idle()
@@ -225,8 +219,8 @@ def test_greedy_sequences_are_all_the_greedy_output(tiny_llama):
     ({"n": 2, "best_of": 5}, "best_of", "max_num_seqs"),
     ({"n": 3, "max_tokens": 200}, "n", "KV blocks"),
 ])
-def test_groups_that_can_never_run_are_refused(tiny_llama, values, param, words):
-    engine = make_engine(tiny_llama, max_num_seqs=3, num_kv_blocks=30)
+def test_groups_that_can_never_run_are_refused(tiny_checkpoint, values, param, words):
+    engine = make_engine(tiny_checkpoint, max_num_seqs=3, num_kv_blocks=30)
     with pytest.raises(RequestError) as info:
         engine.add_request("g", PROMPT, SamplingParams(**values))
     assert info.value.param == param and words in str(info.value), str(info.value)

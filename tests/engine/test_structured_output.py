@@ -19,7 +19,6 @@ import pytest
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import RequestError, SamplingParams
-from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,11 +39,6 @@ SCHEMA = {
 REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org|net)"
 CHOICES = ["red", "green", "blue", 'a "quoted" \\ choice']
 PROMPT = [1, 415, 3278, 314, 2484, 28, 1458, 28]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("structured") / "tiny-llama"))
 
 
 def make_engine(model_path: str, **overrides) -> LLMEngine:
@@ -83,8 +77,8 @@ def text_of(engine: LLMEngine, out) -> str:
     return engine.tokenizer.decode(out.all_token_ids, skip_special_tokens=True)
 
 
-def test_fifty_seeded_sampled_requests_validate_against_the_schema(tiny_model):
-    engine = make_engine(tiny_model)
+def test_fifty_seeded_sampled_requests_validate_against_the_schema(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
     requests = {}
     for i in range(50):
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs={"json": SCHEMA})
@@ -106,8 +100,8 @@ def test_fifty_seeded_sampled_requests_validate_against_the_schema(tiny_model):
     ({"choice": CHOICES}, lambda text: text in CHOICES),
     ({"grammar": 'root ::= "(" [0-9]+ (" + " [0-9]+)* ")"'}, lambda text: re.fullmatch(r"\(\d+( \+ \d+)*\)", text)),
 ], ids=["regex", "choice", "grammar"])
-def test_constraints_always_hold(tiny_model, constraint, holds):
-    engine = make_engine(tiny_model)
+def test_constraints_always_hold(tiny_checkpoint, constraint, holds):
+    engine = make_engine(tiny_checkpoint)
     requests = {}
     for i in range(20):
         params = SamplingParams(temperature=1.0 if i % 4 else 0.0, seed=i, max_tokens=256, structured_outputs=constraint)
@@ -120,10 +114,10 @@ def test_constraints_always_hold(tiny_model, constraint, holds):
         assert len({text_of(engine, out) for out in finals.values()}) > 1, "sampling never left one choice"
 
 
-def test_json_object_is_an_object(tiny_model):
+def test_json_object_is_an_object(tiny_checkpoint):
     """Any JSON object: a random model may write a key forever, so those that reach
     max_tokens are only checked to be an object's beginning; the others parse as objects."""
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_checkpoint)
     requests = {f"r{i}": engine.add_request(f"r{i}", PROMPT, SamplingParams(
         temperature=1.0, seed=i, max_tokens=128, structured_outputs={"json_object": True})) for i in range(20)}
     finals = run_to_completion(engine, requests)
@@ -142,8 +136,8 @@ def test_json_object_is_an_object(tiny_model):
     ({"regex": "(unclosed"}, "regex"),
     ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
 ], ids=["json-unresolved-ref", "regex", "grammar"])
-def test_a_constraint_that_does_not_compile_ends_its_request_with_invalid_arg(tiny_model, constraint, needle):
-    engine = make_engine(tiny_model)
+def test_a_constraint_that_does_not_compile_ends_its_request_with_invalid_arg(tiny_checkpoint, constraint, needle):
+    engine = make_engine(tiny_checkpoint)
     bad = engine.add_request("bad", PROMPT, SamplingParams(max_tokens=8, structured_outputs=constraint))
     good = engine.add_request("good", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
     finals = run_to_completion(engine, {"bad": bad, "good": good})
@@ -155,10 +149,10 @@ def test_a_constraint_that_does_not_compile_ends_its_request_with_invalid_arg(ti
     assert_no_grammar_state(engine, [bad, good])
 
 
-def test_compilation_never_stalls_the_batch(tiny_model):
+def test_compilation_never_stalls_the_batch(tiny_checkpoint):
     """While a grammar compiles (held here until released), free requests keep decoding;
     the constrained request is scheduled once its grammar is ready."""
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_checkpoint)
     release = threading.Event()
     compile_now = engine.grammar_compiler._compile
 
@@ -183,12 +177,12 @@ def test_compilation_never_stalls_the_batch(tiny_model):
     assert_no_grammar_state(engine, [free, constrained])
 
 
-def test_free_rows_of_a_mixed_batch_are_untouched(tiny_model):
+def test_free_rows_of_a_mixed_batch_are_untouched(tiny_checkpoint):
     """Greedy free requests give the same tokens beside constrained ones as alone."""
     prompts = [PROMPT[: 3 + i] for i in range(4)]
-    alone = make_engine(tiny_model)
+    alone = make_engine(tiny_checkpoint)
     want = [r.output_token_ids for r in alone.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
-    mixed = make_engine(tiny_model)
+    mixed = make_engine(tiny_checkpoint)
     requests = {}
     for i, prompt in enumerate(prompts):
         requests[f"free{i}"] = mixed.add_request(f"free{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12))
@@ -198,9 +192,9 @@ def test_free_rows_of_a_mixed_batch_are_untouched(tiny_model):
     assert [requests[f"free{i}"].output_token_ids for i in range(4)] == want
 
 
-def test_early_stops_leave_no_grammar_state(tiny_model):
+def test_early_stops_leave_no_grammar_state(tiny_checkpoint):
     """max_tokens, a stop string, an abort while running and an abort while compiling."""
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_checkpoint)
     release = threading.Event()
     compile_now = engine.grammar_compiler._compile
     engine.grammar_compiler._compile = lambda *args: (release.wait(60), compile_now(*args))[1]
@@ -225,13 +219,13 @@ def test_early_stops_leave_no_grammar_state(tiny_model):
     assert_no_grammar_state(engine, requests.values())
 
 
-def test_preemption_by_recompute_rebuilds_the_matcher(tiny_model):
+def test_preemption_by_recompute_rebuilds_the_matcher(tiny_checkpoint):
     """A tiny KV pool keeps evicting constrained requests; each rebuilds its matcher by
     replaying its tokens, and every request's tokens equal those of a run without preemption."""
     constraints = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}, None]
 
     def run(**config):
-        engine = make_engine(tiny_model, **config)
+        engine = make_engine(tiny_checkpoint, **config)
         requests = {}
         for i in range(12):
             so = constraints[i % len(constraints)]
@@ -252,9 +246,9 @@ def test_preemption_by_recompute_rebuilds_the_matcher(tiny_model):
     assert got == want
 
 
-def test_every_sequence_of_a_parallel_request_keeps_the_constraint(tiny_model):
+def test_every_sequence_of_a_parallel_request_keeps_the_constraint(tiny_checkpoint):
     """n > 1: each forked sequence gets a matcher of its own on the one compiled grammar."""
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_checkpoint)
     params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=256, structured_outputs={"choice": CHOICES})
     request = engine.add_request("group", PROMPT, params)
     tokens: dict[int, list[int]] = {i: [] for i in range(4)}

@@ -11,15 +11,9 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
 from backend.trace import MAX_EVENTS, RequestTrace
-from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-llama-trace") / "ckpt"), family="llama")
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -53,8 +47,8 @@ def events(trace: dict, kind: str) -> list[dict]:
     return [e for e in trace["events"] if e["event"] == kind]
 
 
-def test_chunked_prefill_first_token_decode_and_finish(tiny_llama):
-    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", block_size=16,
+def test_chunked_prefill_first_token_decode_and_finish(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=16,
                                     num_kv_blocks=64, long_prefill_token_threshold=32))
     tokens, traces = run(engine, [("traced", prompt(1, 100), 12, True), ("plain", prompt(2, 20), 12, False)])
     assert traces["plain"] is None
@@ -80,8 +74,8 @@ def test_chunked_prefill_first_token_decode_and_finish(tiny_llama):
     assert trace["dropped"] is None and trace["max_events"] == MAX_EVENTS
 
 
-def test_prefix_cache_hits_and_waiting_behind_a_full_batch(tiny_llama):
-    engine = LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", block_size=16,
+def test_prefix_cache_hits_and_waiting_behind_a_full_batch(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=16,
                                     num_kv_blocks=64, max_num_seqs=1))
     shared = prompt(3, 40)
     _, traces = run(engine, [("first", shared + [5, 6], 4, True), ("second", shared + [7], 4, True)])
@@ -96,9 +90,9 @@ def test_prefix_cache_hits_and_waiting_behind_a_full_batch(tiny_llama):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemptions_are_traced_and_tracing_changes_no_token(tiny_llama, mode):
+def test_preemptions_are_traced_and_tracing_changes_no_token(tiny_checkpoint, mode):
     def engine():
-        return LLMEngine(EngineConfig(model_path=tiny_llama, device="cpu", dtype="float32", block_size=8,
+        return LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", block_size=8,
                                       num_kv_blocks=14, max_num_seqs=6, long_prefill_token_threshold=13,
                                       preemption_mode=mode, swap_space_mb=1, max_preemptions=3))
     requests = [(f"r{i}", prompt(10 + i, 5 + 3 * i), 14, True) for i in range(10)]

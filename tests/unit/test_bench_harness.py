@@ -1,8 +1,8 @@
 """The benchmark harness (client/bench/: workloads, stats, runners, targets, plot, table, overhead, cli).
 
-Fast tests run the in-process engine on a tiny random-weight checkpoint: closed-loop
-concurrency, the W3 rate sweep's report, goodput arithmetic, text prompts, the plot.
-The same harness against a real tritonserver is tests/e2e/test_bench_targets.py's.
+Its arithmetic and reports without an engine: workloads, goodput arithmetic, text prompts,
+plots, tables, targets. The runs on the engine itself are tests/engine/test_bench_runs.py's,
+and the same harness against a real tritonserver is tests/e2e/test_bench_targets.py's.
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ import numpy as np
 import pytest
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from client.bench import cli, flops, overhead, plot, runners, stats, table, workloads
+from client.bench import cli, flops, plot, stats, table, workloads
 from client.bench.records import RequestRecord, SystemRun, git_commit
 from client.bench.stats import summarize
 from client.bench.targets import parse_target
 from tests.checkpoints import make_tiny_checkpoint
-
-# A small KV pool: the default 1 GiB is needless for a few tiny requests.
-ENGINE = {"kv_cache_memory_mb": 64}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("bench") / "tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -150,92 +142,7 @@ def test_the_engines_device_and_dtype_are_the_peers(monkeypatch):
     assert engine_dtype_name({"device": "auto"}) == "bfloat16"
 
 
-# ---------------------------------------------------------------------------- engine runs
-
-
-def test_closed_loop_keeps_n_requests_in_flight(tiny):
-    w = workloads.w3_online(num_requests=6, input_len=16, output_len=6, rate_per_s=0.01)  # arrivals ~100 s apart
-    run = runners.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fcfs"}, "continuous", progress=False,
-                             concurrency=2)
-    assert run.duration_s < 60  # the arrival times were ignored
-    assert all(r.finish_reason == "length" and r.num_output_tokens == 6 for r in run.records)
-    for r in run.records:  # how many were in flight when this one was sent: itself and at most one other
-        in_flight = sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1])
-        assert in_flight <= 2
-    assert max(sum(1 for o in run.records if o.arrival <= r.arrival < o.token_times[-1]) for r in run.records) == 2
-    result = summarize(run, w)
-    assert result["concurrency"] == 2 and result["rate_per_s"] is None and result["all_token_counts_right"]
-
-
-def test_a_closed_loop_tenant_keeps_its_requests_in_flight_beside_an_open_loop_one(tiny):
-    """W8a's shape, scaled down: tenant A a closed loop of 3, tenant B at arrival times."""
-    w = workloads.w8a_flood(num_requests=3, rate_per_s=50.0, in_flight=3, long_output=12, chat_output=4,
-                            prompt_len=8, max_num_seqs=2)
-    assert w.tenant_concurrency == {"A": 3} and [r.max_tokens for r in w.requests[:3]] == [4, 8, 12]
-    run = runners.run_engine(w, tiny, {**ENGINE, "scheduling_policy": "fair"}, "fair", progress=False)
-    assert all(r.finish_reason == "length" for r in run.records)
-    flood = [r for r, spec in zip(run.records, w.requests) if spec.tenant == "A"]
-    for r in flood:
-        assert sum(1 for o in flood if o.arrival <= r.arrival < o.token_times[-1]) <= 3
-    service = run.engine_kpis["service_by_tenant"]
-    expected = {t: sum(len(q.prompt_token_ids) + 2 * q.max_tokens for q in w.requests if q.tenant == t) for t in "AB"}
-    assert service == expected
-    timeline = run.engine_kpis["service_timeline"]
-    assert timeline["A"][-1] == expected["A"] and timeline["B"][-1] == expected["B"]
-    assert len(timeline["t_s"]) == len(timeline["A"]) == len(timeline["B"])
-    assert all(a <= b for a, b in zip(timeline["A"], timeline["A"][1:]))
-    result = summarize(run, w)
-    assert result["by_class"]["B"]["output_tokens"] == 3 * 4
-    assert result["by_class"]["A"]["output_token_share"] + result["by_class"]["B"]["output_token_share"] == \
-        pytest.approx(1.0)
-
-
-def test_w8b_report_has_the_ratios_and_a_service_plot(tiny, tmp_path):
-    out = tmp_path / "results" / "w8b.json"
-    code = cli.main(["W8b", "--model", tiny, "--num-requests", "6", "--rate", "40", "--output-len", "40",
-                     "--engine", "kv_cache_memory_mb=64",
-                     "--json", str(out), "--plot", "--no-progress"])
-    assert code == 0
-    report = json.loads(out.read_text())
-    assert [r["system"] for r in report["results"]] == ["fcfs", "priority", "fair"]
-    assert set(report["ratios"]) == {"fair/fcfs", "priority/fcfs"}
-    assert set(report["ratios"]["fair/fcfs"]["e2el_p99_by_class"]) == {"chat", "long"}
-    assert (tmp_path / "w8b.png").stat().st_size > 10_000
-
-
-def test_w7_runs_groups_and_their_sequences_as_separate_requests_alike(tiny, tmp_path):
-    out = tmp_path / "w7.json"
-    code = cli.main(["W7", "--model", tiny, "--num-requests", "3", "--input-len", "20", "--output-len", "5",
-                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads(out.read_text())
-    assert [r["system"] for r in report["results"]] == ["continuous", "separate-no-prefix-cache"]
-    assert report["workload"]["n"] == 4 and report["workload"]["total_output_tokens"] == 3 * 4 * 5
-    for r in report["results"]:  # every request's record counts all 4 sequences' tokens
-        assert r["num_completed"] == 3 and r["all_token_counts_right"] and r["output_tokens"] == 60
-    assert "continuous/separate-no-prefix-cache" in report["ratios"]
-
-
-def test_w3_rate_sweep_report_plot_and_redraw(tiny, tmp_path, capsys):
-    out = tmp_path / "results" / "w3_sweep.json"
-    code = cli.main(["W3", "--model", tiny, "--systems", "continuous", "--rates", "20,inf", "--num-requests", "4",
-                     "--input-len", "16", "--output-len", "4", "--engine", "kv_cache_memory_mb=64",
-                     "--slo-ttft-ms", "5000", "--json", str(out), "--plot", "--no-progress"])
-    assert code == 0
-    report = json.loads(out.read_text())
-    assert [(r["system"], r["rate_per_s"]) for r in report["results"]] == [("continuous", 20.0), ("continuous", 0.0)]
-    assert report["workload"]["rates_per_s"] == [20.0, 0.0] and report["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 100.0}
-    for r in report["results"]:
-        assert r["num_completed"] == 4 and r["all_token_counts_right"]
-        assert 0 <= r["goodput_requests_per_s"] <= r["requests_per_s"]
-        assert r["goodput_requests_per_s"] == pytest.approx(r["slo_met"] / r["duration_s"])
-    png = tmp_path / "w3_sweep.png"  # bench/results/X.json -> bench/X.png
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert plot.is_rate_sweep(report)
-    redrawn = tmp_path / "again.png"
-    assert plot.main([str(out), "-o", str(redrawn)]) == 0
-    assert redrawn.stat().st_size > 10_000
-    assert "continuous  20/s" in capsys.readouterr().out
+# ---------------------------------------------------------------------------- reports
 
 
 def test_bar_plot_of_a_single_load_report(tmp_path):
@@ -302,28 +209,6 @@ def test_the_table_of_every_committed_report_is_made():
     assert "#### Machine kind: avx512_bf16" in text
 
 
-def test_repeat_interleaves_the_systems_and_labels_every_run(tiny, tmp_path, capsys):
-    out = tmp_path / "results" / "w2_repeat.json"
-    code = cli.main(["W2", "--model", tiny, "--systems", "continuous,static", "--num-requests", "3", "--repeat", "2",
-                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--plot", "--no-progress"])
-    assert code == 0
-    report = json.loads(out.read_text())
-    # Run i's workload is seed i - 1's, for every system.
-    assert [(r["system"], r["run"], r["seed"]) for r in report["results"]] == [
-        ("continuous", 1, 0), ("static", 1, 0), ("continuous", 2, 1), ("static", 2, 1)]
-    assert all(r["num_completed"] == 3 and r["all_token_counts_right"] for r in report["results"])
-    entry = report["ratios"]["continuous/static"]
-    per_run = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
-               for a, b in zip(report["results"][0::2], report["results"][1::2])]
-    assert entry["runs"] == pytest.approx(per_run)
-    assert entry["output_tokens_per_s"] == pytest.approx(float(np.median(per_run)))
-    printed = capsys.readouterr().out
-    assert "run" in printed.splitlines()[2].split() and "per run" in printed
-    assert (tmp_path / "w2_repeat.png").read_bytes()[:4] == b"\x89PNG"
-    rows = table.table([str(out)])
-    assert "| continuous @ run 2 |" in rows and "per run" in rows
-
-
 def test_cli_refuses_what_does_not_apply():
     for argv in (["W1", "--rates", "1,2"], ["W3", "--rates", "1", "--concurrency", "2"], ["W1", "--input-len", "8"],
                  ["W3", "--target", "ftp://h:1"], ["W3", "--systems", "nope"],
@@ -373,34 +258,17 @@ def test_model_flops_count_every_projection_per_token_and_the_head_per_output_to
     assert flops.model_flops(path) == (2 * projections, 2 * output_head)
 
 
-def test_flop_bound_is_model_flops_over_the_measured_peak(tiny):
+def test_flop_bound_is_model_flops_over_the_measured_peak(tiny_checkpoint):
     results = [{"total_tokens_per_s": 1000.0, "output_tokens_per_s": 400.0, "duration_s": 2.0}]
-    bound = flops.add_flop_bound(results, tiny, "float32")
+    bound = flops.add_flop_bound(results, tiny_checkpoint, "float32")
     assert bound["matmul_peak_gflops_at_256_rows"] > 0
-    per_token, per_output_token = flops.model_flops(tiny)
+    per_token, per_output_token = flops.model_flops(tiny_checkpoint)
     expected = (1000.0 * per_token + 400.0 * per_output_token) / 1e9
     assert results[0]["model_gflops_per_s"] == pytest.approx(expected)
     assert results[0]["fraction_of_flop_bound"] == pytest.approx(expected / bound["matmul_peak_gflops_at_256_rows"])
 
 
-# ---------------------------------------------------------------------------- host overhead
-
-
-def test_overhead_benchmark_times_every_phase_of_full_decode_batches(tiny, tmp_path):
-    out = tmp_path / "overhead.json"
-    assert overhead.main(["--model", tiny, "--running", "4,16", "--prompt-len", "40", "--iterations", "6",
-                          "--warmup-iterations", "2", "--json", str(out), "--no-progress"]) == 0
-    report = json.loads(out.read_text())
-    assert [r["running"] for r in report["results"]] == [4, 16]
-    for result in report["results"]:
-        phases = result["phases_ms"]
-        assert set(phases) == {*overhead.PHASES, "schedule+prepare"}
-        for phase in overhead.PHASES:
-            assert 0 < phases[phase]["p50"] <= phases[phase]["p99"], (phase, phases[phase])
-        assert phases["schedule+prepare"]["mean"] == pytest.approx(
-            phases["schedule"]["mean"] + phases["prepare"]["mean"])
-    assert report["meets_target"] == all(
-        r["phases_ms"]["schedule+prepare"]["p50"] <= report["target_ms"]["schedule+prepare"] for r in report["results"])
+# ---------------------------------------------------------------------------- tables
 
 
 def test_results_are_tabled_by_machine_kind_and_never_mixed():
@@ -455,35 +323,6 @@ def test_w4_with_several_prefixes_keeps_one_prefix_per_request():
     # The first prefix, the arrivals and the tails are drawn as with one prefix.
     assert tuple(one.requests[0].prompt_token_ids[:32]) in prefixes
     assert several.params["num_prefixes"] == 4
-
-
-def test_structured_half_constrains_every_other_request_and_keeps_the_token_counts(tiny, tmp_path):
-    """The structured-output cost benchmark: the same W2, half its requests under the JSON
-    constraint that no request completes before its max_tokens, so both systems do the same work."""
-    out = tmp_path / "results" / "w2_structured.json"
-    code = cli.main(["W2", "--model", tiny, "--systems", "structured-half,continuous", "--num-requests", "4",
-                     "--engine", "kv_cache_memory_mb=64", "--json", str(out), "--no-progress"])
-    assert code == 0
-    report = json.loads(out.read_text())
-    assert all(r["num_completed"] == 4 and r["all_token_counts_right"] for r in report["results"])
-    assert "structured-half/continuous" in report["ratios"]
-    seen = []
-    w = workloads.w2_offline(num_requests=4, low=4, high=8)
-    original = runners.SamplingParams
-
-    def recording(**kwargs):
-        seen.append(kwargs.get("structured_outputs"))
-        return original(**kwargs)
-
-    runners.SamplingParams = recording
-    try:
-        runners.run_engine(w, tiny, ENGINE, "structured-half", progress=False,
-                           structured_outputs=workloads.BENCH_STRUCTURED_OUTPUTS)
-    finally:
-        runners.SamplingParams = original
-    seen = seen[1:]  # the warm-up request
-    by_index = dict(zip(sorted(range(4), key=lambda i: w.requests[i].arrival_s), seen))
-    assert [by_index[i] is not None for i in range(4)] == [True, False, True, False]
 
 
 def test_the_machine_records_the_cores_the_run_may_use():

@@ -4,7 +4,7 @@ hf-continuous runs for real on a tiny random checkpoint: exact token counts, one
 token, and greedy output equal to transformers' own `generate()`. vllm-offline is checked
 up to the process boundary: the request/result JSON both sides agree on, the command
 client.bench.peers runs (with a stand-in for the .venv-peers child), and the error when
-.venv-peers is missing. The real vLLM run is `make peers` plus client/vllm_offline.py's
+.venv-peers is missing. The real vLLM run is `make peers` plus client/bench/vllm_offline.py's
 usage line, which need minutes and .venv-peers.
 """
 
@@ -15,12 +15,11 @@ import subprocess
 
 import pytest
 
-from client import vllm_peer
-from client.bench import peers
+from client.bench import peers, vllm_peer
 from client.bench.records import SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy
 
 
 def small_workload(temperature: float = 0.0, max_tokens=(3, 5, 8)) -> Workload:
@@ -127,7 +126,7 @@ def test_run_vllm_offline_plumbing(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     workload = small_workload()
     run = peers.run_vllm_offline(workload, "some/model", 16, "bfloat16", progress=False, seed=3)
-    assert seen["command"][:3] == [str(fake_python), "-m", "client.vllm_offline"]
+    assert seen["command"][:3] == [str(fake_python), "-m", "client.bench.vllm_offline"]
     args = dict(zip(seen["command"][3::2], seen["command"][4::2]))
     assert args["--model"].endswith("some/model") and args["--model"].startswith("/")
     assert (args["--dtype"], args["--max-num-seqs"], args["--seed"]) == ("bfloat16", "16", "3")
@@ -141,14 +140,9 @@ def test_run_vllm_offline_plumbing(monkeypatch, tmp_path):
 # ---- hf-continuous ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("peers") / "tiny-llama"))
-
-
-def test_hf_continuous_run(tiny):
+def test_hf_continuous_run(tiny_checkpoint):
     workload = small_workload()
-    run = peers.run_hf_continuous(workload, tiny, max_num_seqs=2, dtype="float32", progress=False)
+    run = peers.run_hf_continuous(workload, tiny_checkpoint, max_num_seqs=2, dtype="float32", progress=False)
     check_run(run, workload, "hf-continuous")
     # Per-token times, not one time for the batch: the 8-token request decodes over several steps.
     assert run.records[2].token_times[-1] > run.records[2].token_times[0]
@@ -156,32 +150,32 @@ def test_hf_continuous_run(tiny):
     assert run.engine_kpis["max_num_seqs"] == 2 and run.engine_kpis["num_blocks"] >= 2
 
 
-def test_hf_continuous_greedy_matches_generate(tiny):
+def test_hf_continuous_greedy_matches_generate(tiny_checkpoint):
     import torch
     from transformers import AutoModelForCausalLM
 
     workload = small_workload()
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     outputs, *_ = peers.hf_continuous_generate(model, workload, max_num_seqs=2, progress=False)
-    expected = [hf_greedy(tiny, [r.prompt_token_ids], r.max_tokens)[0] for r in workload.requests]
+    expected = [hf_greedy(tiny_checkpoint, [r.prompt_token_ids], r.max_tokens)[0] for r in workload.requests]
     assert [out.generated_tokens for out in outputs] == expected
 
 
-def test_hf_continuous_sampling(tiny):
+def test_hf_continuous_sampling(tiny_checkpoint):
     workload = small_workload(temperature=0.6)
-    run = peers.run_hf_continuous(workload, tiny, max_num_seqs=3, dtype="float32", progress=False, seed=1)
+    run = peers.run_hf_continuous(workload, tiny_checkpoint, max_num_seqs=3, dtype="float32", progress=False, seed=1)
     check_run(run, workload, "hf-continuous")
 
 
-def test_hf_continuous_one_temperature_only(tiny):
+def test_hf_continuous_one_temperature_only(tiny_checkpoint):
     workload = small_workload()
     workload.requests[0].temperature = 0.6
     with pytest.raises(ValueError, match="one temperature"):
-        peers.run_hf_continuous(workload, tiny, max_num_seqs=2, dtype="float32", progress=False)
+        peers.run_hf_continuous(workload, tiny_checkpoint, max_num_seqs=2, dtype="float32", progress=False)
 
 
 def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch):
-    from client import vllm_server
+    from client.bench import vllm_server
 
     calls = []
     monkeypatch.setattr(vllm_server.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))

@@ -1,33 +1,58 @@
-"""The launcher's command line and environment, and the shipped model repository's config."""
+"""The launchers' command lines, environment and ports (tools/launch.py), `make serve`'s settings,
+and the shipped model repository's config."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from tools import serve
+from tools import launch, serve
 
 
 def test_command_binds_host_and_ports():
-    cmd = serve.build_command("model_repository", "0.0.0.0", 9000, 9001, 9002, log_verbose=1, extra_args=["--foo=1"])
+    cmd = launch.tritonserver_command("model_repository", "0.0.0.0", 9000, 9001, 9002, log_verbose=1, extra_args=["--foo=1"])
     assert cmd[0].endswith("bin/tritonserver")
     args = set(cmd[1:])
     assert f"--model-repository={Path('model_repository').resolve()}" in args
-    assert f"--backend-directory={serve.TRITON_DIR.resolve() / 'backends'}" in args
+    assert f"--backend-directory={launch.TRITON_DIR.resolve() / 'backends'}" in args
     for expected in ("--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--http-port=9000", "--grpc-port=9001",
                      "--metrics-port=9002", "--allow-metrics=true", "--model-control-mode=none", "--log-verbose=1"):
         assert expected in args
     assert cmd[-1] == "--foo=1"
 
 
+def test_frontend_command_serves_the_triton_url_on_host_and_port():
+    cmd = launch.frontend_command("10.0.0.2:8001", "10.0.0.2", 9003, model_repository="/models", extra_args=["-v"])
+    assert cmd == [sys.executable, "-m", "client.openai", "--triton-url", "10.0.0.2:8001", "--host", "10.0.0.2",
+                   "--port", "9003", "--model-repository", "/models", "-v"]
+    assert "--model-repository" not in launch.frontend_command("127.0.0.1:8001")
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_free_ports_can_all_be_bound_at_once(consecutive):
+    ports = launch.free_ports(6, consecutive=consecutive)
+    assert len(set(ports)) == 6
+    if consecutive:
+        assert ports == list(range(ports[0], ports[0] + 6))
+    socks = [socket.socket() for _ in ports]
+    try:
+        for s, port in zip(socks, ports):
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_environment_puts_venv_and_libpython_first():
-    env = serve.server_env({"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/x", "PYTHONHOME": "/nope"})
-    assert env["PATH"].split(":")[0] == str(serve.venv_dir() / "bin")
+    env = launch.tritonserver_env({"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/x", "PYTHONHOME": "/nope"})
+    assert env["PATH"].split(":")[0] == str(launch.venv_dir() / "bin")
     libs = env["LD_LIBRARY_PATH"].split(":")
     assert libs[0] == sysconfig.get_config_var("LIBDIR")
     assert any(p.endswith("nvidia_pytriton.libs") for p in libs[1:])
@@ -53,7 +78,7 @@ def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     parameters = serve.parse_settings(["model_path=ckpt", "max_num_seqs=8", "merge_queued_responses=false"])
     assert parameters["model_path"] == str(tmp_path / "ckpt")  # from the working directory
-    copy = serve.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "repo", parameters)
+    copy = launch.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "repo", parameters)
     config = (copy / "llm" / "config.pbtxt").read_text()
     found = re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config)
     assert [key for key, _ in found].count("max_num_seqs") == 1  # replaced, not added twice
@@ -63,7 +88,7 @@ def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
     assert ServingOptions.from_parameters(params).merge_queued_responses is False
     # Untouched: the repository itself, and a relative model_path the copy would break.
     assert "merge_queued_responses" not in (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
-    kept = serve.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "kept", {"max_num_seqs": "4"})
+    kept = launch.repository_with_parameters(REPO_ROOT / "model_repository", tmp_path / "kept", {"max_num_seqs": "4"})
     kept_params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
                                   (kept / "llm" / "config.pbtxt").read_text()))
     assert Path(EngineConfig.from_parameters(kept_params, str(kept / "llm" / "1")).model_path) == DEFAULT_CHECKPOINT
@@ -73,7 +98,7 @@ def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
 
 
 def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
-    from tools import vllm_backend_peer
+    from client.bench import vllm_backend_peer
 
     source = tmp_path / "vllm_backend"
     (source / "src" / "utils").mkdir(parents=True)
@@ -95,7 +120,7 @@ def test_vllm_backend_peer_lays_out_the_backend_and_its_model(tmp_path):
     model_json = json.loads((work / "model_repository" / "llm" / "1" / "model.json").read_text())
     assert model_json == {"model": str(DEFAULT_CHECKPOINT.resolve()), "dtype": "bfloat16", "max_num_seqs": 32,
                           "enforce_eager": True, "disable_log_stats": False}
-    command = serve.build_command(work / "model_repository", triton_dir=work)
+    command = launch.tritonserver_command(work / "model_repository", triton_dir=work)
     assert f"--backend-directory={work / 'backends'}" in command
     # Laid out again (a rerun), the tree is rebuilt rather than refused.
     vllm_backend_peer.lay_out(tmp_path / "work", source, "llm", arguments, triton_dir=triton)
@@ -111,7 +136,7 @@ def _genai_result(system: str, tokens_per_s: float, ttft: float, run: int | None
 
 
 def test_genai_perf_ratios_of_repeated_runs_are_the_medians_of_each_runs_ratios():
-    from tools.loadtest import comparison_ratios
+    from client.bench.loadtest import comparison_ratios
 
     runs = [(1, 400.0, 300.0, 1.0, 2.0), (2, 480.0, 320.0, 1.0, 1.0), (3, 420.0, 400.0, 1.0, 4.0)]
     results = [r for run, ours, peer, ttft, peer_ttft in runs
@@ -131,7 +156,7 @@ def test_genai_perf_ratios_of_repeated_runs_are_the_medians_of_each_runs_ratios(
 
 
 def test_loadtest_refuses_genai_perf_options_for_perf_analyzer():
-    from tools.loadtest import main
+    from client.bench.loadtest import main
 
     with pytest.raises(SystemExit):
         main(["perf-analyzer", "--repeat", "3"])

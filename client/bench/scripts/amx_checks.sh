@@ -6,14 +6,14 @@
 # then W1 bfloat16 in process on 2 cores (the project's machine size) on the AVX512-BF16
 # path and on the AMX path, alternating, two runs each.
 #
-#   bash bench/amx_checks.sh OUT_DIR [PYTHON]
+#   bash client/bench/scripts/amx_checks.sh OUT_DIR [PYTHON]
 #
 # Writes OUT_DIR/amx_tests.log, amx_tests.xml, w1_<isa>_<run>.json and .log. Each step has
 # its own time limit (TESTS_TIMEOUT, W1_TIMEOUT seconds). The checkpoint is random weights
 # in the default checkpoint's shape (python -m tools.random_checkpoint --shape smollm2-135m),
 # which needs only the default tokenizer's files (`make setup`, or a copy of them).
 set -u
-out=${1:?usage: bash bench/amx_checks.sh OUT_DIR [PYTHON]}
+out=${1:?usage: bash client/bench/scripts/amx_checks.sh OUT_DIR [PYTHON]}
 py=${2:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -5,16 +5,16 @@
 # checkpoint, G2 (paged attention at Llama-3-8B's heads) and G3 (W2 at GPU size) on that
 # checkpoint against transformers' continuous batching on the same GPU.
 #
-#   bash bench/gpu_checks.sh OUT_DIR [PYTHON]
+#   bash client/bench/scripts/gpu_checks.sh OUT_DIR [PYTHON]
 #
 # Writes OUT_DIR/gpu_tests.log, gpu_tests.xml, and g1, g2 and g3 .json and .log. Each step
 # has its own time limit (TESTS_TIMEOUT, G1_TIMEOUT, G2_TIMEOUT, G3_TIMEOUT seconds), so a
 # step that hangs costs only its share of a short GPU lease. G3_SYSTEMS picks G3's systems
 # (transformers' alone took 150 s of an H200). Needs the project's Python packages and the
-# default checkpoint's tokenizer (`make setup`, or bench/device_wheels.sh's .gpu/ on a
+# default checkpoint's tokenizer (`make setup`, or client/bench/scripts/device_wheels.sh's .gpu/ on a
 # machine without a package index), which the random checkpoints copy.
 set -u
-out=${1:?usage: bash bench/gpu_checks.sh OUT_DIR [PYTHON]}
+out=${1:?usage: bash client/bench/scripts/gpu_checks.sh OUT_DIR [PYTHON]}
 py=${2:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

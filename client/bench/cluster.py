@@ -10,7 +10,7 @@
 
 The load itself is ``python -m client.bench`` against the started cluster (tools/scaleout.py).
 
-    python -m tools.bench_cluster --parts w3,itl,w4 --base-port 18610
+    python -m client.bench.cluster --parts w3,itl,w4 --base-port 18610
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def cluster(args, policy: str = "round_robin", kv_events: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m client.bench.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="w3,itl,w4")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "replicas": {r.name: replica_prefix_stats(r) for r in c.replicas}}
         first = report
         combined = {
-            "command": "python -m tools.bench_cluster " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m client.bench.cluster " + " ".join(sys.argv[1:] if argv is None else argv),
             "git_commit": git_commit(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine(),

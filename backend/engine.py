@@ -1,7 +1,12 @@
 """The engine's synchronous core: `add_request`, `abort`, `step`.
 
-One `step()` is one iteration of continuous batching: schedule, one ragged forward pass,
-sample, update, detokenize. Tests drive `step()` directly; `EngineLoop`
+One `step()` is one iteration of continuous batching: schedule (backend/scheduler.py),
+execute (one ragged forward pass, backend/model_runner.py, and the samples), update (each
+sample into its request, the stop check and, for a request that ends, its finish, in one
+pass). Around it, each job has a module of its own: the checks a request passes
+(backend/validation.py), the n/best_of fork and fold (backend/parallel_sampling.py),
+request traces (backend/trace.py), the per-step snapshot (backend/stats.py), what a step
+returns (backend/output.py). Tests drive `step()` directly; `EngineLoop`
 (backend/engine_loop.py) runs it on a thread for the Triton adapter and is the only way
 in from other threads.
 """
@@ -15,26 +20,29 @@ import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
-from backend.config import MAX_MODEL_LEN_CAP, EngineConfig, token_budget
-from backend.detokenizer import IncrementalDetokenizer, raw_decoder
+from backend.config import EngineConfig, resolve_max_model_len, token_budget
+from backend.detokenizer import IncrementalDetokenizer, SharedTokenizer
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
 from backend.lora import install_adapters, load_adapter
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
-from backend.models.loader import checkpoint_dtype, load_arch, load_model
-from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams, SequenceGroup
-from backend.sampler import Sampler
-from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
-from backend.stats import EngineStats, StepStats, Totals
+from backend.models.loader import checkpoint_dtype, eos_token_ids, load_arch, load_model
+from backend.output import RequestOutput, logprob_entry
+from backend.parallel_sampling import ParallelSampling
+from backend.request import FinishReason, Request, RequestError, SamplingParams, SequenceGroup
+from backend.sampler import Sampler, SampleResult
+from backend.scheduler import Scheduler, SchedulerOutput, check_stop
+from backend.stats import EngineStats, StepStats, Totals, snapshot, step_stats
 from backend.structured_output import GrammarCompiler, GrammarState
-from backend.trace import RequestTrace
+from backend.trace import RequestTrace, trace_plan, trace_step
+from backend.validation import Admission, check_not_in_flight, check_queue_room
 from kernels import cpu_ext
 
 log = logging.getLogger("inflight")
@@ -44,109 +52,20 @@ GRAMMAR_IDLE_WAIT_S = 0.05
 
 
 @dataclass
-class RequestOutput:
-    """What one step produced for one request. Exactly one output per request has finished=True."""
+class Executed:
+    """What executing a step's plan produced, for the step's update."""
 
-    request_id: str
-    text_delta: str
-    token_ids_delta: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    prompt_text: str = ""
-    stop_reason: int | str | None = None
-    error: RequestError | None = None
-    cumulative_logprob: float | None = None
-    # vLLM's shape: per new token, {token id: {"logprob", "rank", "decoded_token"}}.
-    logprobs_delta: list[dict] | None = None
-    num_cached_prompt_tokens: int = 0
-    num_preemptions: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    # The request's trace (backend/trace.py), on its final output when it asked for one.
-    trace: dict | None = None
-    # Parallel sampling (n or best_of > 1). A group's output: `sequences[i]` is what this step
-    # produced for its sequence i (None: nothing), over all best_of sequences; `returned` the
-    # indices of the n sequences the client gets, in order (on the final output, the n with the
-    # highest cumulative logprob when best_of > n). Its top-level counts cover the whole group.
-    sequences: list[RequestOutput | None] | None = None
-    returned: list[int] | None = None
-    # A sequence's own output, before the engine folds it into its group's.
-    group: SequenceGroup | None = None
-    seq_index: int = 0
-
-    @classmethod
-    def of(cls, request: Request, text_delta: str, token_ids_delta: list[int], logprobs_delta: list[dict] | None = None,
-           error: RequestError | None = None) -> RequestOutput:
-        """The one builder: `request` as it stands, with what this step added to it. The
-        output is final (finished=True) when the request has finished."""
-        finished = request.is_finished
-        return cls(
-            request_id=request.request_id,
-            text_delta=text_delta,
-            token_ids_delta=token_ids_delta,
-            finished=finished,
-            finish_reason=request.finish_reason.value if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            prompt_text=request.prompt_text,
-            stop_reason=request.stop_reason,
-            error=error,
-            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
-            logprobs_delta=logprobs_delta,
-            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            num_preemptions=request.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finish_time=time.monotonic() if finished else None,
-            trace=request.trace.to_json() if finished and request.trace is not None else None,
-            group=request.group,
-            seq_index=request.seq_index,
-        )
-
-    @classmethod
-    def of_group(cls, group: SequenceGroup, sequences: list[RequestOutput | None]) -> RequestOutput:
-        """The group's output for one step, from its sequences' (indexed by sequence)."""
-        leader = group.seqs[0]
-        finished = group.finished
-        errors = [o.error for o in sequences if o is not None and o.error is not None]
-        returned = list(range(group.n))
-        reason = None
-        if finished:
-            seqs = group.seqs
-            if group.best_of > group.n and len(seqs) == group.best_of:
-                returned = sorted(range(len(seqs)), key=lambda i: -seqs[i].cumulative_logprob)[: group.n]
-            reasons = {r.finish_reason for r in seqs}
-            for worst in (FinishReason.ERROR, FinishReason.ABORT):
-                if worst in reasons:
-                    reason = worst.value
-                    break
-            else:
-                reason = seqs[returned[0]].finish_reason.value
-        return cls(
-            request_id=group.request_id,
-            text_delta="",
-            token_ids_delta=[],
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=leader.num_prompt_tokens,
-            num_output_tokens=sum(r.num_output_tokens for r in group.seqs),
-            prompt_text=leader.prompt_text,
-            error=errors[0] if errors else None,
-            num_cached_prompt_tokens=leader.num_cached_prompt_tokens,
-            num_preemptions=leader.num_preemptions,
-            arrival_time=leader.arrival_time,
-            first_scheduled_time=leader.first_scheduled_time,
-            first_token_time=leader.first_token_time,
-            finish_time=time.monotonic() if finished else None,
-            trace=group.trace if finished else None,
-            sequences=sequences,
-            returned=returned,
-        )
+    # The requests sampled, and their samples (row i is sample_requests[i]'s).
+    sample_requests: list[Request] = field(default_factory=list)
+    sampled: SampleResult | None = None
+    interrupted: bool = False
+    error: Exception | None = None
+    # perf_counter() times: the pass began, and its samples were taken (None: no pass completed).
+    started: float = 0.0
+    forwarded: float | None = None
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    num_generated: int = 0
 
 
 def is_device_fault(exc: BaseException) -> bool:
@@ -164,18 +83,13 @@ class LLMEngine:
         self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path, trust_remote_code=False)
-        # Fast tokenizers are not safe to call from two threads at once; the loop decodes
-        # while Triton's thread encodes new prompts.
-        self.tokenizer_lock = threading.Lock()
-        # By spaces_between_special_tokens (SamplingParams).
-        self._decoders = {spaces: self._locked_decoder(spaces) for spaces in (True, False)}
-        self.decode = self._decoders[True]
+        self.shared_tokenizer = SharedTokenizer(self.tokenizer)
         arch, _ = load_arch(config.model_path)  # refuses unsupported checkpoints first, by name
-        self.max_model_len = self._resolve_max_model_len(arch)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, arch)
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config, self.tokenizer)
         # Adapter name -> index among the stacked adapters (backend/lora.py), in multi_lora.json's order.
         lora_modules = config.lora_modules or {}
         adapters = [load_adapter(name, path, self.arch, config.max_lora_rank) for name, path in lora_modules.items()]
@@ -203,6 +117,11 @@ class LLMEngine:
             self.warm_up()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.admission = Admission(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, default_max_tokens=config.default_max_tokens,
+            max_num_seqs=config.max_num_seqs, kv=self.kv, lora_adapters=self.lora_adapters,
+            tokenizer=self.shared_tokenizer,
+        )
         # Requests whose grammar is still compiling: enqueued, not yet the scheduler's.
         self._awaiting_grammar: dict[str, Request] = {}
         # Written by the engine alone, once per step (and here): a new object each time, so
@@ -210,8 +129,7 @@ class LLMEngine:
         self._totals = Totals()
         self.stats = self._snapshot(StepStats())
         self._pending: list[RequestOutput] = []
-        # Parallel-sampling groups by request id, until their final output.
-        self._groups: dict[str, SequenceGroup] = {}
+        self.parallel = ParallelSampling(self.scheduler, on_fork=self._add_detokenizer)
         self._arrival_seq = itertools.count()
         self._step_index = 0  # iterations so far: the step numbers of request traces
         self._num_traced = 0  # unfinished requests with a trace: none, and tracing costs nothing
@@ -260,41 +178,11 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         log.info("warmed up the %s kernels in %.1f s", self.device.type, time.perf_counter() - started)
 
-    def _resolve_max_model_len(self, arch) -> int:
-        model_max = arch.max_position_embeddings
-        if self.config.max_model_len:
-            if self.config.max_model_len > model_max:
-                raise ValueError(
-                    f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
-                )
-            return self.config.max_model_len
-        default = min(model_max, MAX_MODEL_LEN_CAP)
-        if arch.sliding_window is not None:  # honoured only within the window
-            default = min(default, arch.sliding_window)
-        return default
-
     def _blocks_for_memory(self, block_bytes: int) -> int:
         if self.device.type == "cuda" and self.config.gpu_memory_utilization > 0:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.config.gpu_memory_utilization) // block_bytes
         return self.config.kv_cache_memory_mb * 2**20 // block_bytes
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        try:
-            generation = GenerationConfig.from_pretrained(self.config.model_path)
-            eos = generation.eos_token_id
-        except OSError:
-            eos = None
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-        return frozenset(ids)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -302,58 +190,26 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def _locked_decoder(self, spaces_between_special_tokens: bool) -> Callable[[list[int], bool], str]:
-        raw_decode = raw_decoder(self.tokenizer, spaces_between_special_tokens)
-
-        def locked_decode(ids: list[int], skip_special_tokens: bool) -> str:
-            with self.tokenizer_lock:
-                return raw_decode(ids, skip_special_tokens)
-
-        return locked_decode
-
-    def tokenize(self, prompt: str) -> list[int]:
-        with self.tokenizer_lock:
-            return self.tokenizer.encode(prompt)
-
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      needs_logprobs: bool = False, arrival_time: float | None = None, trace: bool = False) -> Request:
-        """Tokenize and run every admission check that depends on the model; raise RequestError."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError.invalid("text_input", "must not be empty")
-            prompt_ids = self.tokenize(prompt)
-            prompt_text = prompt
-        else:
-            prompt_ids = list(prompt)
-            prompt_text = ""
-        if not prompt_ids:
-            raise RequestError.invalid("text_input", "tokenizes to zero tokens")
-        if params.top_k > self.vocab_size:
-            raise RequestError.invalid("top_k", f"must be <= the vocabulary size {self.vocab_size} (got {params.top_k})")
-        bad_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_ids:
-            raise RequestError.invalid("stop_token_ids", f"ids must be < the vocabulary size {self.vocab_size} (got {bad_ids})")
-        bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        lora_index = self._lora_index(params.lora_name)
-        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, default=self.config.default_max_tokens,
-                                        max_model_len=self.max_model_len, kv=self.kv)
+        """A request, once it has passed every check that depends on the model
+        (validation.Admission); RequestError for the first it fails."""
+        admitted = self.admission.check(prompt, params)
         num_seqs = params.num_sequences
-        if num_seqs > 1:
-            self._check_group_fits(params, len(prompt_ids), max_tokens)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=admitted.prompt_token_ids,
             params=params,
-            max_tokens=max_tokens,
+            max_tokens=admitted.max_tokens,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             arrival_seq=next(self._arrival_seq),
             eos_token_ids=self.eos_token_ids,
-            prompt_text=prompt_text,
+            prompt_text=admitted.prompt_text,
             # best_of > n ranks the sequences by cumulative logprob.
             needs_logprobs=needs_logprobs or params.logprobs is not None or num_seqs > params.n,
-            bad_words_token_ids=bad_words_token_ids,
+            bad_words_token_ids=admitted.bad_words_token_ids,
             lora_name=params.lora_name,
-            lora_index=lora_index,
+            lora_index=admitted.lora_index,
         )
         if params.seed is not None:
             request.generator = Sampler.make_request_generator(params.seed)
@@ -365,76 +221,33 @@ class LLMEngine:
             request.grammar = GrammarState(self.grammar_compiler.submit(params.structured_outputs))
         return request
 
-    def _lora_index(self, lora_name: str | None) -> int:
-        if lora_name is None:
-            return -1
-        index = self.lora_adapters.get(lora_name)
-        if index is None:
-            known = sorted(self.lora_adapters)
-            served = f"known adapters: {known}" if known else "this model serves no LoRA adapters (multi_lora.json)"
-            raise RequestError.invalid("lora_name", f"unknown LoRA adapter {lora_name!r}; {served}")
-        return index
-
-    def _check_group_fits(self, params: SamplingParams, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse a group that could never run whole: more sequences than max_num_seqs, or
-        more KV blocks than the pool has (the prompt's once, each sequence's own tail)."""
-        name = "best_of" if params.best_of is not None else "n"
-        num_seqs = params.num_sequences
-        if num_seqs > self.config.max_num_seqs:
-            raise RequestError.invalid(name, f"{num_seqs} sequences exceed max_num_seqs {self.config.max_num_seqs}")
-        kv = self.kv
-        shared = num_prompt_tokens // kv.block_size
-        blocks = shared + num_seqs * (kv.blocks_needed(num_prompt_tokens + max_tokens - 1) - shared)
-        if blocks > kv.num_blocks:
-            raise RequestError.invalid(
-                name, f"{num_seqs} sequences of prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                f"need {blocks} KV blocks of {kv.block_size} tokens; the whole pool has {kv.num_blocks}")
-
-    def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """The token sequences the sampler keeps out of a request's output, as vLLM derives
-        them: each word as text starts it and, where the tokenizer gives a different first
-        token of the same length for it, as a word after a space."""
-        sequences: list[tuple[int, ...]] = []
-        for word in bad_words:
-            with self.tokenizer_lock:
-                alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-                spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not alone:
-                raise RequestError.invalid("bad_words", f"{word!r} tokenizes to zero tokens")
-            sequences.append(alone)
-            if len(spaced) == len(alone) and spaced[0] != alone[0]:
-                sequences.append(spaced)
-        return tuple(dict.fromkeys(sequences))
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     needs_logprobs: bool = False, arrival_time: float | None = None, trace: bool = False) -> Request:
         request = self.make_request(request_id, prompt, params or SamplingParams(), needs_logprobs, arrival_time, trace)
-        self.enqueue(request)
+        self.accept(request)
         return request
 
     def check_queue_room(self, num_arriving: int = 0) -> None:
         """Refuse (UNAVAILABLE) a request for which the waiting queue, with `num_arriving`
         more already on their way to it, has no room."""
-        if self.num_waiting + num_arriving >= self.config.max_queue_len:
-            raise RequestError(
-                RequestError.UNAVAILABLE,
-                f"waiting queue is full ({self.config.max_queue_len} requests, max_queue_len); retry later",
-            )
+        check_queue_room(self.num_waiting + num_arriving, self.config.max_queue_len)
 
-    def enqueue(self, request: Request) -> None:
+    def accept(self, request: Request) -> None:
+        """Take in a request `make_request` built, once the queue has room for it and its id
+        is not in flight (RequestError otherwise): the scheduler's, or its grammar's to wait for."""
         self.check_queue_room()
-        if request.request_id in self.scheduler.requests or request.request_id in self._awaiting_grammar:
-            raise RequestError.invalid("request_id", f"{request.request_id!r} is already in flight")
+        check_not_in_flight(request.request_id,
+                            request.request_id in self.scheduler.requests or request.request_id in self._awaiting_grammar)
         self._add_detokenizer(request)
         if request.group is not None:
-            self._groups[request.request_id] = request.group
+            self.parallel.add(request.group)
         if request.trace is not None:
             request.trace.queued(self._step_index, running=self.num_running, waiting_ahead=self.num_waiting)
             self._num_traced += 1
         if request.grammar is not None:  # admitted by the next step that finds its grammar compiled
             self._awaiting_grammar[request.request_id] = request
         else:
-            self.scheduler.add_request(request)
+            self.scheduler.enqueue(request)
         self._totals = self._totals.plus(prompt_tokens=request.num_prompt_tokens)
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -449,20 +262,20 @@ class LLMEngine:
                 outputs.append(self.finish(request, FinishReason.ERROR, error=error))
             else:
                 del self._awaiting_grammar[request_id]
-                self.scheduler.add_request(request)
+                self.scheduler.enqueue(request)
         return outputs
 
     def _add_detokenizer(self, request: Request) -> None:
         params = request.params
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output, decode=self._decoders[params.spaces_between_special_tokens],
+            params.include_stop_str_in_output, decode=self.shared_tokenizer.decoder(params.spaces_between_special_tokens),
         )
 
     def abort(self, request_id: str) -> bool:
         """End a request (every sequence of it) now, freeing its blocks in this call; its
         final output comes with the next step."""
-        group = self._groups.get(request_id)
+        group = self.parallel.groups.get(request_id)
         if group is not None:  # any live sequence: finishing one ends them all (`finish`)
             request = next((r for r in group.seqs if not r.is_finished), None)
         else:
@@ -497,7 +310,7 @@ class LLMEngine:
                 for sibling in request.group.seqs:
                     if not sibling.is_finished:
                         self._pending.append(self.finish(sibling, reason, error=error))
-        return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error)
+        return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error, now=time.monotonic())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or bool(self._awaiting_grammar)
@@ -528,15 +341,32 @@ class LLMEngine:
             self.kv_event_publisher.close()
             self.kv_event_publisher = None
 
-    # ---- the iteration -----------------------------------------------------------------
+    # ---- the step: schedule -> execute -> update ---------------------------------------
 
     def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """One iteration; its snapshot is `self.stats` when it returns.
+
+        schedule (the plan: who runs, how many tokens each), execute (one ragged forward
+        pass and the samples), update (each sample into its request: the stop check and, for
+        a request that ends, its finish, in one pass). The outputs are those of requests
+        that ended between steps (aborts, grammars that failed to compile), then this step's.
 
         `interrupt` is asked between the layers of the forward pass; when it answers True
         the pass is abandoned with nothing advanced (the scheduled tokens are computed again
         by a later step, as after a preemption), so that an abort need not wait for a long
         prefill to finish. Its requests keep their blocks and places."""
+        outputs = self._begin_step()
+        plan = self.scheduler.schedule()
+        self._after_schedule(plan)
+        num_running, num_waiting = self.num_running, self.num_waiting
+        executed = self._execute_plan(plan, interrupt)
+        outputs.extend(self._update(plan, executed))
+        self._record_step(plan, executed, num_running, num_waiting)
+        return self.parallel.fold(outputs, time.monotonic()) if self.parallel.has_groups else outputs
+
+    def _begin_step(self) -> list[RequestOutput]:
+        """The final outputs of requests ended since the last step; requests whose grammar
+        has compiled join the scheduler."""
         outputs, self._pending = self._pending, []
         self._step_index += 1
         if self._awaiting_grammar:
@@ -546,186 +376,120 @@ class LLMEngine:
                 wait_futures([r.grammar.compiled for r in self._awaiting_grammar.values()],
                              timeout=GRAMMAR_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             outputs.extend(self._admit_compiled())
-        plan = self.scheduler.schedule()
+        return outputs
+
+    def _after_schedule(self, plan: SchedulerOutput) -> None:
         if self._num_traced:
-            self._trace_plan(plan)
+            trace_plan(plan, self._step_index, self.kv.block_size)
         for request in plan.preempted:
             if request.grammar is not None and request.num_computed_tokens == 0:
                 request.grammar.release()  # recompute: rebuilt from its tokens when next sampled
-        num_running, num_waiting = self.num_running, self.num_waiting
-        ran, num_generated, prepare_s, forward_s, update_s = False, 0, 0.0, 0.0, 0.0
-        if not plan.is_empty:
-            start = time.perf_counter()
-            try:
-                if self._fail_at_batch and len(plan.scheduled) >= self._fail_at_batch:
-                    self._fail_at_batch = 0
-                    raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AT_BATCH)")
-                if self._stall_at_batch and len(plan.scheduled) >= self._stall_at_batch:
-                    log.error("injected stall (INFLIGHT_FAULT_STALL_AT_BATCH): this step never ends")
-                    threading.Event().wait()
-                inputs = self.runner.prepare(plan)
-                prepared = time.perf_counter()
-                logits, sample_requests = self.runner.execute(plan, inputs, interrupt)
-                if logits is not None and self.scheduler.has_unforked_leaders:
-                    logits, sample_requests = self._fork_groups(logits, sample_requests)
-                sampled = self.sampler(logits, sample_requests) if logits is not None else None
-            except StepInterrupted:
-                log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
-                self.scheduler.refund(plan)  # its tokens are computed, and charged, by a later step
-            except Exception as exc:  # every in-flight request must end, whatever broke
-                log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
-                outputs.extend(self._fail_scheduled(plan, exc))
-                if is_device_fault(exc) and self.device_fault is None:
-                    self.device_fault = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-            else:
-                forwarded = time.perf_counter()
-                tokens = dict(zip(sample_requests, sampled.token_ids)) if sampled else {}
-                rejected = self._advance_grammars(tokens)
-                self.scheduler.update(plan, tokens)
-                if self._num_traced:
-                    self._trace_step(plan, forwarded - start)
-                for row, request in enumerate(sample_requests):
-                    if request in rejected:
-                        outputs.append(self.finish(request, FinishReason.ERROR, error=rejected[request]))
-                    else:
-                        outputs.append(self._output_for(request, tokens[request], sampled, row))
-                ran, num_generated = True, len(tokens)
-                prepare_s, forward_s, update_s = prepared - start, forwarded - prepared, time.perf_counter() - forwarded
-        step = StepStats(
-            ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
-            num_generated_tokens=num_generated, num_preempted=len(plan.preempted),
-            prefix_query_tokens=plan.prefix_query_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
-            prefilled_prompt_tokens=plan.prefilled_prompt_tokens,
-            first_token_latencies_s=tuple(plan.first_token_latencies_s),
-            inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
-            service_by_tenant=tuple(plan.service_by_tenant.items()),
-            schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_s, forward_time_s=forward_s,
-            update_time_s=update_s,
-        )
+
+    def _execute_plan(self, plan: SchedulerOutput, interrupt: Callable[[], bool] | None) -> Executed:
+        """The plan's forward pass and its samples (forking the groups whose prefill ends)."""
+        executed = Executed()
+        if plan.is_empty:
+            return executed
+        start = executed.started = time.perf_counter()
+        try:
+            if self._fail_at_batch and len(plan.scheduled) >= self._fail_at_batch:
+                self._fail_at_batch = 0
+                raise RuntimeError("injected fault (INFLIGHT_FAULT_INJECT_AT_BATCH)")
+            if self._stall_at_batch and len(plan.scheduled) >= self._stall_at_batch:
+                log.error("injected stall (INFLIGHT_FAULT_STALL_AT_BATCH): this step never ends")
+                threading.Event().wait()
+            inputs = self.runner.prepare(plan)
+            prepared = time.perf_counter()
+            logits, sample_requests = self.runner.run(plan, inputs, interrupt)
+            if logits is not None and self.scheduler.has_unforked_leaders:
+                logits, sample_requests = self.parallel.fork(logits, sample_requests)
+            executed.sampled = self.sampler(logits, sample_requests) if logits is not None else None
+        except StepInterrupted:
+            executed.interrupted = True
+        except Exception as exc:  # every in-flight request must end, whatever broke
+            log.error("forward pass failed; failing %d in-flight requests\n%s", len(plan.scheduled), traceback.format_exc())
+            executed.error = exc
+        else:
+            executed.sample_requests = sample_requests
+            executed.forwarded = time.perf_counter()
+            executed.prepare_s, executed.forward_s = prepared - start, executed.forwarded - prepared
+        return executed
+
+    def _update(self, plan: SchedulerOutput, executed: Executed) -> list[RequestOutput]:
+        """The executed step into its requests: the scheduled tokens are computed, and each
+        sample, in one pass, joins its request, meets the stop check and, when it ends the
+        request, finishes it (its blocks freed, its final output built)."""
+        if executed.interrupted:
+            log.info("step of %d tokens interrupted", plan.num_scheduled_tokens)
+            self.scheduler.refund(plan)  # its tokens are computed, and charged, by a later step
+            return []
+        if executed.error is not None:
+            exc = executed.error
+            if is_device_fault(exc) and self.device_fault is None:
+                self.device_fault = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            return self._fail_scheduled(plan, exc)
+        if executed.forwarded is None:
+            return []  # nothing was scheduled
+        now = time.monotonic()
+        self.scheduler.advance(plan)
+        sampled = executed.sampled
+        if self._num_traced:
+            trace_step(plan, self._step_index, executed.forwarded - executed.started, now,
+                       executed.sample_requests)
+        outputs = []
+        for row, request in enumerate(executed.sample_requests):
+            if request.is_finished:
+                continue  # ended by a sequence of its group earlier in this pass
+            token_id = sampled.token_ids[row]
+            # Fed to the matcher first: it is rebuilt from the request's tokens after a recompute.
+            accepted = request.grammar is None or request.grammar.accept(request, token_id)
+            self.scheduler.append_token(request, token_id, now, plan)
+            if not accepted:  # the mask allows only tokens the grammar accepts: a broken invariant
+                outputs.append(self.finish(request, FinishReason.ERROR, error=RequestError(
+                    RequestError.INTERNAL,
+                    f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")))
+                continue
+            outputs.append(self._take_token(request, token_id, sampled, row, now))
+        executed.num_generated = len(executed.sample_requests)
+        return outputs
+
+    def _take_token(self, request: Request, token_id: int, sampled: SampleResult, row: int, now: float) -> RequestOutput:
+        """The stop check of `request`'s new token, and its output: the final one when the
+        token ends the request."""
+        detok = self.detokenizers[request.request_id]
+        stop = check_stop(request, token_id, detok.add_token)
+        if stop is None and request.grammar is not None and request.grammar.is_terminated:
+            stop = (FinishReason.STOP, None)  # the grammar took its stop token (ignore_eos or not)
+        lp = sampled.logprobs[row]
+        if lp is not None:
+            request.cumulative_logprob += lp
+        logprobs_delta = None
+        if request.params.logprobs is not None:
+            logprobs_delta = [logprob_entry(token_id, lp, sampled.top_logprobs[row], self.shared_tokenizer.decoder())]
+        if stop is not None:
+            return self.finish(request, *stop, token_ids=[token_id], logprobs_delta=logprobs_delta)
+        return RequestOutput.of(request, detok.take_delta(finished=False), [token_id], logprobs_delta, now=now)
+
+    def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A failed forward pass ends every request it carried; the engine stays usable."""
+        outputs = []
+        error = RequestError(RequestError.INTERNAL, f"engine error in the forward pass: {exc}")
+        for request, _ in plan.scheduled:
+            if request.is_finished:
+                continue
+            outputs.append(self.finish(request, FinishReason.ERROR, error=error))
+        return outputs
+
+    def _record_step(self, plan: SchedulerOutput, executed: Executed, num_running: int, num_waiting: int) -> None:
+        ran = executed.forwarded is not None
+        update_s = time.perf_counter() - executed.forwarded if ran else 0.0
+        step = step_stats(plan, ran=ran, num_running=num_running, num_waiting=num_waiting,
+                          num_generated_tokens=executed.num_generated, prepare_time_s=executed.prepare_s,
+                          forward_time_s=executed.forward_s, update_time_s=update_s)
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()
-        return self._fold_groups(outputs) if self._groups else outputs
 
-    def _fork_groups(self, logits: torch.Tensor, sample_requests: list[Request]) -> tuple[torch.Tensor, list[Request]]:
-        """Fork each group leader that samples its first token now: its sequences join the
-        running batch sharing its blocks, and sample from its logits row, each with its own
-        generator (sequence i of a request with seed s uses seed s + i)."""
-        rows: list[int] = []
-        requests: list[Request] = []
-        for row, request in enumerate(sample_requests):
-            rows.append(row)
-            requests.append(request)
-            num_children = request.seqs_to_fork
-            for i in range(1, num_children + 1):
-                child = self._fork(request, i)
-                rows.append(row)
-                requests.append(child)
-        if len(requests) == len(sample_requests):
-            return logits, sample_requests
-        return logits[torch.tensor(rows, device=logits.device)], requests
-
-    def _fork(self, leader: Request, seq_index: int) -> Request:
-        group = leader.group
-        params = leader.params
-        child = Request(
-            request_id=f"{leader.request_id}/{seq_index}",
-            prompt_token_ids=leader.prompt_token_ids,
-            params=params,
-            max_tokens=leader.max_tokens,
-            arrival_time=leader.arrival_time,
-            arrival_seq=leader.arrival_seq,
-            eos_token_ids=leader.eos_token_ids,
-            prompt_text=leader.prompt_text,
-            needs_logprobs=leader.needs_logprobs,
-            bad_words_token_ids=leader.bad_words_token_ids,
-            num_cached_prompt_tokens=leader.num_cached_prompt_tokens,
-            first_scheduled_time=leader.first_scheduled_time,
-            group=group,
-            seq_index=seq_index,
-            lora_name=leader.lora_name,
-            lora_index=leader.lora_index,
-        )
-        if leader.grammar is not None:  # the same compiled grammar, a matcher of its own
-            child.grammar = GrammarState(leader.grammar.compiled)
-        # Computed once the step that forks it ends: the leader's whole prefill.
-        child.num_computed_tokens = leader.num_tokens
-        if params.seed is not None:
-            child.generator = Sampler.make_request_generator(params.seed + seq_index)
-        group.seqs.append(child)
-        if len(group.seqs) == group.best_of:
-            group.forked = True
-        self._add_detokenizer(child)
-        self.scheduler.fork(leader, child)
-        return child
-
-    def _fold_groups(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """One output per group per step in place of its sequences' (RequestOutput.of_group);
-        the group's final output once every sequence has ended."""
-        folded: list[RequestOutput | SequenceGroup] = []
-        by_group: dict[SequenceGroup, list[RequestOutput | None]] = {}
-        for output in outputs:
-            group = output.group
-            if group is None:
-                folded.append(output)
-                continue
-            sequences = by_group.get(group)
-            if sequences is None:
-                sequences = by_group[group] = [None] * group.best_of
-                folded.append(group)
-            sequences[output.seq_index] = output
-            if output.finished:
-                group.done.add(output.seq_index)
-                if output.seq_index == 0:
-                    group.trace = output.trace
-        result = []
-        for item in folded:
-            if isinstance(item, SequenceGroup):
-                output = RequestOutput.of_group(item, by_group[item])
-                if output.finished:
-                    self._groups.pop(item.request_id, None)
-                item = output
-            result.append(item)
-        return result
-
-    def _trace_plan(self, plan: SchedulerOutput) -> None:
-        """What this step's plan did to traced requests before it ran: preemptions and returns."""
-        step = self._step_index
-        for victim, (cause, computed) in zip(plan.preempted, plan.preemption_causes):
-            if victim.trace is not None:
-                mode = "swap" if victim.swapped_block_ids else "recompute"
-                victim.trace.preempted(step, mode=mode, reason=cause,
-                                       computed_tokens_lost=0 if mode == "swap" else computed)
-        for request, _ in plan.scheduled:
-            trace = request.trace
-            if trace is None:
-                continue
-            if not trace.scheduled_before:
-                queued_at = trace.events[0]["step"] if trace.events else step
-                trace.first_scheduled(step, request.first_scheduled_time, waiting_steps=step - queued_at)
-                if request.num_cached_prompt_tokens:
-                    trace.prefix_cache_hit(step, blocks=request.num_cached_prompt_tokens // self.kv.block_size,
-                                           tokens=request.num_cached_prompt_tokens)
-            if request.num_preemptions > trace.returns:
-                trace.returns += 1
-                trace.readmitted(step, swapped_in=request in plan.swapped_in)
-
-    def _trace_step(self, plan: SchedulerOutput, step_s: float) -> None:
-        """What this step computed for traced requests, in the batch it shared."""
-        step, now = self._step_index, time.monotonic()
-        batch_requests, batch_tokens = len(plan.scheduled), plan.num_scheduled_tokens
-        for request, num_new in plan.scheduled:
-            trace = request.trace
-            if trace is None or request.is_finished:
-                continue
-            computed_before = request.num_computed_tokens - num_new
-            trace.scheduled(step, now, tokens=num_new, prefill=computed_before < request.num_prompt_tokens,
-                            prompt_done=min(request.num_computed_tokens, request.num_prompt_tokens),
-                            prompt_tokens=request.num_prompt_tokens, batch_requests=batch_requests,
-                            batch_tokens=batch_tokens, step_ms=step_s * 1000.0)
-            if request.first_token_time is not None and not trace.first_token_seen:
-                trace.first_token_seen = True
-                trace.first_token(step, now)
     def take_aborted(self) -> list[RequestOutput]:
         """The final outputs of requests aborted since the last step, at once rather than
         with the next step's (which may take a second with a long prefill in the batch), and
@@ -737,75 +501,8 @@ class LLMEngine:
         return outputs
 
     def _snapshot(self, step: StepStats) -> EngineStats:
-        running = self.scheduler.running
-        pool = self.kv.pool
-        counts: dict[str, list[int]] = {}
-        for request in self.scheduler.requests.values():
-            counts.setdefault(request.tenant, [0, 0])[request.status is not RequestStatus.RUNNING] += 1
-        lora = {}
-        if self.lora_adapters:
-            lora = dict(
-                running_lora_adapters=tuple(sorted({r.lora_name for r in running if r.lora_name is not None})),
-                waiting_lora_adapters=tuple(sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name is not None})),
-                max_loras=self.config.max_loras,
-            )
-        return EngineStats(
-            num_running=len(running), num_waiting=self.num_waiting,
-            num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
-            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
-            requests_by_tenant=tuple((tenant, n[0], n[1]) for tenant, n in sorted(counts.items())),
-            step=step, totals=self._totals, **lora,
-        )
-
-    def _advance_grammars(self, tokens: dict[Request, int]) -> dict[Request, RequestError]:
-        """Feed each constrained request's sampled token to its matcher; the requests whose
-        token the grammar refused, with their error (the mask allows only tokens it accepts,
-        so this is a broken invariant, not a client's doing)."""
-        rejected = {}
-        for request, token_id in tokens.items():
-            if request.grammar is not None and not request.grammar.accept(request, token_id):
-                rejected[request] = RequestError(
-                    RequestError.INTERNAL, f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")
-        return rejected
-
-    def _output_for(self, request: Request, token_id: int, sampled, row: int) -> RequestOutput:
-        detok = self.detokenizers[request.request_id]
-        stop = check_stop(request, token_id, detok.add_token)
-        if stop is None and request.grammar is not None and request.grammar.is_terminated:
-            stop = (FinishReason.STOP, None)  # the grammar took its stop token (ignore_eos or not)
-        lp = sampled.logprobs[row]
-        if lp is not None:
-            request.cumulative_logprob += lp
-        logprobs_delta = None
-        if request.params.logprobs is not None:
-            logprobs_delta = [self._logprob_entry(token_id, lp, sampled.top_logprobs[row])]
-        if stop is not None:
-            return self.finish(request, *stop, token_ids=[token_id], logprobs_delta=logprobs_delta)
-        return RequestOutput.of(request, detok.take_delta(finished=False), [token_id], logprobs_delta)
-
-    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
-        def decoded(t: int) -> str:
-            return self.decode([t], False)
-
-        entry = {token_id: {"logprob": logprob, "rank": None, "decoded_token": decoded(token_id)}}
-        for rank, (t, value) in enumerate(top or [], start=1):
-            if t == token_id:
-                entry[t]["rank"] = rank
-            else:
-                entry[t] = {"logprob": value, "rank": rank, "decoded_token": decoded(t)}
-        if entry[token_id]["rank"] is None:
-            entry[token_id]["rank"] = (len(top) + 1) if top else 1
-        return entry
-
-    def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """A failed forward pass ends every request it carried; the engine stays usable."""
-        outputs = []
-        error = RequestError(RequestError.INTERNAL, f"engine error in the forward pass: {exc}")
-        for request, _ in plan.scheduled:
-            if request.is_finished:
-                continue
-            outputs.append(self.finish(request, FinishReason.ERROR, error=error))
-        return outputs
+        return snapshot(self.scheduler, step, self._totals, num_waiting=self.num_waiting,
+                        max_loras=self.config.max_loras if self.lora_adapters else None)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
         """Offline convenience: run prompts to completion; returns finished requests in order."""

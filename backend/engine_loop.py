@@ -1,7 +1,7 @@
 """The engine loop: one thread that owns an `LLMEngine` and steps it, and the only way in
 from other threads (Triton's `execute`, its response thread).
 
-Requests, aborts and shutdown reach the loop as commands (`AddRequest`, `AbortRequest`,
+Requests, aborts and shutdown reach the loop as commands (`SubmitRequest`, `AbortRequest`,
 `Wake`) on a queue, which the loop applies between steps; outputs leave through each
 request's callback, on the loop thread.
 """
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend import thread_binding
-from backend.engine import LLMEngine, RequestOutput
+from backend.engine import LLMEngine
+from backend.output import RequestOutput
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
 
 log = logging.getLogger("inflight")
@@ -27,7 +28,7 @@ CancelCheck = Callable[[], bool]
 
 
 @dataclass(frozen=True)
-class AddRequest:
+class SubmitRequest:
     """A validated request for the engine, and where its outputs go; the loop keeps it as
     the request's handler until its final output is delivered."""
 
@@ -46,11 +47,11 @@ class Wake:
     """Carries nothing: wakes a loop idling on the queue, so that it sees shutdown at once."""
 
 
-Command = AddRequest | AbortRequest | Wake
+Command = SubmitRequest | AbortRequest | Wake
 
 
 class EngineLoop:
-    """Builds an engine and runs `engine.step()` on one daemon thread; thread-safe `add_request` and `abort`.
+    """Builds an engine and runs `engine.step()` on one daemon thread; thread-safe `submit` and `abort`.
 
     The engine is built on the loop's thread, not the caller's: torch's CPU kernels run on
     OpenMP, and GNU OpenMP gives every thread that enters a parallel region a worker team
@@ -78,7 +79,7 @@ class EngineLoop:
         """`build_engine` runs on the loop thread; its exception, if any, is raised here."""
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._handlers: dict[str, AddRequest] = {}
+        self._handlers: dict[str, SubmitRequest] = {}
         self._stop = threading.Event()
         # When the loop last came round (monotonic): a step that never returns stops it.
         self._last_progress = time.monotonic()
@@ -105,15 +106,15 @@ class EngineLoop:
         build_failure.put(None)
         self._run()
 
-    def add_request(self, request_id: str, prompt: str, params: SamplingParams, on_output: OutputCallback,
-                    is_cancelled: CancelCheck | None = None, needs_logprobs: bool = False,
-                    trace: bool = False) -> Request:
-        """Validate now (raising RequestError), then hand the request to the loop thread."""
+    def submit(self, request_id: str, prompt: str, params: SamplingParams, on_output: OutputCallback,
+               is_cancelled: CancelCheck | None = None, needs_logprobs: bool = False, trace: bool = False) -> Request:
+        """Validate now, on the caller's thread (raising RequestError: LLMEngine.make_request,
+        then the queue's room), then hand the request to the loop thread, which `accept`s it."""
         if self._stop.is_set():
             raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
         request = self.engine.make_request(request_id, prompt, params, needs_logprobs, trace=trace)
         self.engine.check_queue_room(num_arriving=self._commands.qsize())
-        self._commands.put(AddRequest(request, on_output, is_cancelled))
+        self._commands.put(SubmitRequest(request, on_output, is_cancelled))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -152,11 +153,11 @@ class EngineLoop:
 
     def _apply(self, command: Command) -> None:
         match command:
-            case AddRequest(request=request, on_output=on_output):
+            case SubmitRequest(request=request, on_output=on_output):
                 try:
-                    self.engine.enqueue(request)
+                    self.engine.accept(request)
                 except RequestError as exc:  # refused at the door: its one output, an error
-                    self._deliver(on_output, self.engine.finish(request, FinishReason.ERROR, error=exc))
+                    self._call_back(on_output, self.engine.finish(request, FinishReason.ERROR, error=exc))
                     return
                 self._handlers[request.request_id] = command
             case AbortRequest(request_id=request_id):
@@ -193,7 +194,8 @@ class EngineLoop:
                 return True
         return False
 
-    def _deliver(self, on_output: OutputCallback, output: RequestOutput) -> None:
+    def _call_back(self, on_output: OutputCallback, output: RequestOutput) -> None:
+        """Hand `output` to its request's callback, here on the loop thread."""
         try:
             on_output(output)
         except Exception:  # one client's failure must not stop the loop
@@ -209,7 +211,7 @@ class EngineLoop:
             if output.finished:
                 del self._handlers[output.request_id]
                 self._observe(lambda: self.observer.on_finished(output))
-            self._deliver(handler.on_output, output)
+            self._call_back(handler.on_output, output)
 
     def _observe(self, call: Callable[[], None]) -> None:
         if self.observer is None:
@@ -250,4 +252,4 @@ class EngineLoop:
         # one, with its own finish reason (abort, if it had none).
         for request_id, handler in list(self._handlers.items()):
             del self._handlers[request_id]
-            self._deliver(handler.on_output, self.engine.finish(handler.request, FinishReason.ABORT))
+            self._call_back(handler.on_output, self.engine.finish(handler.request, FinishReason.ABORT))

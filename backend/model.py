@@ -5,10 +5,11 @@ it is plain Python + torch. Triton calls:
 
 - ``initialize``: parse ``config.pbtxt`` parameters into ``EngineConfig``, load the
   engine, start its loop thread and the response thread.
-- ``execute``: for each request read and validate the inputs (``backend/protocol.py``,
-  which also says what each response carries), hand the request to the engine loop,
-  return at once. A bad request gets one final error response (INVALID_ARG naming the
-  input) and the others go on.
+- ``execute``: for each request decode the input tensors (``backend/protocol.py``,
+  which also says what each response carries), map them onto the request's checks
+  (``backend/validation.py`` checks every value; this module only refuses requests while
+  the model is unhealthy or shutting down), submit it to the engine loop, return at once. A bad request gets one final error response
+  (INVALID_ARG naming the input) and the others go on.
 - ``finalize``: stop the loop (every live request gets its final response), then the
   response thread once everything queued has been sent.
 
@@ -51,15 +52,18 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import triton_python_backend_utils as pb_utils
 
 from backend import thread_binding
 from backend.protocol import INPUTS, OUTPUTS, BadRequest, ResponseEncoder, parse_request
-from backend.readiness import HttpReadinessProbe
+from backend.readiness import HttpReadinessProbe, model_ready
 from backend.request import RequestStatus
+from backend.response_queue import EngineOutput, FailLive, LiveRequest, MetricUpdates, StopResponses
+
+if TYPE_CHECKING:
+    from backend.output import RequestOutput
 
 # How often each live request is asked whether it was cancelled, streaming or not. Each ask
 # is an IPC round trip through the stub's queue to a tritonserver thread; asked after every
@@ -93,49 +97,6 @@ def _input_reader(request):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
     return get_input
-
-
-@dataclass(eq=False)
-class _Live:
-    """Response-side state of one request that has not had its final response yet."""
-
-    request_id: str
-    sender: Any
-    encoder: ResponseEncoder
-    # The engine's Request (read-only here: its status and output tokens, set by the loop).
-    request: Any = None
-    cancelled: bool = False
-    # Its final response has gone: nothing more may be sent on its sender.
-    ended: bool = False
-    # A response with text has gone: from then on its queued outputs may go as one.
-    streaming: bool = False
-    last_cancel_poll: float = field(default_factory=time.monotonic)
-
-
-# What the response thread's queue carries: the loop thread queues engine outputs and
-# metric updates, finalize queues the stop once nothing else will be queued.
-@dataclass(frozen=True)
-class EngineOutput:
-    live: _Live
-    output: Any  # backend.engine.RequestOutput
-
-
-@dataclass(frozen=True)
-class MetricUpdates:
-    updates: list  # backend.metrics.Updates
-
-
-@dataclass(frozen=True)
-class StopResponses:
-    pass
-
-
-@dataclass(frozen=True)
-class FailLive:
-    """End every live request with this error (the engine will not end them)."""
-
-    message: str
-    code: str
 
 
 class TritonPythonModel:
@@ -215,7 +176,7 @@ class TritonPythonModel:
             + (f"GET {self._http_readiness.url}" if self._http_readiness else "pb_utils.is_model_ready (no HTTP endpoint found)")
         )
         self._ids = itertools.count()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._live_lock = threading.Lock()
         self._shutting_down = False
         # Why the engine is unhealthy, once the health check has found it so (for good).
@@ -281,7 +242,8 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
 
     def execute(self, requests):
-        from backend.request import RequestError, SamplingParams
+        from backend.request import RequestError
+        from backend.validation import parse_sampling_params
 
         for request in requests:
             sender = request.get_response_sender()
@@ -292,11 +254,7 @@ class TritonPythonModel:
                     raise RequestError("UNAVAILABLE", "the model is shutting down")
                 parsed = parse_request(_input_reader(request), request.parameters(),
                                        request.requested_output_names())
-                params = SamplingParams.from_dict(parsed.sampling)
-                if parsed.stream and params.num_sequences > params.n:
-                    # Which sequences are returned is known only once all have ended (as in vLLM).
-                    raise RequestError.invalid("best_of", f"streaming is not supported with best_of > n "
-                                                          f"({params.best_of} > {params.n})")
+                params = parse_sampling_params(parsed.sampling, stream=parsed.stream)
             except BadRequest as exc:
                 self._send_error(sender, str(exc), "INVALID_ARG")
                 continue
@@ -310,11 +268,11 @@ class TritonPythonModel:
 
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
-            live = _Live(request_id, sender, ResponseEncoder(parsed, stream_interval))
+            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval))
             with self._live_lock:
                 self._live[request_id] = live
             try:
-                live.request = self.loop.add_request(
+                live.request = self.loop.submit(
                     request_id,
                     parsed.prompt,
                     params,
@@ -328,7 +286,7 @@ class TritonPythonModel:
                 self._send_error(sender, str(exc), exc.code)
             except Exception as exc:
                 self._forget(request_id)
-                self.logger.log_error(f"[inflight] add_request failed: {traceback.format_exc()}")
+                self.logger.log_error(f"[inflight] submit failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
             if self._unhealthy:  # found so while this request was being added: the engine will not end it
                 self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
@@ -369,7 +327,7 @@ class TritonPythonModel:
                 try:
                     match item:
                         case EngineOutput(live, output):
-                            self._deliver(live, output, respond=not merge or not live.streaming
+                            self._on_engine_output(live, output, respond=not merge or not live.streaming
                                           or last_output_of[id(live)] == i)
                             self._outputs_delivered += 1
                             if self._outputs_delivered == self._fail_response_loop_at:
@@ -404,7 +362,7 @@ class TritonPythonModel:
             live.ended = True
             self._send_error(live.sender, message, code)
 
-    def _deliver(self, live: _Live, output, respond: bool = True) -> None:
+    def _on_engine_output(self, live: LiveRequest, output: RequestOutput, respond: bool = True) -> None:
         """Sends the response `output` calls for, or (respond False, a later output of the same
         stream is queued) keeps what it adds for that output's response."""
         if live.ended:  # already answered (the health check failed it)
@@ -462,26 +420,10 @@ class TritonPythonModel:
                 f"[inflight] could not unload model '{self.model_name}' ({exc}); it stays loaded and refuses "
                 "every request (readiness turns false only with --model-control-mode=explicit)")
 
-    def _is_model_ready(self) -> bool | None:
-        """READY (True), unloading or server stopping (False), or no answer (None)."""
-        if self._http_readiness is not None:
-            ready = self._http_readiness()
-            if ready is not None:
-                return ready
-        # See backend/readiness.py: this IPC can crash the stub once the server stops.
-        is_model_ready = getattr(pb_utils, "is_model_ready", None)
-        if is_model_ready is None:
-            return None
-        try:
-            return bool(is_model_ready(model_name=self.model_name, model_version=self.model_version))
-        except Exception as exc:
-            # Once shutdown has begun Triton answers "Server not ready"; anything else is
-            # an unanswerable question, not a shutdown.
-            return False if "not ready" in str(exc).lower() else None
-
     def _check_still_loaded(self) -> None:
         """End every live request once Triton unloads the model (server shutdown)."""
-        if self._is_model_ready() is not False:
+        if model_ready(self._http_readiness, getattr(pb_utils, "is_model_ready", None),
+                       self.model_name, self.model_version) is not False:
             return
         self._shutting_down = True
         with self._live_lock:
@@ -491,7 +433,7 @@ class TritonPythonModel:
             self.loop.abort(request_id)
 
     def _poll_cancellation(self, now: float) -> None:
-        def due(live: _Live) -> bool:
+        def due(live: LiveRequest) -> bool:
             quiet = now - live.last_cancel_poll
             if quiet >= CANCEL_POLL_INTERVAL_S:
                 return True
@@ -509,7 +451,7 @@ class TritonPythonModel:
             except Exception:
                 pass
 
-    def _respond(self, live: _Live, output) -> None:
+    def _respond(self, live: LiveRequest, output: RequestOutput) -> None:
         if output.finished:
             self._forget(live.request_id)
             live.ended = True

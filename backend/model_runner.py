@@ -284,7 +284,7 @@ class ModelRunner:
                 v[device_ids] = hv[host_ids].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, inputs: StepInputs | None,
+    def run(self, plan: SchedulerOutput, inputs: StepInputs | None,
                 interrupt: Callable[[], bool] | None = None) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the step prepared from `plan` (None: nothing scheduled, only swaps); logits
         (float32, one row per sampling request) and those requests. `interrupt` may abandon

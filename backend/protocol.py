@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 if TYPE_CHECKING:
-    from backend.engine import RequestOutput
+    from backend.output import RequestOutput
 
 TEXT_INPUT = "text_input"
 STREAM = "stream"
@@ -176,7 +176,7 @@ def _text(name: str, value: Any) -> str:
 @dataclass(frozen=True)
 class ParsedRequest:
     prompt: str
-    # The client's sampling values, not validated yet (SamplingParams.from_dict does that).
+    # The client's sampling values, not validated yet (validation.parse_sampling_params does that).
     sampling: dict[str, Any]
     stream: bool
     prepend_prompt: bool

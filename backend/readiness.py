@@ -29,7 +29,7 @@ from __future__ import annotations
 import http.client
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import quote
 
 # Triton's defaults for the options below.
@@ -134,3 +134,22 @@ class HttpReadinessProbe:
         if status == 400:  # Triton's "model version not ready"
             return False if self.seen_ready else None
         return None  # e.g. 403 from a restricted health API
+
+
+def model_ready(http_probe: HttpReadinessProbe | None, is_model_ready: Callable[..., bool] | None,
+                model_name: str, model_version: str) -> bool | None:
+    """READY (True), unloading or server stopping (False), or no answer (None): the HTTP
+    probe's answer, else `is_model_ready` (pb_utils.is_model_ready, None where the stub has
+    none), which this module's docstring says can crash the stub once the server stops."""
+    if http_probe is not None:
+        ready = http_probe()
+        if ready is not None:
+            return ready
+    if is_model_ready is None:
+        return None
+    try:
+        return bool(is_model_ready(model_name=model_name, model_version=model_version))
+    except Exception as exc:
+        # Once shutdown has begun Triton answers "Server not ready"; anything else is
+        # an unanswerable question, not a shutdown.
+        return False if "not ready" in str(exc).lower() else None

@@ -1,15 +1,14 @@
 """Requests, their sampling parameters, and the errors a request can end with.
 
-`SamplingParams` is the one table of validation rules for what a client may send in
-`sampling_parameters` (vLLM's names). Rules that depend on the loaded model (vocabulary
-size, max_model_len) are checked by the engine at admission, which knows the model.
+`SamplingParams` declares what a client may send in `sampling_parameters` (vLLM's names):
+each value's type and per-field bounds. The rules across values, and those that depend on
+the loaded model, are in backend/validation.py, with every other check a request passes.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -120,8 +119,8 @@ class StructuredOutputs(BaseModel):
 class SamplingParams(BaseModel):
     """vLLM-compatible sampling parameters. Values may arrive as strings ("64", "false")."""
 
-    # Types here; the limits of what vLLM also checks are in `_verify`, in vLLM's words (a
-    # NaN or inf is let through to be refused there, by name).
+    # Types here; the limits of what vLLM also checks are in validation.check_sampling_rules,
+    # in vLLM's words (a NaN or inf is let through to be refused there, by name).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=True, frozen=True)
 
     temperature: float = 1.0
@@ -197,7 +196,7 @@ class SamplingParams(BaseModel):
     def _strings_bounded(cls, value: list[str], info: pydantic.ValidationInfo) -> list[str]:
         for s in value:
             if not s:
-                # vLLM's words, as for the other checks (_verify)
+                # vLLM's words, as for the other checks (validation.check_sampling_rules)
                 raise RequestError.invalid(info.field_name, f"{info.field_name} cannot contain an empty string.")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"each entry must be at most {MAX_STOP_STRING_CHARS} characters")
@@ -212,46 +211,11 @@ class SamplingParams(BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _verify(self) -> "SamplingParams":
-        """vLLM's checks (SamplingParams._verify_args, vLLM 0.32), in its order and words,
-        with our limits where they differ (README, Request interface)."""
-        def refuse(param: str, message: str):
-            raise RequestError.invalid(param, message)
+        # The rules themselves live with every other check (backend/validation.py); imported
+        # here, not at the top, because that module builds on this one.
+        from backend.validation import check_sampling_rules
 
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            refuse("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            refuse("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not math.isfinite(self.repetition_penalty):
-            refuse("repetition_penalty", f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
-        if self.repetition_penalty <= 0.0:
-            refuse("repetition_penalty", f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if self.repetition_penalty > MAX_REPETITION_PENALTY:
-            refuse("repetition_penalty",
-                   f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}.")
-        if not math.isfinite(self.temperature):
-            refuse("temperature", f"temperature must be a finite number, got {self.temperature}.")
-        if self.temperature < 0.0:
-            refuse("temperature", f"temperature must be non-negative, got {self.temperature}.")
-        if self.temperature > MAX_TEMPERATURE:
-            refuse("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            refuse("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            refuse("top_k", f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            refuse("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            refuse("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            refuse("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            refuse("min_tokens",
-                   f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        # vLLM also takes -1 (every token's logprob); we return at most MAX_LOGPROBS.
-        if self.logprobs is not None and self.logprobs < -1:
-            refuse("logprobs", f"logprobs must be non-negative or -1, got {self.logprobs}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            refuse("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        check_sampling_rules(self)
         return self
 
     @property
@@ -266,31 +230,6 @@ class SamplingParams(BaseModel):
     @classmethod
     def known_names(cls) -> list[str]:
         return list(cls.model_fields)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
-        """Validate a client's dict; raise RequestError naming the first bad parameter."""
-        if not isinstance(values, dict):
-            raise RequestError.invalid("sampling_parameters", "must be a JSON object")
-        unknown = sorted(set(values) - set(cls.model_fields))
-        if unknown:
-            raise RequestError.invalid(
-                unknown[0], f"unknown sampling parameter(s) {unknown}; known parameters: {cls.known_names()}"
-            )
-        try:
-            params = cls.model_validate(values)
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            loc = [str(part) for part in first["loc"]]
-            name = loc[0] if loc else "sampling_parameters"
-            where = f" at {'.'.join(loc)}" if len(loc) > 1 else ""
-            got = repr(first.get("input"))
-            if len(got) > MAX_ECHOED_CHARS:  # a 64 KiB grammar is not worth echoing
-                got = got[:MAX_ECHOED_CHARS] + "..."
-            raise RequestError.invalid(name, f"{first['msg']}{where} (got {got})") from None
-        if params.best_of is not None and params.best_of < params.n:
-            raise RequestError.invalid("best_of", f"must be >= n ({params.best_of} < {params.n})")
-        return params
 
 
 @dataclass(eq=False)
@@ -371,7 +310,7 @@ class Request:
     grammar: GrammarState | None = None
     # Compute the sampled token's logprob each step (logprobs or cumulative_logprob asked).
     needs_logprobs: bool = False
-    # Token sequences of `params.bad_words` (SamplingParams.bad_words; Engine.make_request).
+    # Token sequences of `params.bad_words` (SamplingParams.bad_words; validation.Admission).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The LoRA adapter (params.lora_name) and its index among the engine's adapters; -1: none.
     lora_name: str | None = None

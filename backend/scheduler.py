@@ -9,8 +9,8 @@ steps with other requests' decodes.
 
 What differs between policies (`fcfs`, `priority`, `static`, `fair`) is one class each in
 backend/policies.py: the waiting queue's order, admission, the victim order. The rules
-every request lives by are here too: which requests can never fit (`resolve_max_tokens`),
-when one stops (`check_stop`), and `Scheduler.finish_request`, which ends it.
+every request lives by are here too: when one stops (`check_stop`), and
+`Scheduler.finish_request`, which ends it.
 
 Service is charged to a request's tenant as tokens are granted, under every policy (the
 per-tenant metrics read it; `fair` schedules by it): each input token computed costs
@@ -27,7 +27,7 @@ from typing import Callable
 from backend.config import EngineConfig
 from backend.kv_cache import BlockTable, KVCacheManager, SwapSpace
 from backend.policies import Policy
-from backend.request import FinishReason, Request, RequestError, RequestStatus
+from backend.request import FinishReason, Request, RequestStatus
 
 # Why a running request was preempted (SchedulerOutput.preemption_causes).
 PREEMPTED_FOR_BLOCKS = "kv_blocks_exhausted"  # a running request needed a block and none was free
@@ -61,7 +61,7 @@ class SchedulerOutput:
     prefix_hit_tokens: int = 0
     # Service granted this step per tenant (token-cost weighted, before tenant weights).
     service_by_tenant: dict[str, float] = field(default_factory=dict)
-    # Filled by `update`, per request that received a token: its prompt length and time to
+    # Filled by `append_token`, per request that received a token: its prompt length and time to
     # first token when the token was its first, else the time since its previous token.
     prefilled_prompt_tokens: int = 0
     first_token_latencies_s: list[float] = field(default_factory=list)
@@ -97,7 +97,7 @@ class Scheduler:
 
     # ---- request lifecycle -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def enqueue(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
@@ -343,30 +343,27 @@ class Scheduler:
         self._preempt(victim, plan, granted, PREEMPTED_FOR_WAITING)
         return True
 
-    def update(self, plan: SchedulerOutput, sampled: dict[Request, int]) -> None:
-        """Account for a finished forward pass: advance computed tokens, append samples and
-        time them (into `plan`, for the step's stats). Whether a sample ends its request is
-        the caller's question (`check_stop`)."""
-        now = time.monotonic()
+    def advance(self, plan: SchedulerOutput) -> None:
+        """The plan's forward pass has run: its tokens are computed, and the full blocks
+        they fill join the prefix cache."""
         for request, num_new in plan.scheduled:
-            if request.is_finished:
-                continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             self.kv.cache_computed_blocks(request)
-        for request, token_id in sampled.items():
-            if request.is_finished:
-                continue
-            request.append_output_token(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-                if request.seq_index == 0:  # a group's prompt and first token count once
-                    plan.first_token_latencies_s.append(now - request.arrival_time)
-                    plan.prefilled_prompt_tokens += request.num_prompt_tokens
-            else:
-                # Preemption and recompute happen between two tokens, so their time is in
-                # the interval, as a client sees it.
-                plan.inter_token_latencies_s.append(now - request.last_token_time)
-            request.last_token_time = now
+
+    def append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> None:
+        """Append a sampled token to `request` and time it (into `plan`, for the step's
+        stats). Whether it ends the request is `check_stop`'s question, asked next."""
+        request.append_output_token(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if request.seq_index == 0:  # a group's prompt and first token count once
+                plan.first_token_latencies_s.append(now - request.arrival_time)
+                plan.prefilled_prompt_tokens += request.num_prompt_tokens
+        else:
+            # Preemption and recompute happen between two tokens, so their time is in
+            # the interval, as a client sees it.
+            plan.inter_token_latencies_s.append(now - request.last_token_time)
+        request.last_token_time = now
 
     def check_invariants(self) -> None:
         cfg = self.config
@@ -378,33 +375,6 @@ class Scheduler:
         # Only running requests hold blocks, and each of those has a row in the block table.
         assert set(self.kv.block_table.row_of) == {r for r in self.running if r.block_ids}
         self.kv.check_invariants()
-
-
-def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, *, default: int, max_model_len: int,
-                       kv: KVCacheManager) -> int:
-    """The request's max_tokens (`default`, within the room left, when it asks for none),
-    or RequestError (INVALID_ARG, with the numbers) for a request that could never finish:
-    beyond `max_model_len`, or needing more KV blocks than the whole pool has."""
-    if num_prompt_tokens >= max_model_len:
-        raise RequestError.invalid(
-            "text_input", f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, leaving no room to generate"
-        )
-    if max_tokens is None:
-        max_tokens = min(default, max_model_len - num_prompt_tokens)
-    elif num_prompt_tokens + max_tokens > max_model_len:
-        raise RequestError.invalid(
-            "max_tokens",
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
-            f"exceeds max_model_len {max_model_len}",
-        )
-    blocks = kv.blocks_needed(num_prompt_tokens + max_tokens - 1)
-    if blocks > kv.num_blocks:
-        raise RequestError.invalid(
-            "max_tokens",
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks of "
-            f"{kv.block_size} tokens; the whole pool has {kv.num_blocks}",
-        )
-    return max_tokens
 
 
 def check_stop(request: Request, token_id: int,

@@ -4,15 +4,20 @@ Everything that watches the engine (Triton metrics, the benchmark, the host-over
 per-request traces) reads the snapshot and never reaches into the scheduler or the KV
 manager; the engine is the one writer. A snapshot is never changed once published, so a
 reader on another thread sees one consistent step. To report something new, add a field
-here and fill it where the engine builds the snapshot.
+here and fill it in `step_stats` or `snapshot`, which the engine calls once per step.
 
-No local imports: readers use these types without loading the engine (torch, transformers).
+No local imports (the engine's types only under TYPE_CHECKING): readers use these types
+without loading the engine (torch, transformers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backend.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +133,48 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use."""
         return self.num_used_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+def step_stats(plan: SchedulerOutput, *, ran: bool, num_running: int, num_waiting: int, num_generated_tokens: int,
+               prepare_time_s: float, forward_time_s: float, update_time_s: float) -> StepStats:
+    """The StepStats of the step that ran `plan` (and filled in its token timings)."""
+    return StepStats(
+        ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
+        num_generated_tokens=num_generated_tokens, num_preempted=len(plan.preempted),
+        prefix_query_tokens=plan.prefix_query_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
+        prefilled_prompt_tokens=plan.prefilled_prompt_tokens,
+        first_token_latencies_s=tuple(plan.first_token_latencies_s),
+        inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
+        service_by_tenant=tuple(plan.service_by_tenant.items()),
+        schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_time_s, forward_time_s=forward_time_s,
+        update_time_s=update_time_s,
+    )
+
+
+def snapshot(scheduler: Scheduler, step: StepStats, totals: Totals, *, num_waiting: int,
+             max_loras: int | None = None) -> EngineStats:
+    """The engine as `scheduler` holds it after `step`: one pass over its requests.
+    `num_waiting` also counts requests not yet the scheduler's (a grammar compiling);
+    `max_loras` is None for a model without LoRA adapters."""
+    running = scheduler.running
+    pool = scheduler.kv.pool
+    # (all, running) per tenant; the scheduler holds each request either running or waiting.
+    counts: dict[str, list[int]] = {}
+    for request in scheduler.requests.values():
+        counts.setdefault(request.tenant, [0, 0])[0] += 1
+    for request in running:
+        counts[request.tenant][1] += 1
+    lora = {}
+    if max_loras is not None:
+        lora = dict(
+            running_lora_adapters=tuple(sorted({r.lora_name for r in running if r.lora_name is not None})),
+            waiting_lora_adapters=tuple(sorted({r.lora_name for r in scheduler.waiting if r.lora_name is not None})),
+            max_loras=max_loras,
+        )
+    return EngineStats(
+        num_running=len(running), num_waiting=num_waiting,
+        num_prefilling=sum(1 for r in running if r.num_computed_tokens < len(r.prompt_token_ids)),
+        num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free,
+        requests_by_tenant=tuple((tenant, n[1], n[0] - n[1]) for tenant, n in sorted(counts.items())),
+        step=step, totals=totals, **lora,
+    )

@@ -12,14 +12,19 @@ they shared) rather than an event each. Events stop at `MAX_EVENTS`; what came a
 counted by kind in `dropped`, and the final `finished` event always closes the trace.
 
 Only traced requests pay for this: the engine records into a request's `trace` only when
-the request has one.
+the request has one, and calls `trace_plan` and `trace_step` (one pass over the step's
+batch each) only while some unfinished request has one.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backend.request import Request
+    from backend.scheduler import SchedulerOutput
 
 MAX_EVENTS = 256
 
@@ -121,3 +126,44 @@ class RequestTrace:
             }
         return {"events": self.events, "decode": decode, "dropped": self.dropped or None,
                 "max_events": MAX_EVENTS}
+
+
+def trace_plan(plan: SchedulerOutput, step: int, block_size: int) -> None:
+    """What step `step`'s plan did to traced requests before it ran: preemptions and returns."""
+    for victim, (cause, computed) in zip(plan.preempted, plan.preemption_causes):
+        if victim.trace is not None:
+            mode = "swap" if victim.swapped_block_ids else "recompute"
+            victim.trace.preempted(step, mode=mode, reason=cause,
+                                   computed_tokens_lost=0 if mode == "swap" else computed)
+    for request, _ in plan.scheduled:
+        trace = request.trace
+        if trace is None:
+            continue
+        if not trace.scheduled_before:
+            queued_at = trace.events[0]["step"] if trace.events else step
+            trace.first_scheduled(step, request.first_scheduled_time, waiting_steps=step - queued_at)
+            if request.num_cached_prompt_tokens:
+                trace.prefix_cache_hit(step, blocks=request.num_cached_prompt_tokens // block_size,
+                                       tokens=request.num_cached_prompt_tokens)
+        if request.num_preemptions > trace.returns:
+            trace.returns += 1
+            trace.readmitted(step, swapped_in=request in plan.swapped_in)
+
+
+def trace_step(plan: SchedulerOutput, step: int, step_s: float, now: float, sampled: list[Request]) -> None:
+    """What step `step` computed for traced requests, in the batch it shared: run once the
+    step's tokens are computed, before its samples join their requests (`sampled`)."""
+    sampled_now = set(sampled)
+    batch_requests, batch_tokens = len(plan.scheduled), plan.num_scheduled_tokens
+    for request, num_new in plan.scheduled:
+        trace = request.trace
+        if trace is None or request.is_finished:
+            continue
+        computed_before = request.num_computed_tokens - num_new
+        trace.scheduled(step, now, tokens=num_new, prefill=computed_before < request.num_prompt_tokens,
+                        prompt_done=min(request.num_computed_tokens, request.num_prompt_tokens),
+                        prompt_tokens=request.num_prompt_tokens, batch_requests=batch_requests,
+                        batch_tokens=batch_tokens, step_ms=step_s * 1000.0)
+        if not trace.first_token_seen and (request.first_token_time is not None or request in sampled_now):
+            trace.first_token_seen = True
+            trace.first_token(step, now)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 import kernels
 from backend.models.llama import LlamaForCausalLM, ModelArch
@@ -169,6 +169,25 @@ def _rope_parameters(hf) -> dict:
     scaling = dict(getattr(hf, "rope_scaling", None) or {})
     scaling.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
     return scaling
+
+
+def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
+    """The tokens that end a generation: generation_config.json's, else the model config's,
+    else the tokenizer's."""
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)
 
 
 def checkpoint_dtype(model_path: str) -> torch.dtype | None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backend.protocol import RETURN_FINISH_REASON, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS
-from backend.request import RequestError, SamplingParams
+from backend.request import RequestError
+from backend.validation import parse_sampling_params
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
 from client.openai.tool_calls import ToolCall, ToolCallSplitter, call_id, split_tool_calls
 from client.triton import is_final, make_inputs
@@ -146,13 +147,13 @@ def client_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, st
 
 
 def validate_sampling(sampling: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
-    """Check sampling values with the backend's own table (backend/request.py) before sending.
+    """Check sampling values with the backend's own checks (backend/validation.py) before sending.
 
     OpenAI's own limits are lower (4 stop sequences, 5/20 logprobs); the backend's are the
     ones enforced, so a client gets the same answer here and from Triton directly.
     """
     try:
-        SamplingParams.from_dict(sampling)
+        parse_sampling_params(sampling)
     except RequestError as exc:
         param = (aliases or {}).get(exc.param, exc.param)
         message = str(exc)

@@ -19,6 +19,7 @@ import requests
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from backend.request import RequestError, SamplingParams
+from backend.validation import parse_sampling_params
 from client.soak import descendants
 from tests.e2e.e2e_util import Stream, inputs_for, wait_for, wait_idle
 
@@ -52,7 +53,7 @@ sampling_objects = st.builds(lambda rest, mt: {**rest, "max_tokens": mt}, st.dic
 def expected_refusal(sampling: dict) -> str | None:
     """The parameter the backend's table refuses, or None when it accepts the object."""
     try:
-        params = SamplingParams.from_dict(sampling)
+        params = parse_sampling_params(sampling)
     except RequestError as exc:
         return exc.param
     # A valid min_tokens beyond this test's small max_tokens is refused by the table too;
@@ -101,5 +102,5 @@ def test_generated_sampling_parameters_are_served_or_refused_by_name(server, sam
     elif error is not None:
         assert any(error.startswith(f"{name}: ") for name in MODEL_LIMITED & set(sampling)), (text, error)
     else:
-        n = SamplingParams.from_dict(sampling).n
+        n = parse_sampling_params(sampling).n
         assert len(finish_reasons) == n and set(finish_reasons) <= {"stop", "length"}, (text, finish_reasons)

@@ -17,6 +17,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import RequestError, SamplingParams
+from backend.validation import parse_sampling_params
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 MAX_NEW = 24
@@ -81,6 +82,6 @@ def test_bad_words_that_tokenize_to_nothing_are_refused_by_name(engine):
 def test_bad_words_are_validated_like_stop_strings():
     for bad in ([""], ["x" * 257], ["w"] * 65, "Paris", [3]):
         with pytest.raises(RequestError) as refused:
-            SamplingParams.from_dict({"bad_words": bad})
+            parse_sampling_params({"bad_words": bad})
         assert str(refused.value).startswith("bad_words: "), (bad, refused.value)
-    assert SamplingParams.from_dict({"bad_words": ["a", "b"], "spaces_between_special_tokens": False}).bad_words == ["a", "b"]
+    assert parse_sampling_params({"bad_words": ["a", "b"], "spaces_between_special_tokens": False}).bad_words == ["a", "b"]

@@ -77,7 +77,7 @@ def test_the_engine_is_built_and_stepped_on_the_loop_thread(tiny_checkpoint):
     loop = EngineLoop(build)
     collector = Collector()
     try:
-        loop.add_request("r", "hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), collector.callback("r"))
+        loop.submit("r", "hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), collector.callback("r"))
         collector.wait()
         assert threads["build"] is threads["step"] is loop._thread is not threading.current_thread()
     finally:
@@ -106,7 +106,7 @@ def test_the_loop_thread_pins_its_openmp_team_and_no_other_thread(tiny_checkpoin
         assert loop.binding.cpus == cpus and len(set(loop.binding.thread_ids)) == len(cpus)
         assert os.sched_getaffinity(loop._thread.native_id) == {cpus[0]}
         assert sorted(os.sched_getaffinity(0)) == allowed
-        loop.add_request("r", "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), collector.callback("r"))
+        loop.submit("r", "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), collector.callback("r"))
         collector.wait()
         assert collector.finals("r")[0].num_output_tokens == 4
     finally:
@@ -147,7 +147,7 @@ def test_every_request_gets_exactly_one_final_output(tiny_checkpoint):
     try:
         for i in range(10):
             rid = f"r{i}"
-            loop.add_request(rid, f"prompt number {i} " * (i + 1), SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True),
+            loop.submit(rid, f"prompt number {i} " * (i + 1), SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True),
                              collector.callback(rid))
         collector.wait()
         for i in range(10):
@@ -167,9 +167,9 @@ def test_cancellation_is_seen_within_one_iteration_and_frees_blocks(tiny_checkpo
     cancelled = threading.Event()
     steps_at_cancel = []
     try:
-        loop.add_request("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+        loop.submit("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
                          collector.callback("long"), is_cancelled=cancelled.is_set)
-        loop.add_request("short", "a short one", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        loop.submit("short", "a short one", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                          collector.callback("short"))
         wait_until(lambda: len(collector.outputs["long"]) >= 3)
         steps_at_cancel.append(engine.stats.totals.steps)
@@ -191,9 +191,9 @@ def test_cancel_while_queued_and_twice(tiny_checkpoint):
     loop = make_loop(tiny_checkpoint, max_num_seqs=1)
     collector = Collector()
     try:
-        loop.add_request("busy", "occupies the only slot", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+        loop.submit("busy", "occupies the only slot", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                          collector.callback("busy"))
-        loop.add_request("queued", "waits behind it", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        loop.submit("queued", "waits behind it", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                          collector.callback("queued"))
         wait_until(lambda: len(collector.outputs["busy"]) >= 2)
         loop.abort("queued")
@@ -215,14 +215,14 @@ def test_admission_errors_are_raised_at_once(tiny_checkpoint):
     collector = Collector()
     try:
         with pytest.raises(RequestError) as info:
-            loop.add_request("big", "word " * 10, SamplingParams(max_tokens=100), collector.callback("big"))
+            loop.submit("big", "word " * 10, SamplingParams(max_tokens=100), collector.callback("big"))
         assert info.value.code == RequestError.INVALID_ARG
         assert "max_model_len 64" in str(info.value) and "max_tokens" in str(info.value)
         with pytest.raises(RequestError) as info:
-            loop.add_request("topk", "hi", SamplingParams(top_k=10**6), collector.callback("topk"))
+            loop.submit("topk", "hi", SamplingParams(top_k=10**6), collector.callback("topk"))
         assert info.value.param == "top_k" and "49152" in str(info.value)
         with pytest.raises(RequestError) as info:
-            loop.add_request("stopid", "hi", SamplingParams(stop_token_ids=[10**6]), collector.callback("stopid"))
+            loop.submit("stopid", "hi", SamplingParams(stop_token_ids=[10**6]), collector.callback("stopid"))
         assert info.value.param == "stop_token_ids"
     finally:
         loop.shutdown()
@@ -254,7 +254,7 @@ def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_check
     try:
         for i in range(3):
             # Long enough that none ends before the third joins the batch, which fails.
-            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+            loop.submit(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
                              collector.callback(f"r{i}"))
         collector.wait()
         for i in range(3):
@@ -265,7 +265,7 @@ def test_forward_failure_fails_in_flight_requests_and_engine_recovers(tiny_check
         assert engine.kv.pool.num_used == 0
         # The fault switch off again: new requests are served normally.
         engine._fail_at_batch = 0
-        loop.add_request("after", "works again", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        loop.submit("after", "works again", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                          collector.callback("after"))
         collector.wait()
         assert collector.finals("after")[0].finish_reason == "length"
@@ -283,7 +283,7 @@ def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_
     loop = make_loop(tiny_checkpoint)
     collector = Collector()
     try:
-        execute = loop.engine.runner.execute
+        execute = loop.engine.runner.run
         raised = []
 
         def fail_once(*args, **kwargs):
@@ -292,8 +292,8 @@ def test_a_device_fault_makes_the_loop_unhealthy_and_running_out_of_memory_does_
                 raise fault
             return execute(*args, **kwargs)
 
-        loop.engine.runner.execute = fail_once
-        loop.add_request("r", "meets the fault", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        loop.engine.runner.run = fail_once
+        loop.submit("r", "meets the fault", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                          collector.callback("r"))
         collector.wait()
         final = collector.finals("r")[0]
@@ -311,7 +311,7 @@ def test_shutdown_drains_live_requests(tiny_checkpoint):
     loop = make_loop(tiny_checkpoint)
     collector = Collector()
     for i in range(6):
-        loop.add_request(f"r{i}", "keeps going", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+        loop.submit(f"r{i}", "keeps going", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
                          collector.callback(f"r{i}"))
     wait_until(lambda: any(collector.outputs[f"r{i}"] for i in range(6)))
     loop.shutdown(timeout_s=30)
@@ -320,7 +320,7 @@ def test_shutdown_drains_live_requests(tiny_checkpoint):
         assert len(collector.finals(f"r{i}")) == 1
     assert loop.engine.kv.pool.num_used == 0
     with pytest.raises(RequestError) as info:
-        loop.add_request("late", "too late", SamplingParams(), collector.callback("late"))
+        loop.submit("late", "too late", SamplingParams(), collector.callback("late"))
     assert info.value.code == RequestError.UNAVAILABLE
 
 
@@ -333,7 +333,7 @@ def test_a_request_refused_at_the_door_ends_without_touching_its_namesake(tiny_c
     first = engine.add_request("same", "one", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     twin = engine.make_request("same", "two", SamplingParams(max_tokens=3))
     with pytest.raises(RequestError) as info:
-        engine.enqueue(twin)
+        engine.accept(twin)
     output = engine.finish(twin, FinishReason.ERROR, error=info.value)
     assert output.finished and output.finish_reason == "error" and output.error is info.value
     assert output.text_delta == "" and output.num_output_tokens == 0
@@ -365,9 +365,9 @@ def test_an_aborted_request_ends_before_the_next_step(tiny_checkpoint):
 
     engine.step = recorded_step
     try:
-        loop.add_request("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+        loop.submit("long", "a long running request", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
                          collector.callback("long"), is_cancelled=cancelled.is_set)
-        loop.add_request("other", "keeps the loop stepping", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+        loop.submit("other", "keeps the loop stepping", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                          collector.callback("other"))
         wait_until(lambda: len(collector.outputs["long"]) >= 3)
         cancelled.set()
@@ -388,13 +388,13 @@ def test_health_reports_a_hung_step_only_while_requests_wait(tiny_checkpoint, mo
     loop = make_loop(tiny_checkpoint)
     collector = Collector()
     try:
-        loop.add_request("one", "alone in its batch", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        loop.submit("one", "alone in its batch", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                          collector.callback("one"))
         collector.wait()
         time.sleep(0.3)
         assert loop.health(stall_s=0.2) is None  # idle, not stuck
         for i in range(2):
-            loop.add_request(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+            loop.submit(f"r{i}", f"request {i}", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                              collector.callback(f"r{i}"))
         wait_until(lambda: loop.health(stall_s=0.2) is not None, timeout=10)
         assert "no engine step has finished" in loop.health(stall_s=0.2)
@@ -413,7 +413,7 @@ def test_health_reports_a_dead_loop(tiny_checkpoint):
             raise SystemExit("the loop thread ends")
 
         loop.engine.step = die
-        loop.add_request("x", "wakes the loop", SamplingParams(max_tokens=2), Collector().callback("x"))
+        loop.submit("x", "wakes the loop", SamplingParams(max_tokens=2), Collector().callback("x"))
         wait_until(lambda: loop.health(stall_s=60) is not None, timeout=10)
         assert loop.health(stall_s=60) == "the engine loop has died"
     finally:
@@ -477,7 +477,7 @@ def test_a_steps_metrics_come_between_its_tokens_and_its_final_outputs(tiny_chec
                 events.append(("output", rid, output.finished, loop.engine.stats.totals.steps))
                 on_output(output)
 
-            loop.add_request(rid, f"prompt {rid}", SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            loop.submit(rid, f"prompt {rid}", SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                              record)
         collector.wait()
     finally:

@@ -154,7 +154,7 @@ def test_metrics_move_and_return_to_idle(loop):
                 event.set()
 
     for i in range(3):
-        loop.add_request(f"r{i}", "count the tokens " * (i + 1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), on_output)
+        loop.submit(f"r{i}", "count the tokens " * (i + 1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), on_output)
     assert event.wait(60)
     loop.shutdown()  # the loop's last on_step runs before it exits
     engine = loop.engine

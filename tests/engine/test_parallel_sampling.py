@@ -16,7 +16,8 @@ import random
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine import LLMEngine, RequestOutput
+from backend.engine import LLMEngine
+from backend.output import RequestOutput
 from backend.request import RequestError, RequestStatus, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

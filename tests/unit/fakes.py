@@ -15,7 +15,7 @@ K/V depend on every token before it). Each step it
   is scripted to stop there).
 
 `Harness` wraps a Scheduler + FakeRunner with the engine's own admission and stop rules
-(`resolve_max_tokens`, `check_stop`) and records what each step granted, so tests can
+(`validation.resolve_max_tokens`, `check_stop`) and records what each step granted, so tests can
 assert invariants per step.
 """
 
@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.request import Request, RequestError, SamplingParams
-from backend.scheduler import Scheduler, SchedulerOutput, check_stop, resolve_max_tokens
+from backend.scheduler import Scheduler, SchedulerOutput, check_stop
+from backend.validation import resolve_max_tokens
 
 EOS = 2
 VOCAB = 1000
@@ -60,7 +62,7 @@ class FakeRunner:
             fps.append(hash((parent, tokens[i])))
         return fps[position]
 
-    def execute(self, plan: SchedulerOutput) -> dict[Request, int]:
+    def run(self, plan: SchedulerOutput) -> dict[Request, int]:
         for device_block, host_block in plan.swap_out:
             self.host[host_block] = list(self.device[device_block])
         self.num_swapped_out_blocks += len(plan.swap_out)
@@ -163,7 +165,7 @@ class Harness:
         )
         if eos_at is not None:
             self.runner.eos_at[request_id] = eos_at
-        self.scheduler.add_request(request)
+        self.scheduler.enqueue(request)
         self.all_requests.append(request)
         return request
 
@@ -173,9 +175,11 @@ class Harness:
         plan = sched.schedule()
         admitted = [r for r in sched.running if r not in running_before]
         sched.check_invariants()
-        sampled = self.runner.execute(plan)
-        sched.update(plan, sampled)
+        sampled = self.runner.run(plan)
+        sched.advance(plan)
+        now = time.monotonic()
         for request, token_id in sampled.items():
+            sched.append_token(request, token_id, now, plan)
             stop = check_stop(request, token_id)
             if stop is not None:
                 sched.finish_request(request, *stop)

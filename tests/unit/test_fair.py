@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from backend.config import EngineConfig
 from backend.policies import FairPolicy, Policy
 from backend.request import Request, RequestError, SamplingParams
+from backend.validation import parse_sampling_params
 from tests.unit.fakes import Harness, assert_all_free
 
 BS = 8
@@ -227,13 +228,13 @@ def test_a_long_job_among_a_flood_is_never_starved_under_fair():
 def test_a_bad_tenant_is_refused_naming_the_parameter(value):
     message = "tenant: Value error, must be a string of 1 to 64 characters among A-Z a-z 0-9 _ . : @ -"
     with pytest.raises(RequestError, match=re.escape(message)) as info:
-        SamplingParams.from_dict({"tenant": value})
+        parse_sampling_params({"tenant": value})
     assert info.value.code == RequestError.INVALID_ARG and info.value.param == "tenant"
 
 
 def test_tenant_defaults_and_is_accepted_under_every_policy():
     assert SamplingParams().tenant == "default"
-    assert SamplingParams.from_dict({"tenant": "team-a@example.com"}).tenant == "team-a@example.com"
+    assert parse_sampling_params({"tenant": "team-a@example.com"}).tenant == "team-a@example.com"
     for policy in ("fcfs", "priority", "static", "fair"):
         h = Harness(fair_config(scheduling_policy=policy), 32)
         h.add("x", [5, 6, 7], 2, tenant="team-a")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from backend.engine import RequestOutput
 from backend.kv_cache import KVCacheManager
+from backend.output import RequestOutput
 from backend.protocol import (
     CUMULATIVE_LOGPROB,
     FINISH_REASON,
@@ -25,6 +25,7 @@ from backend.protocol import (
     ResponseEncoder,
 )
 from backend.request import Request, RequestError, SamplingParams
+from backend.validation import parse_sampling_params
 
 
 @pytest.mark.parametrize("values, param", [
@@ -37,14 +38,14 @@ from backend.request import Request, RequestError, SamplingParams
 ])
 def test_bad_n_and_best_of_are_refused_naming_the_parameter(values, param):
     with pytest.raises(RequestError) as info:
-        SamplingParams.from_dict(values)
+        parse_sampling_params(values)
     assert info.value.param == param and str(info.value).startswith(f"{param}: "), str(info.value)
 
 
 def test_n_and_best_of_set_the_number_of_sequences():
-    assert SamplingParams.from_dict({}).num_sequences == 1
-    assert SamplingParams.from_dict({"n": "4"}).num_sequences == 4  # strings, as Triton's clients send them
-    assert SamplingParams.from_dict({"n": 2, "best_of": 5}).num_sequences == 5
+    assert parse_sampling_params({}).num_sequences == 1
+    assert parse_sampling_params({"n": "4"}).num_sequences == 4  # strings, as Triton's clients send them
+    assert parse_sampling_params({"n": 2, "best_of": 5}).num_sequences == 5
 
 
 # ---------------------------------------------------------------------------- KV: fork, copy-on-write

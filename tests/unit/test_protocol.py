@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from backend.engine import RequestOutput
+from backend.output import RequestOutput
 from backend.paths import REPO_ROOT
 from backend.protocol import (
     CUMULATIVE_LOGPROB,
@@ -38,7 +38,8 @@ from backend.protocol import (
     encode_response,
     parse_request,
 )
-from backend.request import RequestError, SamplingParams
+from backend.request import RequestError
+from backend.validation import parse_sampling_params
 
 
 def text(value) -> np.ndarray:
@@ -309,10 +310,10 @@ def test_after_the_first_text_a_streamed_response_waits_for_stream_interval_toke
 @pytest.mark.parametrize("bad", [0, -2, True, "two", 2.5])
 def test_a_requests_stream_interval_is_a_positive_whole_number(bad):
     with pytest.raises(RequestError) as info:
-        SamplingParams.from_dict({"stream_interval": bad})
+        parse_sampling_params({"stream_interval": bad})
     assert info.value.param == "stream_interval" and info.value.code == "INVALID_ARG", str(info.value)
-    assert SamplingParams.from_dict({"stream_interval": "4"}).stream_interval == 4
-    assert SamplingParams.from_dict({}).stream_interval is None  # the model's stream_interval
+    assert parse_sampling_params({"stream_interval": "4"}).stream_interval == 4
+    assert parse_sampling_params({}).stream_interval is None  # the model's stream_interval
 
 
 @settings(max_examples=200, deadline=None)

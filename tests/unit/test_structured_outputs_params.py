@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from backend.request import MAX_STRUCTURED_OUTPUT_CHARS, RequestError, SamplingParams
+from backend.request import MAX_STRUCTURED_OUTPUT_CHARS, RequestError
+from backend.validation import parse_sampling_params
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 
@@ -22,13 +23,13 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type
     ({"json_object": "true"}, "json_object", "true"),
 ])
 def test_accepted_forms(given, kind, text):
-    params = SamplingParams.from_dict({"structured_outputs": given})
+    params = parse_sampling_params({"structured_outputs": given})
     assert params.structured_outputs.constraint == (kind, text)
 
 
 def test_a_schema_keeps_its_property_order():
     """The order of `properties` is the order they are generated in: not normalised away."""
-    kind, text = SamplingParams.from_dict({"structured_outputs": {"json": SCHEMA}}).structured_outputs.constraint
+    kind, text = parse_sampling_params({"structured_outputs": {"json": SCHEMA}}).structured_outputs.constraint
     assert list(json.loads(text)["properties"]) == ["b", "a"]
 
 
@@ -47,6 +48,6 @@ def test_a_schema_keeps_its_property_order():
 ])
 def test_refusals_name_structured_outputs(given, needle):
     with pytest.raises(RequestError) as info:
-        SamplingParams.from_dict({"structured_outputs": given})
+        parse_sampling_params({"structured_outputs": given})
     assert info.value.code == RequestError.INVALID_ARG
     assert str(info.value).startswith("structured_outputs: ") and needle in str(info.value), str(info.value)

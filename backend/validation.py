@@ -10,8 +10,9 @@ naming the parameter and the limit (INVALID_ARG; UNAVAILABLE for a full queue):
 2. `Admission.check`: what depends on the loaded model and the engine's configuration:
    the vocabulary, max_model_len, the KV pool, max_num_seqs, the LoRA adapters, the
    tokenizer (bad_words). Each check is a comparison or two; bad_words tokenizes its words.
-3. `check_queue_room` and `check_not_in_flight`: what depends on the engine's queue, checked
-   again on the loop thread, where the request joins it.
+3. `check_queue_room` and `check_not_in_flight`: what depends on the engine's queue. The
+   room is checked on the submitting thread (EngineLoop.submit) and again, with the id, on
+   the loop thread, where the request joins the queue (LLMEngine.accept).
 
 backend/protocol.py only decodes Triton's tensors (and refuses what cannot be decoded);
 the Triton adapter, backend/model.py, maps them onto these calls.

@@ -126,6 +126,7 @@ peers-openvino: $(OPENVINO_STAMP)
 $(OPENVINO_STAMP): tools/openvino_requirements.txt
 	@test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
 	$(OPENVINO_VENV)/bin/python -m pip install --quiet --no-deps -r tools/openvino_requirements.txt
+	$(OPENVINO_VENV)/bin/python -m pip uninstall --quiet -y torchvision
 	$(OPENVINO_VENV)/bin/python -c "import openvino_genai, optimum.intel; print('openvino-genai', openvino_genai.__version__, 'in $(OPENVINO_VENV)')"
 	@touch $@
 

@@ -14,7 +14,9 @@ load, compilation and a one-request warm-up are not timed.
 
 The settings (`plugin_properties`, `scheduler_settings`), each what the project's engine runs
 with: INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION the dtype under test (OpenVINO's CPU
-default would be bf16 compute wherever the CPU has it and a u8 KV cache), one inference
+default would be bf16 compute wherever the CPU has it and a u8 KV cache). On a CPU without
+bf16 arithmetic (AVX2) OpenVINO computes in f32 whatever the hint and takes only an f32 KV
+cache, so a "bfloat16" run there is OpenVINO in f32 on the bf16 weights; one inference
 thread per CPU this process may run on, `max_num_seqs` sequences and 2048 tokens a step
 (the engine's max_num_batched_tokens), 2 GB of KV cache (as the vLLM peer), prefix caching
 off (the engine's default) and the pipeline's chunked prefill (dynamic split-fuse) on.
@@ -43,14 +45,23 @@ WARMUP_TOKENS = 4
 EXPORT_STAMP = "inflight-export.json"
 
 
-def plugin_properties(dtype: str, threads: int) -> dict:
-    """The CPU plugin's properties for `dtype` ("float32" or "bfloat16") on `threads` threads."""
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether the CPU computes in bf16 (AVX512-BF16 or AMX); elsewhere OpenVINO computes
+    in f32 whatever the hint, and keeps its KV cache in f32 only."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def plugin_properties(dtype: str, threads: int, bf16_arithmetic: bool) -> dict:
+    """The CPU plugin's properties for `dtype` ("float32" or "bfloat16") on `threads` threads;
+    the KV cache in bf16 only where the CPU computes in bf16 (the plugin refuses it elsewhere)."""
     if dtype not in PRECISION:
         raise ValueError(f"openvino-offline: dtype {dtype!r}, expected one of {', '.join(PRECISION)}")
     if threads < 1:
         raise ValueError(f"openvino-offline: threads must be >= 1, got {threads}")
-    return {"INFERENCE_PRECISION_HINT": PRECISION[dtype], "KV_CACHE_PRECISION": PRECISION[dtype],
-            "INFERENCE_NUM_THREADS": threads}
+    kv = PRECISION[dtype] if bf16_arithmetic else "f32"
+    return {"INFERENCE_PRECISION_HINT": PRECISION[dtype], "KV_CACHE_PRECISION": kv, "INFERENCE_NUM_THREADS": threads}
 
 
 def scheduler_settings(max_num_seqs: int) -> dict:
@@ -108,7 +119,7 @@ def run(requests: list[dict], ir: str, dtype: str, max_num_seqs: int, seed: int 
     import openvino_genai as genai
 
     threads = len(os.sched_getaffinity(0))
-    properties = plugin_properties(dtype, threads)
+    properties = plugin_properties(dtype, threads, cpu_has_bf16_arithmetic())
     scheduler = scheduler_settings(max_num_seqs)
     load_start = time.perf_counter()
     pipe = genai.ContinuousBatchingPipeline(ir, _configure(genai.SchedulerConfig(), scheduler), "CPU", properties)

@@ -598,3 +598,27 @@ def test_a_report_names_the_commit_it_was_given(monkeypatch):
     assert len(head) == 40 or head == "unknown"
     monkeypatch.setenv("INFLIGHT_GIT_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
+
+
+def test_step_profile_puts_each_function_in_its_class():
+    from client.bench import step_profile
+
+    report = """
+# Samples: 10K of event 'cpu-clock'
+    40.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::gemm<(anonymous namespace)::Avx2F32>(at::Tensor const&)
+    20.00%  inflight_cpu_kernels.so      [.] paged_attention_kernel<8>
+     9.00%  inflight_cpu_kernels.so      [.] rms_norm
+     6.00%  inflight_cpu_kernels.so      [.] keep_nucleus_
+     5.00%  libtorch_cpu.so              [.] at::native::(anonymous namespace)::softmax_lastdim_kernel_impl
+     8.00%  libpython3.11.so.1.0         [.] _PyEval_EvalFrameDefault
+     4.00%  libgomp.so.1.0.0             [.] 0x000000000001e2c3
+     3.00%  libc.so.6                    [.] __memmove_avx_unaligned_erms
+     2.00%  [kernel.kallsyms]            [k] clear_page_erms
+     3.00%  libfoo.so                    [.] something_else
+"""
+    rows = step_profile.parse_report(report)
+    assert len(rows) == 10 and rows[0][0] == 40.0
+    classes, top = step_profile.shares(rows)
+    assert classes == {"gemm": 0.4, "attention": 0.2, "sampler": 0.11, "elementwise": 0.09, "python": 0.08,
+                       "openmp_wait": 0.04, "memory": 0.03, "other": 0.03, "linux_kernel": 0.02}
+    assert next(iter(classes)) == "gemm" and top["sampler"][0][0] == 0.06

@@ -201,14 +201,17 @@ def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch
 
 
 def test_openvino_settings_are_the_dtype_under_test_and_the_engines_batch():
-    assert openvino_offline.plugin_properties("bfloat16", 2) == {
+    assert openvino_offline.plugin_properties("bfloat16", 2, bf16_arithmetic=True) == {
         "INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": 2}
-    assert openvino_offline.plugin_properties("float32", 16)["INFERENCE_PRECISION_HINT"] == "f32"
-    assert openvino_offline.plugin_properties("float32", 16)["KV_CACHE_PRECISION"] == "f32"
+    # Without bf16 arithmetic (AVX2) the plugin computes in f32 and takes only an f32 KV cache.
+    assert openvino_offline.plugin_properties("bfloat16", 2, bf16_arithmetic=False)["KV_CACHE_PRECISION"] == "f32"
+    for bf16 in (True, False):
+        properties = openvino_offline.plugin_properties("float32", 16, bf16)
+        assert (properties["INFERENCE_PRECISION_HINT"], properties["KV_CACHE_PRECISION"]) == ("f32", "f32")
     with pytest.raises(ValueError, match="dtype 'float16'"):
-        openvino_offline.plugin_properties("float16", 2)
+        openvino_offline.plugin_properties("float16", 2, True)
     with pytest.raises(ValueError, match="threads"):
-        openvino_offline.plugin_properties("float32", 0)
+        openvino_offline.plugin_properties("float32", 0, True)
     assert openvino_offline.scheduler_settings(32) == {
         "max_num_seqs": 32, "max_num_batched_tokens": 2048, "cache_size": 2, "enable_prefix_caching": False,
         "dynamic_split_fuse": True}
@@ -264,7 +267,7 @@ def test_run_openvino_offline_plumbing(monkeypatch, tmp_path):
         with open(args["--out"], "w") as f:
             json.dump({"duration_s": 0.5, "num_output_tokens": [r["max_tokens"] for r in requests],
                        "openvino_genai_version": "2026.4.1.0", "dtype": args["--dtype"],
-                       "properties": openvino_offline.plugin_properties(args["--dtype"], 2)}, f)
+                       "properties": openvino_offline.plugin_properties(args["--dtype"], 2, True)}, f)
         return subprocess.CompletedProcess(command, 0, stdout="")
 
     monkeypatch.setattr(peers.subprocess, "run", fake_run)

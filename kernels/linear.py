@@ -6,9 +6,10 @@ weight and it re-blocks it on every call. The weight is packed once at load time
 panel layout of our own GEMM (`panel_gemm`, kernels/cpu/gemm.cpp), one code path per
 instruction set, chosen here once per weight (`cpu_ext.isa()`, the best the machine has):
 
-- bfloat16 where the CPU has AVX512-BF16 (AVX-512 EPYCs, Xeons with AMX): `vdpbf16ps` on
-  the bf16 weight itself, or AMX tiles on the same packed weight where the CPU has them and
-  `INFLIGHT_CPU_ISA=amx` asks for them (kernels/cpu_ext.py);
+- bfloat16 on Xeons with AMX: the tiles' `tdpbf16ps` on the bf16 weight itself, by default
+  (every bf16 GEMM the engine runs is this one: the projections, LoRA's two matmuls, the
+  output head, tied or not); where Linux refuses the process the tiles, or elsewhere with
+  AVX512-BF16 (AVX-512 EPYCs), `vdpbf16ps` on the same packed weight (kernels/cpu_ext.py);
 - float32 on AVX-512, else AVX2: FMAs on float32 panels. A bfloat16 weight on a CPU
   without bf16 dot products (AVX2 EPYC) is packed as its exact float32 upcast (`upcast`):
   the input is widened, the GEMM accumulates in float32 and the output is rounded to
@@ -116,7 +117,8 @@ def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWe
     if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
         return PackedWeight("panels", cpu_ext.load().pack_panels(weight, isa), weight, isa=isa)
     if isa >= Isa.AVX2:
-        float_isa = min(isa, Isa.AVX512)
+        # The vector path below the tiles (on a build whose tiles are a software model, AVX2).
+        float_isa = min(isa, Isa.AVX512, Isa(cpu_ext.load().gemm_vector_isa()))
         upcast = weight.dtype == torch.bfloat16
         return PackedWeight("panels", cpu_ext.load().pack_panels(weight.float(), float_isa), weight, upcast, float_isa)
     upcast = weight.dtype == torch.bfloat16 and not _native_bf16()

@@ -71,7 +71,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if module is None:
         return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
 
-    lanes = 16 if cpu_ext.isa() >= cpu_ext.Isa.AVX512 else 8
+    lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
 
     def kernel(q, tables, lens, cu):
         return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),

@@ -29,7 +29,7 @@ def cumsum_rows_cpu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # isa() is NONE where the module could not be built.
     takes = (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
              and out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous())
-    if not takes or cpu_ext.isa() < cpu_ext.Isa.AVX512:
+    if not takes or cpu_ext.vector_isa() < cpu_ext.Isa.AVX512:
         return cumsum_rows_reference(x, out)
     return cpu_ext.load().cumsum_rows(x, out)
 

@@ -3,16 +3,20 @@
 - `run_vllm_offline`: vLLM's offline `LLM.generate` on CPU. vLLM needs its own torch and
   numpy 2, so it lives in .venv-peers (`make peers`) and runs as a subprocess
   (`client/bench/vllm_offline.py`) that gets the requests and returns the results as JSON.
+- `run_openvino_offline`: OpenVINO GenAI's `ContinuousBatchingPipeline` (Intel's engine for
+  its CPUs), in .venv-openvino (`make peers-openvino`), as a subprocess
+  (`client/bench/openvino_offline.py`) with the same request and result JSON.
 - `run_hf_continuous`: Hugging Face transformers' own continuous batching (the manager behind
   `generate_batch`), in this process.
 
-Both report per request what `client.bench.stats.summarize` needs. An offline generate streams
+All report per request what `client.bench.stats.summarize` needs. An offline generate streams
 nothing, so every vllm-offline token "arrives" when the whole batch ends (as hf-static's do);
-hf-continuous records a time per token.
+openvino-offline's likewise; hf-continuous records a time per token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,13 +29,14 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-from backend.paths import REPO_ROOT
+from backend.paths import MODELS_DIR, REPO_ROOT
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.vllm_peer import check_requests, make_request
 from client.bench.workloads import Workload
 
 PEERS_VENV = os.path.join(REPO_ROOT, ".venv-peers")
 PEERS_PYTHON = os.path.join(PEERS_VENV, "bin", "python")
+OPENVINO_PYTHON = os.path.join(REPO_ROOT, ".venv-openvino", "bin", "python")
 
 # transformers' continuous batching on CPU cannot size itself (it would take 60% of RAM), so
 # both sizes are set. 2048 batch tokens per forward pass is the project engine's default
@@ -73,6 +78,42 @@ def vllm_records(workload: Workload, result: dict, start: float, end: float) -> 
     ]
 
 
+def _run_child(python: str, module: str, make: str, arguments: list[str], requests: list[dict], progress: bool,
+               env: dict | None = None) -> dict:
+    """Runs `python -m module --requests FILE --out FILE *arguments` in the repository root
+    with `requests`, and returns its result JSON; a missing venv names the make target."""
+    if not os.path.exists(python):
+        raise FileNotFoundError(f"{python} is missing: run `{make}`")
+    # The child must see only its own venv's packages, never the project venv's.
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    with tempfile.TemporaryDirectory(prefix=module.rsplit(".", 1)[-1] + "-") as tmp:
+        requests_path = os.path.join(tmp, "requests.json")
+        result_path = os.path.join(tmp, "result.json")
+        with open(requests_path, "w") as f:
+            json.dump(requests, f)
+        command = [python, "-m", module, "--requests", requests_path, "--out", result_path, *arguments]
+        if progress:
+            proc = subprocess.run(command, cwd=REPO_ROOT, env=env)
+            output = ""
+        else:
+            proc = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+            output = proc.stdout
+        if proc.returncode != 0:
+            raise RuntimeError(f"{module} failed (exit {proc.returncode}): {' '.join(command)}\n{output[-4000:]}")
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def _offline_run(system: str, workload: Workload, result: dict, kpi_keys: tuple[str, ...]) -> SystemRun:
+    # Only the duration crosses the process boundary; the records need a start and an end.
+    end = time.perf_counter()
+    start = end - result["duration_s"]
+    return SystemRun(system, vllm_records(workload, result, start, end), result["duration_s"],
+                     {key: result.get(key) for key in kpi_keys})
+
+
 def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dtype, progress: bool = True,
                      seed: int = 0) -> SystemRun:
     """The workload through vLLM's offline `LLM.generate`, in .venv-peers, all requests at once
@@ -82,43 +123,44 @@ def run_vllm_offline(workload: Workload, model_path: str, max_num_seqs: int, dty
     not timed; the duration is the one timed generate. vLLM's CPU settings are those of
     client/bench/vllm_offline.py. A sampled request's seed is `seed` plus its index.
     """
-    if not os.path.exists(PEERS_PYTHON):
-        raise FileNotFoundError(f"{PEERS_PYTHON} is missing: run `make peers` (vLLM for CPU in .venv-peers)")
     _warn_if_timed_arrivals(workload, "vllm-offline")
-    requests = vllm_requests(workload)
-    # The child must see only .venv-peers' packages, never the project venv's.
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = dict(os.environ)
     if not progress:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    with tempfile.TemporaryDirectory(prefix="vllm-offline-") as tmp:
-        requests_path = os.path.join(tmp, "requests.json")
-        result_path = os.path.join(tmp, "result.json")
-        with open(requests_path, "w") as f:
-            json.dump(requests, f)
-        command = [PEERS_PYTHON, "-m", "client.bench.vllm_offline", "--requests", requests_path, "--out", result_path,
-                   "--model", os.path.abspath(model_path), "--dtype", _dtype_name(dtype),
-                   "--max-num-seqs", str(max_num_seqs), "--seed", str(seed)]
-        if progress:
-            command.append("--progress")
-            proc = subprocess.run(command, cwd=REPO_ROOT, env=env)
-            output = ""
-        else:
-            proc = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-            output = proc.stdout
-        if proc.returncode != 0:
-            raise RuntimeError(f"client.bench.vllm_offline failed (exit {proc.returncode}): {' '.join(command)}\n"
-                               f"{output[-4000:]}")
-        with open(result_path) as f:
-            result = json.load(f)
-    # Only the duration crosses the process boundary; the records need a start and an end.
-    end = time.perf_counter()
-    start = end - result["duration_s"]
-    records = vllm_records(workload, result, start, end)
-    kpis = {key: result.get(key) for key in ("vllm_version", "dtype", "max_num_seqs", "max_num_batched_tokens",
-                                               "enable_prefix_caching", "kv_cache_space_gib", "omp_threads_bind",
-                                               "ld_preload", "load_s")}
-    return SystemRun("vllm-offline", records, result["duration_s"], kpis)
+    arguments = ["--model", os.path.abspath(model_path), "--dtype", _dtype_name(dtype),
+                 "--max-num-seqs", str(max_num_seqs), "--seed", str(seed)] + (["--progress"] if progress else [])
+    result = _run_child(PEERS_PYTHON, "client.bench.vllm_offline", "make peers-vllm", arguments, vllm_requests(workload),
+                        progress, env)
+    return _offline_run("vllm-offline", workload, result,
+                        ("vllm_version", "dtype", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                         "kv_cache_space_gib", "omp_threads_bind", "ld_preload", "load_s"))
+
+
+# ---- OpenVINO GenAI -----------------------------------------------------------------------
+
+
+def openvino_ir_dir(model_path: str) -> str:
+    """Where a checkpoint's OpenVINO IR export lives (made once by the child, then reused):
+    .models/openvino/<checkpoint folder's name>-<a hash of its path>."""
+    path = os.path.abspath(model_path)
+    return str(MODELS_DIR / "openvino" / f"{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:8]}")
+
+
+def run_openvino_offline(workload: Workload, model_path: str, max_num_seqs: int, dtype, progress: bool = True,
+                         seed: int = 0) -> SystemRun:
+    """The workload through OpenVINO GenAI's `ContinuousBatchingPipeline.generate`, in
+    .venv-openvino, all requests at once (arrival times and priorities are ignored), with
+    INFERENCE_PRECISION_HINT and the KV cache in `dtype` (client/bench/openvino_offline.py has
+    every setting). The IR export, model load, compilation and one warm-up request are not
+    timed. A sampled request's seed is `seed` plus its index."""
+    _warn_if_timed_arrivals(workload, "openvino-offline")
+    arguments = ["--model", os.path.abspath(model_path), "--ir", openvino_ir_dir(model_path),
+                 "--dtype", _dtype_name(dtype), "--max-num-seqs", str(max_num_seqs), "--seed", str(seed)]
+    result = _run_child(OPENVINO_PYTHON, "client.bench.openvino_offline", "make peers-openvino", arguments,
+                        vllm_requests(workload), progress)
+    return _offline_run("openvino-offline", workload, result,
+                        ("openvino_genai_version", "openvino_version", "dtype", "properties", "scheduler",
+                         "load_s", "export_s"))
 
 
 # ---- Hugging Face continuous batching ---------------------------------------------------

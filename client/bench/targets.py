@@ -3,7 +3,7 @@
     grpc://HOST:PORT    Triton gRPC streaming (ModelStreamInfer), system "triton-grpc"
     http://HOST:PORT    Triton HTTP /v2/models/<model>/generate_stream (SSE), "triton-http"
     openai://HOST:PORT  any OpenAI-compatible /v1/completions with stream (our
-                        client/openai/, vLLM's api_server), "openai"
+                        client/openai/, vLLM's api_server, llama.cpp's llama-server), "openai"
 
 `NAME=SCHEME://...` names the system otherwise (two OpenAI servers in one run).
 
@@ -141,7 +141,8 @@ class _TritonGrpc:
 
 
 class _Http:
-    """aiohttp (a tritonclient[all] dependency) with one session for every request."""
+    """aiohttp (a tritonclient[all] dependency): one session for every request, its
+    connections kept alive, and one that opens a connection per request for the retries."""
 
     def __init__(self, target: Target, timeout_s: float):
         self.target = target
@@ -150,19 +151,35 @@ class _Http:
     async def __aenter__(self):
         import aiohttp
 
-        # No connection limit: an open-loop client must not queue requests itself.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            read_bufsize=1 << 20)
+        def session(**connector):
+            # No connection limit: an open-loop client must not queue requests itself.
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, **connector),
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s), read_bufsize=1 << 20)
+
+        self.session, self.fresh = session(), session(force_close=True)
         return self
 
     async def __aexit__(self, *exc):
         await self.session.close()
+        await self.fresh.close()
+
+    async def post(self, url: str, body: dict):
+        """The response to `body`, its headers read. llama-server ends every streamed response
+        by closing the connection, though its headers say keep-alive, so a request can go out
+        on a pooled connection that the server has already closed: the server never reads it
+        and the client sees the connection drop before any response. Such a request is sent
+        once more, on a connection of its own; a response cut off later is an error."""
+        import aiohttp
+
+        try:
+            return await self.session.post(url, json=body)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            return await self.fresh.post(url, json=body)
 
     async def events(self, url: str, body: dict, record: RequestRecord):
         """Yield (time, JSON event) for each SSE `data:` line; an HTTP error becomes record.error."""
         record.arrival = time.perf_counter()
-        async with self.session.post(url, json=body) as resp:
+        async with await self.post(url, body) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return

@@ -15,7 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, kNoGil, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, kNoGil, "RMSNorm of x + residual; returns (normed, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, kNoGil, "silu(gate) * up of a gated MLP");
-  m.def("gemm_isa", &gemm_isa, "The best instruction set panel_gemm has on this machine (0: none)");
+  m.def("gemm_isa", &gemm_isa, "The best instruction set panel_gemm is built with here (0: none)");
+  m.def("gemm_vector_isa", &gemm_vector_isa, "The best instruction set panel_gemm is built with here, AMX aside");
+  m.def("request_amx_permission", &request_amx_permission,
+        "Ask Linux for the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM); whether it was lent");
   m.def("pack_panels", &pack_panels, kNoGil, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, kNoGil, "x [M, K] times the packed weight's transpose, plus an optional bias");
   m.def("openmp_team_cpus", &openmp_team_cpus, "The CPUs each thread of the calling thread's OpenMP team may run on");

@@ -23,9 +23,10 @@
 // - kIsaAmx: bfloat16 on AMX tiles (Xeons from Sapphire Rapids on), `tdpbf16ps` on 32 rows x
 //   32 columns a pass, 32 k's at a time, on the same packed weight as kIsaAvx512Bf16. Each
 //   output element is the tiles' sums over k in order of 32-k blocks, from zero: a row's
-//   result depends on its own x only, not on the rows around it. Opt-in
-//   (`INFLIGHT_CPU_ISA=amx`, kernels/cpu_ext.py) until measured on an AMX machine: written and
-//   tested where none was at hand, against a software model of the tile instructions
+//   result depends on its own x only, not on the rows around it. The default wherever it is
+//   built and Linux lends the process the tiles (`request_amx_permission`; kernels/cpu_ext.py
+//   falls back to the best vector path, with one warning, where it does not). Tested on AMX
+//   hardware and, on any CPU, against a software model of the tile instructions
 //   (INFLIGHT_AMX_EMULATE, tests/kernels/test_linear.py), which also checks each tile
 //   operation's shapes as the hardware would refuse them.
 //
@@ -503,6 +504,7 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
 #if !defined(INFLIGHT_AMX_EMULATE)
 // Linux lends a process the tiles' 8 KB of state only when asked (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+// Asked once: the answer holds for the process's life.
 bool amx_permitted() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
@@ -512,12 +514,7 @@ bool amx_permitted() { return true; }
 #endif
 #endif  // AMX
 
-}  // namespace
-
-int64_t gemm_isa() {
-#if defined(INFLIGHT_HAVE_AMX)
-  if (amx_permitted()) return kIsaAmx;
-#endif
+int64_t vector_isa() {
 #if defined(INFLIGHT_HAVE_AVX512_BF16)
   return kIsaAvx512Bf16;
 #elif defined(INFLIGHT_HAVE_AVX512)
@@ -529,9 +526,39 @@ int64_t gemm_isa() {
 #endif
 }
 
-at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
-  TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), "pack_panels: instruction set ", isa,
+// A path is usable when built and, for the tiles, permitted: a tile instruction without the
+// permission kills the process, so no call reaches one.
+void check_isa(const char* op, int64_t isa) {
+  TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), op, ": instruction set ", isa,
               " is not built for this machine (best: ", gemm_isa(), ")");
+#if defined(INFLIGHT_HAVE_AMX)
+  TORCH_CHECK(isa != kIsaAmx || amx_permitted(), op,
+              ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
+#endif
+}
+
+}  // namespace
+
+int64_t gemm_isa() {
+#if defined(INFLIGHT_HAVE_AMX)
+  return kIsaAmx;
+#else
+  return vector_isa();
+#endif
+}
+
+int64_t gemm_vector_isa() { return vector_isa(); }
+
+bool request_amx_permission() {
+#if defined(INFLIGHT_HAVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
+  check_isa("pack_panels", isa);
   TORCH_CHECK(weight.dim() == 2, "pack_panels: weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   if (isa == kIsaAvx512Bf16 || isa == kIsaAmx) {
@@ -549,8 +576,7 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
 }
 
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa) {
-  TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), "panel_gemm: instruction set ", isa,
-              " is not built for this machine (best: ", gemm_isa(), ")");
+  check_isa("panel_gemm", isa);
   const bool bf16 = isa == kIsaAvx512Bf16 || isa == kIsaAmx;
   const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "panel_gemm: x [M, K] in ", dtype);

@@ -26,8 +26,12 @@ at::Tensor silu_and_mul(at::Tensor x);
 
 // gemm.cpp: GEMM against a weight packed into 16-column panels, one path per instruction set
 // (`isa`: 1 AVX2 float32, 2 AVX-512 float32, 3 AVX512-BF16 bfloat16, 4 AMX bfloat16; 0: none
-// built).
+// built). gemm_isa: the best path built; gemm_vector_isa: the best without AMX tiles;
+// request_amx_permission: asks Linux for the tiles (once a process), whether it lent them
+// (false where AMX is not built).
 int64_t gemm_isa();
+int64_t gemm_vector_isa();
+bool request_amx_permission();
 
 at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 

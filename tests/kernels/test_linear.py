@@ -34,8 +34,7 @@ def _cpu_flags() -> set[str]:
 
 def needs(isa: Isa):
     """The path runs only where the CPU has its instructions (and the C++ kernels built): what
-    the build has, not what INFLIGHT_CPU_ISA lets the engine use (AMX is built where the CPU
-    has it, and tested there, though opt-in to serve with)."""
+    the build has, not what INFLIGHT_CPU_ISA lets the engine use."""
     return pytest.mark.skipif(cpu_ext.built_isa() < isa, reason=f"this CPU (or build) has no {isa.name} path")
 
 
@@ -117,6 +116,11 @@ def test_which_weights_are_packed_and_how(monkeypatch):
         assert (packed_bf16.kind, packed_bf16.isa, packed_bf16.upcast, packed_bf16.data.dtype) == \
             ("panels", isa if native else min(isa, Isa.AVX512), not native,
              torch.bfloat16 if native else torch.float32)
+    # A build whose tiles are a software model on an AVX2 CPU: float32 on the AVX2 path.
+    monkeypatch.setattr(cpu_ext, "load", lambda: _RecordingPanels(Isa.AVX2))
+    monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.AMX)
+    assert kernels.pack_linear_weight(small).isa == Isa.AVX2
+    assert kernels.pack_linear_weight(small.bfloat16()).isa == Isa.AMX
     monkeypatch.undo()
     # Without the panel GEMM, oneDNN packs only weights large enough to pay for its per-call setup.
     monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
@@ -131,11 +135,18 @@ def test_which_weights_are_packed_and_how(monkeypatch):
 
 
 class _RecordingPanels:
-    """Stands in for the C++ module where only the packing decision is under test."""
+    """Stands in for the C++ module where only the packing decision is under test: a build
+    with every vector path below the tiles (`vector`), as on an AMX Xeon."""
+
+    def __init__(self, vector: Isa = Isa.AVX512_BF16):
+        self.vector = vector
 
     @staticmethod
     def pack_panels(weight, isa):
         return weight
+
+    def gemm_vector_isa(self):
+        return self.vector
 
 
 def test_packed_module_drops_its_row_major_copy(layout):
@@ -209,8 +220,11 @@ def test_the_gemm_path_matches_the_cpu():
     else:
         expected = Isa.NONE
     assert cpu_ext.built_isa() == expected
-    # AMX serves only when asked for (INFLIGHT_CPU_ISA=amx) until measured on an AMX machine.
-    assert cpu_ext.isa() == min(expected, Isa.AVX512_BF16) or os.environ.get("INFLIGHT_CPU_ISA")
+    # The engine runs the best of them, the tiles included where Linux lends them
+    # (tests/kernels/test_amx_default.py checks the fallback where it does not).
+    if expected == Isa.AMX and not cpu_ext.amx_permission():
+        expected = Isa.AVX512_BF16
+    assert cpu_ext.isa() == expected or os.environ.get("INFLIGHT_CPU_ISA")
 
 
 @pytest.mark.parametrize("cap", ["avx2", "AVX512", "none", "amx"])

@@ -8,8 +8,10 @@ and the same harness against a real tritonserver is tests/e2e/test_bench_targets
 from __future__ import annotations
 
 import json
+import socketserver
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from client.bench import cli, flops, plot, stats, table, workloads
 from client.bench.records import RequestRecord, SystemRun, git_commit
 from client.bench.stats import summarize
-from client.bench.targets import parse_target
+from client.bench.targets import Target, parse_target, run_target
 from tests.checkpoints import make_tiny_checkpoint
 
 
@@ -232,6 +234,102 @@ def test_parse_target():
             parse_target(bad)
 
 
+class _LlamaServerLike(socketserver.ThreadingTCPServer):
+    """An OpenAI /v1/completions stream server that treats its connections as llama-server
+    does: each response says `Connection: keep-alive`, yet the connection serves no second
+    request (here: it reads the next request and closes unanswered, so that the client meets
+    the closed connection every time rather than when it loses a race). `cut_after`: end the
+    first stream after that many tokens, as a server that dies mid-response."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, cut_after: int | None = None):
+        self.cut_after = cut_after
+        self.answered: list[str] = []  # the prompts answered, in order
+        self.dropped = 0  # requests read on a used connection and closed unanswered
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _LlamaServerLikeHandler)
+
+
+class _LlamaServerLikeHandler(socketserver.StreamRequestHandler):
+    server: _LlamaServerLike
+
+    def _event(self, payload) -> None:
+        data = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def handle(self) -> None:
+        for served in range(2):
+            head = []
+            while (line := self.rfile.readline()) not in (b"\r\n", b"\n", b""):
+                head.append(line.decode().strip())
+            if not head:
+                return
+            length = next(int(h.split(":", 1)[1]) for h in head if h.lower().startswith("content-length:"))
+            body = json.loads(self.rfile.read(length))
+            if served:
+                with self.server.lock:
+                    self.server.dropped += 1
+                return  # closed unanswered
+            with self.server.lock:
+                self.server.answered.append(body["prompt"])
+                cut = self.server.cut_after
+                self.server.cut_after = None
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+            for i in range(body["max_tokens"]):
+                if cut is not None and i == cut:
+                    return
+                last = i == body["max_tokens"] - 1
+                self._event({"choices": [{"text": "a", "finish_reason": "length" if last else None}]})
+            self._event({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            self._event(b"[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+
+@pytest.fixture
+def llama_server_like(request):
+    server = _LlamaServerLike(**getattr(request, "param", {}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _text_workload(count: int) -> workloads.Workload:
+    return workloads.Workload("T", "test", [workloads.BenchRequest([1, 2], 3 + i % 4, prompt_text=f"prompt {i}")
+                                            for i in range(count)])
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, None])
+def test_no_request_is_lost_to_a_server_that_closes_its_keep_alive_connections(llama_server_like, concurrency):
+    """llama-server closes every streamed connection while its headers say keep-alive: a
+    request that goes out on such a pooled connection is sent again on a fresh one."""
+    w = _text_workload(12)
+    run = run_target(Target("llama-server", "openai", f"127.0.0.1:{llama_server_like.server_address[1]}"), w,
+                     concurrency=concurrency, progress=False)
+    assert [r.error for r in run.records] == [None] * 12
+    assert [r.num_output_tokens for r in run.records] == [r.max_tokens for r in w.requests]
+    assert all(r.finish_reason == "length" for r in run.records)
+    # Each request answered once (the warm-up first); pooled connections were met closed.
+    assert sorted(llama_server_like.answered) == sorted(["Hello"] + [f"prompt {i}" for i in range(12)])
+    if concurrency is not None:  # open loop sends every request before the first ends: no reuse
+        assert llama_server_like.dropped >= 1
+
+
+@pytest.mark.parametrize("llama_server_like", [{"cut_after": 2}], indirect=True)
+def test_a_stream_cut_off_after_its_first_tokens_is_an_error_not_a_retry(llama_server_like):
+    # The warm-up request takes the cut: the run refuses to start, naming what failed.
+    target = Target("llama-server", "openai", f"127.0.0.1:{llama_server_like.server_address[1]}")
+    with pytest.raises(RuntimeError, match="warm-up request"):
+        run_target(target, _text_workload(2), concurrency=1, progress=False)
+    assert llama_server_like.answered == ["Hello"]
+
+
 def test_openai_frontend_passes_ignore_eos_to_the_backend():
     """vLLM's `ignore_eos` extension reaches the backend's sampling parameters (the openai target relies on it)."""
     from client.openai.schema import CompletionRequest
@@ -339,3 +437,28 @@ def test_a_report_names_the_commit_it_was_given(monkeypatch):
     assert len(head) == 40 or head == "unknown"
     monkeypatch.setenv("INFLIGHT_GIT_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
+
+
+def test_step_profile_puts_each_function_in_its_class():
+    from client.bench import step_profile
+
+    report = """
+# Samples: 10K of event 'cpu-clock'
+    40.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::gemm<(anonymous namespace)::Avx2F32>(at::Tensor const&)
+    12.00%  inflight_cpu_kernels.so      [.] paged_attention_kernel<8>
+     8.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::attend_task_vectorised<float, 8, 8>
+     9.00%  inflight_cpu_kernels.so      [.] rms_norm
+     6.00%  inflight_cpu_kernels.so      [.] keep_nucleus_
+     5.00%  libtorch_cpu.so              [.] at::native::(anonymous namespace)::softmax_lastdim_kernel_impl
+     8.00%  libpython3.11.so.1.0         [.] _PyEval_EvalFrameDefault
+     4.00%  libgomp.so.1.0.0             [.] 0x000000000001e2c3
+     3.00%  libc.so.6                    [.] __memmove_avx_unaligned_erms
+     2.00%  [kernel.kallsyms]            [k] clear_page_erms
+     3.00%  libfoo.so                    [.] something_else
+"""
+    rows = step_profile.parse_report(report)
+    assert len(rows) == 11 and rows[0][0] == 40.0
+    classes, top = step_profile.shares(rows)
+    assert classes == {"gemm": 0.4, "attention": 0.2, "sampler": 0.11, "elementwise": 0.09, "python": 0.08,
+                       "openmp_wait": 0.04, "memory": 0.03, "other": 0.03, "linux_kernel": 0.02}
+    assert next(iter(classes)) == "gemm" and top["sampler"][0][0] == 0.06

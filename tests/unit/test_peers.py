@@ -1,21 +1,23 @@
-"""The benchmark's peer systems (client/bench/peers.py) without vLLM installed.
+"""The benchmark's peer systems (client/bench/peers.py) without vLLM or OpenVINO installed.
 
 hf-continuous runs for real on a tiny random checkpoint: exact token counts, one time per
 token, and greedy output equal to transformers' own `generate()`. vllm-offline is checked
 up to the process boundary: the request/result JSON both sides agree on, the command
 client.bench.peers runs (with a stand-in for the .venv-peers child), and the error when
 .venv-peers is missing. The real vLLM run is `make peers` plus client/bench/vllm_offline.py's
-usage line, which need minutes and .venv-peers.
+usage line, which need minutes and .venv-peers. openvino-offline likewise: its settings
+(client/bench/openvino_offline.py), the export command and its reuse, and the plumbing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
-from client.bench import peers, vllm_peer
+from client.bench import llama_cpp, openvino_offline, peers, vllm_peer
 from client.bench.records import SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
@@ -187,3 +189,117 @@ def test_vllm_server_execs_vllms_openai_server_with_the_cpu_settings(monkeypatch
     assert argv[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9100"]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.DEFAULT_KVCACHE_SPACE_GIB)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] and env["LD_PRELOAD"] == ""
+
+
+# ---- openvino-offline -----------------------------------------------------------------------
+
+
+def test_openvino_settings_are_the_dtype_under_test_and_the_engines_batch():
+    assert openvino_offline.plugin_properties("bfloat16", 2, bf16_arithmetic=True) == {
+        "INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": 2}
+    # Without bf16 arithmetic (AVX2) the plugin computes in f32 and takes only an f32 KV cache.
+    assert openvino_offline.plugin_properties("bfloat16", 2, bf16_arithmetic=False)["KV_CACHE_PRECISION"] == "f32"
+    for bf16 in (True, False):
+        properties = openvino_offline.plugin_properties("float32", 16, bf16)
+        assert (properties["INFERENCE_PRECISION_HINT"], properties["KV_CACHE_PRECISION"]) == ("f32", "f32")
+    with pytest.raises(ValueError, match="dtype 'float16'"):
+        openvino_offline.plugin_properties("float16", 2, True)
+    with pytest.raises(ValueError, match="threads"):
+        openvino_offline.plugin_properties("float32", 0, True)
+    assert openvino_offline.scheduler_settings(32) == {
+        "max_num_seqs": 32, "max_num_batched_tokens": 2048, "cache_size": 2, "enable_prefix_caching": False,
+        "dynamic_split_fuse": True}
+    assert openvino_offline.scheduler_settings(4096)["max_num_batched_tokens"] == 4096
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        openvino_offline.scheduler_settings(0)
+
+
+def test_openvino_generation_settings_give_exactly_max_tokens():
+    greedy = openvino_offline.generation_settings({"prompt_token_ids": [1], "max_tokens": 7, "temperature": 0.0}, 5)
+    assert greedy == {"max_new_tokens": 7, "min_new_tokens": 7, "ignore_eos": True, "do_sample": False}
+    sampled = openvino_offline.generation_settings({"prompt_token_ids": [1], "max_tokens": 3, "temperature": 0.8}, 5)
+    assert sampled == {"max_new_tokens": 3, "min_new_tokens": 3, "ignore_eos": True, "do_sample": True,
+                       "temperature": 0.8, "rng_seed": 5}
+
+
+def test_openvino_export_is_the_unquantized_checkpoint_and_is_reused(tmp_path, monkeypatch):
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    command = openvino_offline.export_command("optimum-cli", str(model), str(tmp_path / "ir"))
+    assert command[:3] == ["optimum-cli", "export", "openvino"]
+    assert command[command.index("--weight-format") + 1] == "fp32"  # no int8/int4 compression
+    assert command[command.index("--task") + 1] == "text-generation-with-past"
+    exports = []
+
+    def fake_run(cmd, check):
+        exports.append(cmd)
+        os.makedirs(cmd[-1], exist_ok=True)
+
+    monkeypatch.setattr(openvino_offline.subprocess, "run", fake_run)
+    ir = str(tmp_path / "ir")
+    openvino_offline.export(str(model), ir)
+    assert openvino_offline.export(str(model), ir) == 0.0 and len(exports) == 1  # reused
+    os.utime(model / "model.safetensors", (1, 1))  # the checkpoint changed: exported again
+    openvino_offline.export(str(model), ir)
+    assert len(exports) == 2
+
+
+def test_run_openvino_offline_plumbing(monkeypatch, tmp_path):
+    """client.bench.peers' side of the subprocess, with a stand-in child that answers as
+    client/bench/openvino_offline.py does."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text("")
+    monkeypatch.setattr(peers, "OPENVINO_PYTHON", str(fake_python))
+    seen = {}
+
+    def fake_run(command, cwd, env, **kwargs):
+        seen.update(command=command, env=env)
+        args = dict(zip(command[3::2], command[4::2]))
+        requests = vllm_peer.load_requests(args["--requests"])
+        with open(args["--out"], "w") as f:
+            json.dump({"duration_s": 0.5, "num_output_tokens": [r["max_tokens"] for r in requests],
+                       "openvino_genai_version": "2026.4.1.0", "dtype": args["--dtype"],
+                       "properties": openvino_offline.plugin_properties(args["--dtype"], 2, True)}, f)
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    workload = small_workload()
+    run = peers.run_openvino_offline(workload, "some/model", 16, "bfloat16", progress=False)
+    assert seen["command"][:3] == [str(fake_python), "-m", "client.bench.openvino_offline"]
+    args = dict(zip(seen["command"][3::2], seen["command"][4::2]))
+    assert args["--model"].startswith("/") and args["--ir"] == peers.openvino_ir_dir("some/model")
+    assert (args["--dtype"], args["--max-num-seqs"]) == ("bfloat16", "16")
+    assert "PYTHONPATH" not in seen["env"]
+    check_run(run, workload, "openvino-offline")
+    assert run.engine_kpis["properties"]["INFERENCE_PRECISION_HINT"] == "bf16"
+
+
+def test_run_openvino_offline_needs_its_venv(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "OPENVINO_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(FileNotFoundError, match="make peers-openvino"):
+        peers.run_openvino_offline(small_workload(), "unused", 32, "float32")
+
+
+# ---- llama-server (a --target) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,gguf_type", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_llama_server_runs_the_engines_settings_in_the_dtype_under_test(dtype, gguf_type):
+    gguf = llama_cpp.gguf_path("/x/SmolLM2-135M-Instruct", dtype)
+    assert gguf.endswith(f"gguf/SmolLM2-135M-Instruct-{gguf_type}.gguf")
+    convert = llama_cpp.convert_command("/x/SmolLM2-135M-Instruct", dtype, gguf)
+    assert convert[1].endswith("convert_hf_to_gguf.py") and convert[convert.index("--outtype") + 1] == gguf_type
+    command = llama_cpp.server_command(gguf, dtype, 8090, slots=32, slot_context=1024, threads=2)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert command[0] == str(llama_cpp.LLAMA_SERVER)
+    assert (flags["--parallel"], flags["--ctx-size"], flags["--threads"], flags["--threads-batch"]) == (
+        "32", str(32 * 1024), "2", "2")
+    assert flags["--cache-type-k"] == flags["--cache-type-v"] == gguf_type  # KV in the weights' dtype
+    assert flags["--cache-reuse"] == "0" and command[-2:] == ["--cont-batching", "--no-webui"]
+    with pytest.raises(ValueError, match="slots"):
+        llama_cpp.server_command(gguf, dtype, 8090, slots=0)
+    with pytest.raises(ValueError, match="dtype 'float16'"):
+        llama_cpp.convert("/x", "float16")

@@ -12,7 +12,7 @@
 #   make bench   benchmark runner (client/bench/): make bench WORKLOAD=W1 BENCH_ARGS="--json bench/results/w1.json"
 #   make lint    ruff: pyflakes, import order, unused suppressions (pyproject.toml)
 #   make deploy-render   kubectl (pinned, .deploy-tools/) renders deploy/'s kustomizations into deploy/rendered/
-#   make cluster REPLICAS=2: replicas behind haproxy (Triton HTTP/gRPC) and vllm-router (OpenAI), README "Scale-out"
+#   make cluster REPLICAS=2: replicas behind haproxy (Triton HTTP/gRPC) and vllm-router (OpenAI), docs/operations.md "Scale-out"
 #
 # Override on the command line, e.g.
 #   make serve MODEL_REPOSITORY=/tmp/repo HOST=0.0.0.0 HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002
@@ -173,7 +173,7 @@ vllm-backend-peer: $(PEERS_STAMP)
 	ln -sf "$(abspath $(PEERS_VENV))/lib/libiomp5.so" $(VLLM_BACKEND_VENV)/lib/libiomp5.so
 	$(VLLM_BACKEND_VENV)/bin/python -c "import numpy, vllm; print('vllm', vllm.__version__, 'numpy', numpy.__version__, 'in $(VLLM_BACKEND_VENV)')"
 
-# Triton's load generators against `make serve` with the recipes of BENCHMARKS.md
+# Triton's load generators against `make serve` with the recipes of docs/benchmarks.md
 # (client/bench/loadtest.py): exports under bench/perf_analyzer/ and bench/genai_perf/.
 #   make perf LOADTEST_ARGS="--concurrency 1,8,32 --num-requests 128"
 LOADTEST_ARGS ?=

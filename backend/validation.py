@@ -73,7 +73,7 @@ def parse_sampling_params(values: dict[str, Any], *, stream: bool = False) -> Sa
 
 def check_sampling_rules(params: SamplingParams) -> None:
     """vLLM's checks (SamplingParams._verify_args, vLLM 0.32), in its order and words, with
-    our limits where they differ (README, Request interface). SamplingParams runs them on
+    our limits where they differ (docs/usage.md, Request interface). SamplingParams runs them on
     every construction, so no SamplingParams breaks them, however it was built."""
     def refuse(param: str, message: str):
         raise RequestError.invalid(param, message)

@@ -4,7 +4,7 @@ inflight backend, and the OpenAI frontend (client/openai/) in front of it. `make
 the tests all start them here, so each runs one way everywhere.
 
 tritonserver is the binary that ``tools.setup_triton`` laid out in ``.triton/``, run with the
-environment the Python backend stub needs (see DESIGN.md, "Known pitfalls"):
+environment the Python backend stub needs (see docs/architecture.md):
 
 - the project venv's ``bin`` first on ``PATH``: the stub embeds the Python of the first
   venv it finds there and reads that venv's ``.pth`` files (the editable install makes

@@ -4,7 +4,7 @@ Each is a real `transformers` model saved with safetensors and the default model
 tokenizer, so the engine, `transformers` and vLLM all load it. Tests use the tiny shape
 (a forward pass in milliseconds); the benchmarks use the small shape, a Llama of a few
 million parameters where the per-step overhead of a serving engine, not the matmuls,
-sets the speed (BENCHMARKS.md), and on a GPU the shapes of Llama-3.2-1B and Llama-3.1-8B.
+sets the speed (docs/benchmarks.md), and on a GPU the shapes of Llama-3.2-1B and Llama-3.1-8B.
 `python -m tools.random_checkpoint` writes one from the command line.
 """
 
@@ -85,7 +85,7 @@ def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_sh
 # work is ~1/20 of the default model's, so per-iteration overhead dominates.
 SMALL_SHAPE = dict(TINY_SHAPE, initializer_range=0.1, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-# The GPU benchmarks' shapes (BENCHMARKS.md): Llama-3.2-1B and Llama-3.1-8B, vocabulary and
+# The GPU benchmarks' shapes (docs/benchmarks.md): Llama-3.2-1B and Llama-3.1-8B, vocabulary and
 # RoPE scaling included. Their weights are random, so only the speed they give means anything;
 # token ids past the default tokenizer's vocabulary decode to nothing, which the benchmarks
 # never ask for.

@@ -1,4 +1,4 @@
-"""The benchmark harness of BENCHMARKS.md: `python -m client.bench W1 ...` (cli.py).
+"""The benchmark harness of docs/benchmarks.md: `python -m client.bench W1 ...` (cli.py).
 
 Each module imports only those on the lines above its own:
 
@@ -7,7 +7,7 @@ Each module imports only those on the lines above its own:
     stats                       a run's metrics and the ratios between systems
     runners, peers, targets     the engine and Hugging Face in-process, the peers, running servers
     systems, overhead           the systems by name; host time per iteration (its own command)
-    plot, table                 a report drawn, and tabled for the console and the README
+    plot, table                 a report drawn, and tabled for the console and docs/results.md
     cli                         the command line
     loadtest                    perf_analyzer and genai-perf against a server (`make perf`, `make genai-perf`)
     cluster                     the cluster benchmarks, on replicas behind the routers (tools/scaleout.py)

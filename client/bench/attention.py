@@ -1,4 +1,4 @@
-"""G2 kernels of BENCHMARKS.md: `python -m client.bench.attention`.
+"""G2 kernels of docs/benchmarks.md: `python -m client.bench.attention`.
 
 Paged decode attention in GB/s of K/V read, against the device's copy bandwidth
 (`flops.copy_bandwidth_gbps`), and mixed prefill attention in TFLOP/s; each for the

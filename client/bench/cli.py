@@ -6,7 +6,7 @@ continuous policy, the same engine with the static policy (the seeds' baseline),
 engine settings (priority, prefix caching off), Hugging Face `generate()` in static
 padded batches, and running servers (`--target`, targets.py: Triton gRPC or
 HTTP streaming, any OpenAI-compatible server). Prints a table and writes JSON with the
-command, commit, machine and every metric of BENCHMARKS.md.
+command, commit, machine and every metric of docs/benchmarks.md.
 
 Load: open loop by default (each request is sent at its workload arrival time, whatever
 the others do); `--rates 0.5,1,2,4` runs the workload once per rate and system (a

@@ -1,4 +1,4 @@
-"""The cluster benchmarks of BENCHMARKS.md ("Cluster"), one run each, JSON under bench/results/<cpu kind>/:
+"""The cluster benchmarks of docs/benchmarks.md ("Cluster"), one run each, JSON under bench/results/<cpu kind>/:
 
 - ``w3``:  W3 at concurrency 32 through haproxy with 2 replicas against 1 replica direct;
 - ``itl``: the routers' added latency per token at concurrency 1 (haproxy gRPC and vllm-router

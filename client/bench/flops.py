@@ -1,4 +1,4 @@
-"""The FLOP bound of BENCHMARKS.md: each result's matmul GFLOP/s over this machine's best
+"""The FLOP bound of docs/benchmarks.md: each result's matmul GFLOP/s over this machine's best
 matmul rate, measured in the same run as the systems it bounds."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def model_flops(model_path: str) -> tuple[float, float]:
 def matmul_peak_gflops(dtype_name: str, rows: int = 256, size: int = 2048, seconds: float = 0.5,
                        windows: int = 4, device: torch.device | str = "cpu") -> float:
     """The best matmul rate of this machine now, at `rows` rows in `dtype_name`: the faster of
-    torch's matmul and the engine's packed linear (BENCHMARKS.md's FLOP bound; measured in the
+    torch's matmul and the engine's packed linear (docs/benchmarks.md's FLOP bound; measured in the
     same run as the systems it bounds). Both count: on a CPU without native bf16 the packed
     linear computes bf16 in float32 at ~7x torch's bf16 rate, and a bound below what the
     engine reaches would be no bound. Each rate is the best of `windows` windows of `seconds`,
@@ -94,7 +94,7 @@ def seconds_per_call(call, device: torch.device | str, seconds: float, windows: 
 def copy_bandwidth_gbps(device: torch.device | str = "cpu", megabytes: int = 1024, seconds: float = 0.5,
                         windows: int = 4) -> float:
     """The device's memory bandwidth now, in GB/s: a copy of `megabytes` from one tensor to
-    another, counted as the bytes read plus the bytes written (BENCHMARKS.md's G1 and G2
+    another, counted as the bytes read plus the bytes written (docs/benchmarks.md's G1 and G2
     roofline; a kernel that only reads reaches about this rate)."""
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)

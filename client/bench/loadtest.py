@@ -1,4 +1,4 @@
-"""Triton's own load generators against a running server, with the recipes of BENCHMARKS.md.
+"""Triton's own load generators against a running server, with the recipes of docs/benchmarks.md.
 
     make perf        -> python -m client.bench.loadtest perf-analyzer  (exports under bench/perf_analyzer/)
     make genai-perf  -> python -m client.bench.loadtest genai-perf     (exports under bench/genai_perf/)

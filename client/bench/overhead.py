@@ -1,6 +1,6 @@
 """Host overhead per iteration with a no-op model: `python -m client.bench.overhead`.
 
-BENCHMARKS.md's target: scheduler plus input preparation at most 1 ms per iteration with
+docs/benchmarks.md's target: scheduler plus input preparation at most 1 ms per iteration with
 256 running requests, so that on a GPU the host never keeps the device waiting. The
 engine runs as it serves (scheduler, KV manager, `ModelRunner.prepare`, sampler,
 detokenizers, outputs); only the model's forward pass is replaced by one that returns

@@ -1,4 +1,4 @@
-"""G1 decode roofline (BENCHMARKS.md): `python -m client.bench.roofline`.
+"""G1 decode roofline (docs/benchmarks.md): `python -m client.bench.roofline`.
 
 The time of one decode step of the engine's model (the forward pass and the output head)
 at each batch x context, against its memory roofline: the bytes the step must read (every

@@ -1,4 +1,4 @@
-"""A run's metrics and the ratios between systems (BENCHMARKS.md).
+"""A run's metrics and the ratios between systems (docs/benchmarks.md).
 
 `summarize` turns a `SystemRun` into every metric of a result; `ratios` compares the
 results of one report pair by pair; `format_ratio` and the labels print them the same way
@@ -31,7 +31,7 @@ RATIOS = {
 }
 # Every workload: what serving through Triton (or a frontend) costs against the engine in-process.
 SERVER_RATIOS = [("triton-grpc", "continuous"), ("triton-http", "continuous"), ("openai", "continuous")]
-# Goodput's service-level objective (BENCHMARKS.md, on CPU).
+# Goodput's service-level objective (docs/benchmarks.md, on CPU).
 DEFAULT_SLO = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
 
 
@@ -63,7 +63,7 @@ def _tpot(r: RequestRecord) -> float | None:
 
 
 def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> dict:
-    """Every metric of BENCHMARKS.md for one run; goodput against `slo` (DEFAULT_SLO's keys, in ms).
+    """Every metric of docs/benchmarks.md for one run; goodput against `slo` (DEFAULT_SLO's keys, in ms).
 
     A request meets the SLO when it completed with TTFT <= slo ttft_ms and TPOT <= slo
     tpot_ms (a one-token request has no TPOT and meets that half).

@@ -1,4 +1,4 @@
-"""Seeded benchmark workloads of BENCHMARKS.md (W1-W7) and of the fair policy (W8a, W8b),
+"""Seeded benchmark workloads of docs/benchmarks.md (W1-W7) and of the fair policy (W8a, W8b),
 as plain request lists.
 
 A workload is a list of `BenchRequest`: prompt token ids, output length, arrival offset,
@@ -46,7 +46,7 @@ class Workload:
     name: str
     description: str
     requests: list[BenchRequest]
-    # Engine settings the workload is defined with (BENCHMARKS.md), applied to every system.
+    # Engine settings the workload is defined with (docs/benchmarks.md), applied to every system.
     engine_overrides: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
     prompt_source: str = "synthetic"
@@ -206,7 +206,7 @@ def w2_offline(seed: int = 0, num_requests: int = 128, low: int = 16, high: int 
 
 
 def g3_offline(seed: int = 0, num_requests: int = 256, source: PromptSource | None = None) -> Workload:
-    """BENCHMARKS.md's G3: W2 at GPU size, its original definition (input and output uniform
+    """docs/benchmarks.md's G3: W2 at GPU size, its original definition (input and output uniform
     in [100, 1024]), with 256 requests in flight as vLLM's GPU default allows."""
     workload = w2_offline(seed, num_requests, low=100, high=1024, max_num_seqs=256, source=source)
     return replace(workload, name="G3", description=workload.description + " (W2 at GPU size)")
@@ -214,7 +214,7 @@ def g3_offline(seed: int = 0, num_requests: int = 256, source: PromptSource | No
 
 def w3_online(seed: int = 0, num_requests: int = 64, input_len: int = 128, output_len: int = 128,
               rate_per_s: float = 1.0, source: PromptSource | None = None) -> Workload:
-    """Poisson arrivals at `rate_per_s`, fixed input and output lengths (BENCHMARKS.md: 128 / 128).
+    """Poisson arrivals at `rate_per_s`, fixed input and output lengths (docs/benchmarks.md: 128 / 128).
 
     The arrival gaps are one seeded draw of unit-rate gaps divided by the rate, drawn apart
     from the prompts: every rate of a sweep sends the same prompts in the same pattern,

@@ -9,8 +9,8 @@ backend stub is the one that started (it never crashed).
 
 Triton 2.51's HTTP generate layer refuses some bodies itself, before the backend sees
 them, some with HTTP 500 and some without naming the field: those cases pin the exact
-status and message (`frontend`), which README "Bad input and soak" lists; a newer
-Triton that answers them differently fails here, and the README must follow.
+status and message (`frontend`), which docs/operations.md "Bad input and soak" lists; a newer
+Triton that answers them differently fails here, and docs/operations.md must follow.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ CASES = [
     Case("unknown field holding an object", body={"text_input": "Hi", "foo": {"a": 1}}, names=("foo",), over=HTTP),
     Case("text_input [a, b]", body={"text_input": ["a", "b"]}, names=("text_input",), over=HTTP),
     Case("invalid UTF-8 in the body", body=b'{"text_input": "\xff\xfe"}', names=("text_input", "UTF-8"), over=HTTP),
-    # ... and what Triton 2.51's HTTP generate layer answers itself (README, "Bad input and soak")
+    # ... and what Triton 2.51's HTTP generate layer answers itself (docs/operations.md, "Bad input and soak")
     Case("text_input [[...]] (flattened)", body={"text_input": [["Hi"]], "sampling_parameters": '{"max_tokens": 2}'},
          names=OK, over=HTTP),
     Case("text_input a number", body={"text_input": 5}, over=HTTP, frontend=(500, NOT_A_STRING)),
@@ -286,7 +286,7 @@ def check(case: Case, answer: Answer, status: int | None) -> list[str]:
         want_status, want_message = case.frontend
         if (status, answer.error) != (want_status, want_message):
             problems.append(f"Triton's HTTP layer answered {status} {answer.error!r}, "
-                            f"README says {want_status} {want_message!r}")
+                            f"docs/operations.md says {want_status} {want_message!r}")
         return problems
     if case.names == OK:
         if answer.error is not None:

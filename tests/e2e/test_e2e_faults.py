@@ -10,7 +10,7 @@
   32 live streams, on a tiny model of their own.
 - A cancel during a 2,048-token prefill step of the default model frees its blocks without
   waiting for the step to end.
-- The stub killed under 16 live streams: what tritonserver 2.51 does (README, Reliability).
+- The stub killed under 16 live streams: what tritonserver 2.51 does (docs/operations.md, Reliability).
 - An error in the stub's response loop (the test-only switch `INFLIGHT_FAULT_RESPONSE_LOOP_AT`)
   is logged, and the loop goes on sending every stream's responses.
 - Sends slower than the engine (the test-only switch `INFLIGHT_FAULT_SEND_DELAY_S`): the outputs
@@ -400,7 +400,7 @@ def stub_pids(srv) -> list[int]:
 
 
 def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recovers(tritonserver, tiny_checkpoint):
-    """What tritonserver 2.51 does when the stub dies under 16 live streams (README,
+    """What tritonserver 2.51 does when the stub dies under 16 live streams (docs/operations.md,
     Reliability): the backend dies with the stub, so nothing of ours can answer those
     streams; Triton neither ends them nor marks the model not ready. A new request is
     refused at once ("Stub process '<instance>' is not healthy."); an explicit unload

@@ -1,6 +1,6 @@
 """The one-minute soak (client/soak.py) against the session's server: 16 streams in a closed
 loop with random lengths and sampling, a cancel every 10 requests and a bad request every
-20. `tools/soak.py --minutes 30` runs the long one (README, "Bad input and soak")."""
+20. `tools/soak.py --minutes 30` runs the long one (docs/operations.md, "Bad input and soak")."""
 
 from __future__ import annotations
 

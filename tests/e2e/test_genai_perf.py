@@ -229,7 +229,7 @@ def test_genai_perf_compares_this_backend_with_an_openai_server(triton_server, g
             "profile_export_genai_perf.json"))) == 1
     assert prompts[0].isdisjoint(prompts[1])
 
-    # README's table generator lists the report in its genai-perf table, ratios named by file.
+    # docs/results.md's generator (client.bench.table) lists the report in its genai-perf table, ratios named by file.
     from client.bench import table
 
     rendered = table.table([str(report_path)])

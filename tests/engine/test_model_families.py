@@ -503,7 +503,7 @@ def test_the_default_checkpoints_shape_is_its_own(tmp_path):
 
 @pytest.mark.parametrize("shape", ["llama3-1b", "llama3-8b"])
 def test_the_gpu_benchmark_shapes_are_the_models_they_name(shape, tmp_path):
-    """BENCHMARKS.md's GPU shapes (random_checkpoint.SHAPES): the engine takes their configs
+    """docs/benchmarks.md's GPU shapes (random_checkpoint.SHAPES): the engine takes their configs
     as Llama-3.2-1B's and Llama-3-8B's (only config.json is written: the weights are GBs)."""
     from backend.models.random_checkpoint import SHAPES
 

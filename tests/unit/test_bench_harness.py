@@ -206,7 +206,7 @@ def test_the_table_leaves_reports_without_per_system_results_to_their_sections(t
 
 
 def test_the_table_of_every_committed_report_is_made():
-    # What README's results section is pasted from: no report under bench/results may break it.
+    # What docs/results.md is generated from: no report under bench/results may break it.
     text = table.tables(sorted(str(p) for p in (Path(REPO_ROOT) / "bench" / "results").glob("*/*.json")))
     assert "#### Machine kind: avx512_bf16" in text
 

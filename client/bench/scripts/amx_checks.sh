@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The AMX checks of one session on an Intel Xeon with AMX (amx_tile, amx_bf16), such as the
 # host CPU of this workplace's GPU machines: the C++ kernels built for that CPU, the tests
-# that need AMX hardware with the AMX path switched on (the panel GEMM's and the linear
-# layers' in tests/kernels/test_linear.py, the engine's bfloat16 batch-invariance tests),
-# then W1 bfloat16 in process on 2 cores (the project's machine size) on the AVX512-BF16
-# path and on the AMX path, alternating, two runs each.
+# that need AMX hardware on the default path, which is AMX there (the panel GEMM's and the
+# linear layers' in tests/kernels/test_linear.py, the engine's bfloat16 batch-invariance
+# tests), then W1 bfloat16 in process on 2 cores (the project's machine size) on the
+# AVX512-BF16 path (INFLIGHT_CPU_ISA=avx512_bf16) and on the AMX path, alternating, two runs each.
 #
 #   bash client/bench/scripts/amx_checks.sh OUT_DIR [PYTHON]
 #
@@ -25,7 +25,7 @@ if [ "$built" != AMX ]; then
 fi
 
 start=$SECONDS
-INFLIGHT_CPU_ISA=amx timeout "${TESTS_TIMEOUT:-200}" "$py" -m pytest -q -p no:cacheprovider -rs \
+env -u INFLIGHT_CPU_ISA timeout "${TESTS_TIMEOUT:-200}" "$py" -m pytest -q -p no:cacheprovider -rs \
     --junitxml="$out/amx_tests.xml" tests/kernels/test_linear.py tests/engine/test_batch_invariance.py \
     -k "not avx2_only_machine and not tile_path_under" >"$out/amx_tests.log" 2>&1
 echo "tests: exit $? in $((SECONDS - start)) s"; tail -8 "$out/amx_tests.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one session on one NVIDIA GPU: the CUDA tests (Triton kernels in every
 # dtype, the engine's greedy tokens against transformers under every scheduling feature),
-# then BENCHMARKS.md's G1 (decode roofline) on a random-weight Llama-3.2-1B-shaped
+# then docs/benchmarks.md's G1 (decode roofline) on a random-weight Llama-3.2-1B-shaped
 # checkpoint, G2 (paged attention at Llama-3-8B's heads) and G3 (W2 at GPU size) on that
 # checkpoint against transformers' continuous batching on the same GPU.
 #

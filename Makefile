@@ -3,7 +3,7 @@
 #   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
 #   make test    setup, then the whole pytest suite
-#   make test-fast   setup, then the unit, kernel and engine tests: no tritonserver, no deploy tools (minutes)
+#   make test-fast   setup, then the unit, kernel and engine tests but the slow ones: no tritonserver, no deploy tools
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
 #   make perf / genai-perf   perf_analyzer / genai-perf against `make serve` (exports under bench/)
 #   make peers   the benchmark's peers, pinned: vLLM for CPU (.venv-peers), OpenVINO GenAI (.venv-openvino),
@@ -81,7 +81,7 @@ test: setup
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests/unit tests/kernels tests/engine $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not slow" tests/unit tests/kernels tests/engine $(PYTEST_ARGS)
 
 # genai-perf 0.0.16 in a venv of its own (its ~900 MB of dependencies, numpy 2 among them, stay
 # out of .venv), with a perf_analyzer wrapper that finds its libraries (tests/e2e/genai_perf_setup.py).

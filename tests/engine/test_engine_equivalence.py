@@ -60,7 +60,8 @@ ON_EVERY_DEVICE = pytest.mark.parametrize("device", ["cpu", _CUDA])
 # blocks another request wrote) also run the CUDA path's Triton kernels in Triton's
 # interpreter on the CPU (`run_engine`): how the engine calls them is checked wherever the
 # suite runs. The interpreter takes ~20 s a test on 2 cores, so not every scenario.
-ON_EVERY_KERNEL_PATH = pytest.mark.parametrize("device", ["cpu", "triton-on-cpu", _CUDA])
+ON_EVERY_KERNEL_PATH = pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("triton-on-cpu", marks=pytest.mark.slow), _CUDA])
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_adapters_change_the_output(oracle):
 
 
 # triton-on-cpu: the CUDA path's SGMV kernels (in Triton's interpreter), as the engine calls them.
-@pytest.mark.parametrize("device", ["cpu", "triton-on-cpu"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("triton-on-cpu", marks=pytest.mark.slow)])
 def test_mixed_batch_of_three_adapters_and_base(tiny_checkpoint, adapters, oracle, device):
     names = [NAMES[i % 4] for i in range(len(PROMPTS))]
     engine = _run(tiny_checkpoint, adapters, oracle, names, max_num_seqs=8, device=device)

@@ -361,6 +361,7 @@ def _pytest_in_a_process_of_its_own(args: list[str], env: dict[str, str]) -> str
     return run.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_the_tile_path_under_a_software_model_of_the_tiles():
     """On any CPU, the tile kernel runs on a software model of the tile instructions
     (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/gemm.cpp), which refuses the shapes the hardware
@@ -373,6 +374,7 @@ def test_the_tile_path_under_a_software_model_of_the_tiles():
     assert "skipped" not in summary and summary.startswith("6 passed"), summary
 
 
+@pytest.mark.slow
 def test_the_kernels_of_an_avx2_only_machine_pass_every_kernel_test():
     """What an AVX2-only CPU (the 2-core EPYC this project also runs on) builds and runs,
     checked on whatever CPU this is: the kernels compiled for any AVX2 CPU

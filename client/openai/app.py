@@ -65,12 +65,25 @@ async def _unless_disconnected(request, coro, generation: Generation):
     raise ClientGone()
 
 
+# tritonclient's message limits, and a reconnect backoff capped at 1 s: gRPC's default backoff
+# grows to 120 s while Triton is down, so a frontend whose tritonserver restarted (a crash, a
+# rolling update) stayed unhealthy, and out of its router's rotation, for up to two minutes
+# after Triton was ready again.
+TRITON_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def create_app(settings: Settings) -> FastAPI:
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_app):
-        client = grpcaio.InferenceServerClient(settings.triton_url)
+        client = grpcaio.InferenceServerClient(settings.triton_url, channel_args=TRITON_CHANNEL_ARGS)
         state["client"] = client
         state["catalog"] = Catalog(settings, client)
         log.info("OpenAI frontend on http://%s:%d, Triton gRPC at %s", settings.host, settings.port, settings.triton_url)

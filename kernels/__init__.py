@@ -50,6 +50,7 @@ from .paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
+from .quantized import QuantizedWeight, quantize
 from .rms_norm import rms_norm_cpu, rms_norm_reference, rms_norm_triton
 from .rotary import build_cos_sin_cache, rotary_embedding_reference, rotary_embedding_triton, rotary_store_kv_cpu
 from .sampling import (
@@ -63,7 +64,7 @@ from .sampling import (
 
 __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "rotary_store_kv", "silu_and_mul",
-    "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight",
+    "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight", "QuantizedWeight", "quantize",
     "store_kv_reference", "store_kv_triton",
     "paged_attention_reference", "paged_attention_triton", "paged_attention_cpu",
     "rms_norm_reference", "rms_norm_triton", "rms_norm_cpu",

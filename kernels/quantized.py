@@ -1,0 +1,116 @@
+"""Weights stored as integers: what `linear` computes with when a model is quantized.
+
+One logical format covers every quantized checkpoint the engine reads and its own load-time
+quantization: the weight [out, in] is split along `in` into groups of `group_size` (the last
+group may be shorter), and
+
+    w[n, k] = scales[n, k // group_size] * q[n, k] + mins[n, k // group_size]
+
+rounded to float32 after the product and again after the sum (no fused multiply-add), so
+`dequantize()` here and the kernels de-quantizing in registers give the same bits. `q` is
+int8 in -128..127 for 8-bit weights and 0..15 for 4-bit ones (held one to a byte until a
+kernel packs them); `mins` is None for symmetric weights. The GGUF block types map onto it
+exactly (Q8_0: scale d; Q4_0: d and -8d; Q4_1: d and m; Q4_K: d*sc and -dmin*m over groups of
+32; Q6_K: d*sc over groups of 16, q - 32), as do AWQ/GPTQ (scale s, min -s*z) and
+compressed-tensors, so a checkpoint is served as its own numbers, never widened to float in
+memory (backend/models/quantization.py reads them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [out, in] as integers per group along `in` (the module docstring's formula)."""
+
+    q: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # float32 [out, ceil(in / group_size)]
+    mins: torch.Tensor | None  # float32 like scales, or None (symmetric)
+    bits: int  # 8 or 4
+    group_size: int  # in, for one scale per output channel
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, not {self.bits}")
+        if self.q.dtype != torch.int8 or self.q.dim() != 2:
+            raise ValueError(f"q must be a 2-D int8 tensor, not {self.q.dtype} {tuple(self.q.shape)}")
+        groups = -(-self.q.shape[1] // self.group_size)
+        expected = (self.q.shape[0], groups)
+        for name in ("scales", "mins"):
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != expected or t.dtype != torch.float32):
+                raise ValueError(f"{name} must be float32 {expected}, not {t.dtype} {tuple(t.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as it is served: bits per weight plus the scales (and mins)."""
+        scale_bytes = self.scales.numel() * 4 * (1 if self.mins is None else 2)
+        return self.q.numel() * self.bits // 8 + scale_bytes
+
+    def _per_weight(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is not None:
+            t = t[rows]
+        return t.repeat_interleave(self.group_size, dim=-1)[..., : self.q.shape[1]]
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (its `rows` only, when given: an embedding lookup)."""
+        q = self.q if rows is None else self.q[rows]
+        w = q.float() * self._per_weight(self.scales, rows)
+        if self.mins is not None:
+            w = w + self._per_weight(self.mins, rows)
+        return w
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The same weight with its output rows reordered (a fused projection's parts, GGUF's
+        rotary permutation undone)."""
+        return QuantizedWeight(self.q[index], self.scales[index],
+                               None if self.mins is None else self.mins[index], self.bits, self.group_size)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Parts stacked along `out` (q|k|v, gate|up); they must share bits and groups."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group_size != first.group_size or (p.mins is None) != (first.mins is None)
+               or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("fused parts must share bits, group_size, mins and input size")
+        return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                               None if first.mins is None else torch.cat([p.mins for p in parts]),
+                               first.bits, first.group_size)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of a float weight [out, in]: 8 bits symmetric, one scale
+    per group (per output channel when group_size is None); 4 bits asymmetric, a scale and a
+    min per group, the group's range mapped onto 0..15."""
+    w = weight.detach().float()
+    out, k = w.shape
+    group = k if group_size is None else group_size
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(w, (0, groups * group - k))
+    g = padded.view(out, groups, group)
+    if bits == 8:
+        # The padding's zeros change no group's max.
+        scales = (g.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(g / scales[..., None]).clamp(-127, 127)
+        mins = None
+    elif bits == 4:
+        # The padding must not widen the last group's range: repeat its last real value.
+        if groups * group != k:
+            padded[:, k:] = w[:, -1:]
+            g = padded.view(out, groups, group)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scales = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15)
+        mins = lo
+    else:
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
+    q = q.reshape(out, groups * group)[:, :k].to(torch.int8).contiguous()
+    return QuantizedWeight(q, scales.contiguous(), None if mins is None else mins.contiguous(), bits, group)

@@ -31,6 +31,8 @@ class SchedulingPolicy(enum.StrEnum):
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATION_MODES = ("none", "int8", "int4")
+GROUP_SIZES = (32, 64, 128)
 # A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
 # printable, since it becomes a metric label.
 TENANT_PATTERN = r"[A-Za-z0-9_.:@-]{1,64}"
@@ -114,6 +116,15 @@ class EngineConfig:
     # Pinning the engine's OpenMP threads, one per CPU (backend/thread_binding.py): "auto",
     # "nobind" or a CPU list ("0-3"), as vLLM's VLLM_CPU_OMP_THREADS_BIND.
     omp_threads_bind: str = "auto"
+    # Weights quantized at load (backend/models/quantization.py): "int8" (one scale per output
+    # channel) or "int4" (a scale and a min per quantization_group_size inputs) for the
+    # projections and an untied output head; "none" serves the checkpoint as stored (a
+    # quantized checkpoint, GGUF/AWQ/GPTQ/compressed-tensors, is always served as stored).
+    quantization: str = "none"
+    quantization_group_size: int = 128
+    # The folder of the tokenizer, when not model_path's own (vLLM's --tokenizer): a GGUF
+    # file's vocabulary takes transformers ~15 s to convert.
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -160,6 +171,10 @@ class EngineConfig:
                                                 for k, v in modules.items()),
               f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
         check(not (modules and self.enable_lora is False), "lora_modules given but enable_lora=false")
+        check(self.quantization in QUANTIZATION_MODES,
+              f"quantization={self.quantization!r}, expected one of {QUANTIZATION_MODES}")
+        check(self.quantization_group_size in GROUP_SIZES,
+              f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)
         check(bind_problem is None, str(bind_problem))
 
@@ -185,6 +200,9 @@ class EngineConfig:
         elif not os.path.isabs(model_path):
             model_path = os.path.normpath(os.path.join(model_dir, model_path))
         values["model_path"] = model_path
+        tokenizer = values.get("tokenizer") or ""
+        if tokenizer and not os.path.isabs(tokenizer):
+            values["tokenizer"] = os.path.normpath(os.path.join(model_dir, tokenizer))
         if values.get("enable_lora") is not False and "lora_modules" not in values:
             lora_file = os.path.join(os.path.dirname(os.path.normpath(model_dir)), MULTI_LORA_FILE)
             if os.path.isfile(lora_file):

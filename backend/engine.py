@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from backend.config import EngineConfig, resolve_max_model_len, token_budget
 from backend.detokenizer import IncrementalDetokenizer, SharedTokenizer
@@ -33,7 +32,7 @@ from backend.kv_events import ZmqEventPublisher
 from backend.lora import install_adapters, load_adapter
 from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
-from backend.models.loader import checkpoint_dtype, eos_token_ids, load_arch, load_model
+from backend.models.loader import checkpoint_dtype, eos_token_ids, load_arch, load_model, load_tokenizer
 from backend.output import RequestOutput, logprob_entry
 from backend.parallel_sampling import ParallelSampling
 from backend.request import FinishReason, Request, RequestError, SamplingParams, SequenceGroup
@@ -82,11 +81,14 @@ class LLMEngine:
         config = replace(config, max_num_batched_tokens=token_budget(config, self.device.type))
         self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model_path))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path, trust_remote_code=False)
+        self.tokenizer = load_tokenizer(config.model_path, config.tokenizer)
         self.shared_tokenizer = SharedTokenizer(self.tokenizer)
         arch, _ = load_arch(config.model_path)  # refuses unsupported checkpoints first, by name
         self.max_model_len = resolve_max_model_len(config.max_model_len, arch)
-        self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len)
+        self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len,
+                                                quantization=config.quantization,
+                                                quantization_group_size=config.quantization_group_size)
+        self.weight_bytes = self.model.resident_weight_bytes()
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config, self.tokenizer)

@@ -125,6 +125,9 @@ class EngineMetrics:
         self.tokens_per_iteration = our_gauge("inflight_tokens_per_iteration", "Tokens computed in the last iteration.")
         self.lora_adapters_running = our_gauge("inflight_lora_adapters_running",
                                                "LoRA adapters of the running batch (at most max_loras).")
+        self.weight_bytes = our_gauge("inflight_model_weight_bytes",
+                                      "Bytes the model's weights hold as served (packed, quantized or float).")
+        self.weight_bytes.set(engine.weight_bytes)
         self.preemptions = counter("inflight_preemptions_total", "Requests preempted for lack of KV blocks or by priority.")
         self.cancellations = counter("inflight_cancellations_total", "Requests cancelled by the client or the server.")
         self.iterations = counter("inflight_iterations_total", "Engine iterations (forward passes).")

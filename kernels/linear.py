@@ -66,7 +66,11 @@ _MIN_PACKED_ELEMENTS = 1 << 18
 class PackedWeight:
     """A weight in a CPU GEMM's own layout, with what `linear` needs to call it."""
 
-    __slots__ = ("kind", "data", "upcast", "isa", "shape_only", "gemm_shape_only")
+    __slots__ = ("kind", "data", "upcast", "isa", "shape_only", "gemm_shape_only", "quant")
+
+    @property
+    def nbytes(self):
+        return self.data.untyped_storage().nbytes()
 
     def __init__(self, kind: str, data: torch.Tensor, weight: torch.Tensor, upcast: bool = False,
                  isa: Isa = Isa.NONE):
@@ -110,6 +114,11 @@ def pack_linear_weight(weight: torch.Tensor, isa: Isa | None = None) -> PackedWe
     """Pack `weight` [out, in] for fast CPU matmuls, or None where that does not apply or
     would not be faster. `isa`: the panel GEMM path to pack for (default `cpu_ext.isa()`;
     Isa.NONE: the libraries' layouts)."""
+    from .quantized import QuantizedWeight
+    if isinstance(weight, QuantizedWeight):  # TEMP lead stub
+        pw = PackedWeight("quant_torch", weight.q, torch.empty(weight.shape))
+        pw.quant = weight
+        return pw
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach().contiguous()
@@ -135,6 +144,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if packed.kind == "quant_torch":
+        return F.linear(x.float(), packed.quant.dequantize(), None if bias is None else bias.float()).to(x.dtype)
     if packed.kind == "panels":  # takes row strides; adds the bias in float32 before its one rounding
         if packed.upcast:
             rows = rows.float()

@@ -74,16 +74,31 @@ class QuantizedWeight:
         return QuantizedWeight(self.q[index], self.scales[index],
                                None if self.mins is None else self.mins[index], self.bits, self.group_size)
 
+    def regroup(self, group_size: int, bits: int, with_mins: bool) -> QuantizedWeight:
+        """The same numbers in smaller groups (`group_size` dividing this one's), wider integers
+        or with zero mins: w = scale * q + 0 is scale * q to the bit. For fusing parts of
+        different block types (a Q4_K_M file's q|k|v with a Q6_K v)."""
+        k = self.shape[1]
+        if self.group_size % group_size or (k % self.group_size and self.group_size != group_size) or bits < self.bits:
+            raise ValueError(f"cannot regroup {self.bits}-bit groups of {self.group_size} as {bits}-bit groups of {group_size}")
+        repeat = self.group_size // group_size
+        scales = self.scales.repeat_interleave(repeat, dim=1)
+        mins = self.mins.repeat_interleave(repeat, dim=1) if self.mins is not None else (
+            torch.zeros_like(scales) if with_mins else None)
+        return QuantizedWeight(self.q, scales.contiguous(), None if mins is None else mins.contiguous(), bits, group_size)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Parts stacked along `out` (q|k|v, gate|up); they must share bits and groups."""
-        first = parts[0]
-        if any(p.bits != first.bits or p.group_size != first.group_size or (p.mins is None) != (first.mins is None)
-               or p.shape[1] != first.shape[1] for p in parts):
-            raise ValueError("fused parts must share bits, group_size, mins and input size")
+        """Parts stacked along `out` (q|k|v, gate|up), in the widest integers and the smallest
+        groups among them, with mins if any has them."""
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("fused parts must share their input size")
+        bits, group = max(p.bits for p in parts), min(p.group_size for p in parts)
+        with_mins = any(p.mins is not None for p in parts)
+        parts = [p if (p.bits, p.group_size, p.mins is not None) == (bits, group, with_mins)
+                 else p.regroup(group, bits, with_mins) for p in parts]
         return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
-                               None if first.mins is None else torch.cat([p.mins for p in parts]),
-                               first.bits, first.group_size)
+                               torch.cat([p.mins for p in parts]) if with_mins else None, bits, group)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:

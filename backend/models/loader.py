@@ -1,6 +1,9 @@
-"""Checkpoint loading: Hugging Face config + safetensors weights into our modules.
+"""Checkpoint loading: Hugging Face config + safetensors weights, or a GGUF file, into our modules.
 
-Safetensors only (a single file or shards with an index); no pickle, no remote code.
+Safetensors (a single file or shards with an index) or GGUF; no pickle, no remote code.
+Quantized checkpoints (GGUF blocks, AWQ, GPTQ, compressed-tensors) are read as integers and
+served as such (backend/models/quantization.py), and the `quantization` engine parameter
+quantizes a float checkpoint's projections at load.
 `load_arch` refuses, naming it, every architecture or config field this implementation
 would get wrong. `load_model` checks that every tensor the model expects is present with
 the expected shape and that every tensor in the checkpoint is used, so a wrong or
@@ -10,16 +13,28 @@ truncated checkpoint fails at load time, not with garbage text.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import kernels
 from backend.models.llama import LlamaForCausalLM, ModelArch
+from backend.models.quantization import (
+    PACKED_SUFFIXES,
+    GgufCheckpoint,
+    QuantizationError,
+    check_packed_config,
+    quantize_weight,
+    read_packed_linear,
+    resolve_gguf_path,
+)
+from kernels import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,8 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
 # Buffers some exporters save that we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+log = logging.getLogger("inflight")
+
 # Show a progress bar when the weights are at least this big.
 PROGRESS_MIN_BYTES = 1 << 30
 
@@ -55,7 +72,26 @@ class CheckpointError(ValueError):
     pass
 
 
+# GGUF architectures (general.architecture) -> the Hugging Face class they load as.
+_GGUF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _gguf_config(gguf_path: str):
+    """The model config of a GGUF file, from its metadata."""
+    try:
+        fields = GgufCheckpoint(gguf_path).config_fields()
+        return AutoConfig.for_model(**fields)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot make a model config of {gguf_path}: {exc}") from None
+
+
 def _read_config_json(model_path: str) -> dict:
+    gguf_path = resolve_gguf_path(model_path)
+    if gguf_path is not None:
+        hf = _gguf_config(gguf_path)
+        return {**hf.to_dict(), "architectures": [_GGUF_CLASSES.get(hf.model_type, hf.model_type)]}
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"no config.json in model_path {model_path!r}")
@@ -90,8 +126,9 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         )
     name = archs[0]
     family = SUPPORTED_ARCHITECTURES[name]
+    gguf_path = resolve_gguf_path(model_path)
     try:
-        hf = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+        hf = _gguf_config(gguf_path) if gguf_path else AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"invalid config.json for {name} in {model_path}: {exc}") from None
 
@@ -108,9 +145,12 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")
-    if getattr(hf, "quantization_config", None):
-        method = dict(hf.quantization_config).get("quant_method", "?")
-        raise refuse("quantization_config", method, "quantized checkpoints are not supported")
+    qcfg = packed_quantization_config(hf)
+    if qcfg is not None:
+        try:
+            check_packed_config(qcfg, f"{model_path}/config.json")
+        except QuantizationError as exc:
+            raise CheckpointError(str(exc)) from None
     sliding_window = _sliding_window(hf, family, refuse)
     num_heads = hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
@@ -138,6 +178,13 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         sliding_window=sliding_window,
     )
     return arch, hf
+
+
+def packed_quantization_config(hf) -> dict | None:
+    qcfg = getattr(hf, "quantization_config", None)
+    if not qcfg:
+        return None
+    return qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
 
 
 def _sliding_window(hf, family: _Family, refuse) -> int | None:
@@ -176,7 +223,7 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     else the tokenizer's."""
     ids: set[int] = set()
     try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos = None if resolve_gguf_path(model_path) else GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         eos = None
     if eos is None:
@@ -192,6 +239,8 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
 
 def checkpoint_dtype(model_path: str) -> torch.dtype | None:
     """The floating dtype the weights are stored in (from config.json), or None if it does not say."""
+    if resolve_gguf_path(model_path):
+        return None
     raw = _read_config_json(model_path)
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, str(name), None) if name else None
@@ -259,12 +308,100 @@ def _listing(names: list[str], limit: int = 10) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def load_tokenizer(model_path: str, tokenizer: str = ""):
+    """The tokenizer in the folder `tokenizer` names, else the checkpoint's own (a GGUF file's
+    vocabulary, which transformers takes ~15 s to convert for a 49k-token one)."""
+    if tokenizer:
+        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)
+    gguf_path = resolve_gguf_path(model_path)
+    if gguf_path is not None:
+        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path) or ".", gguf_file=os.path.basename(gguf_path))
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def _quantized_param(param_name: str) -> bool:
+    """Whether the `quantization` parameter quantizes this parameter: the projections and an
+    untied output head (embeddings stay float, as in vLLM's and llama.cpp's int4 models)."""
+    return param_name.endswith("_proj.weight") or param_name == "lm_head.weight"
+
+
+def _safetensors_source(model_path: str, files: list[str], hf_config, progress: tqdm
+                        ) -> Iterator[tuple[str, Weight | None, torch.Tensor | None, str]]:
+    """(checkpoint name, tensor, input permutation, file) for every tensor; the linear layers of
+    a packed checkpoint (AWQ, GPTQ, compressed-tensors) as one QuantizedWeight under
+    `<layer>.weight`, after every file was read (their parts may sit in different shards)."""
+    qcfg = packed_quantization_config(hf_config)
+    method = bits = group = None
+    if qcfg is not None:
+        method, bits, group = check_packed_config(qcfg, f"{model_path}/config.json")
+    suffixes = PACKED_SUFFIXES.get(method, ())
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    packed_file: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                prefix, _, suffix = key.rpartition(".")
+                if suffix in suffixes:
+                    packed.setdefault(prefix, {})[suffix] = f.get_tensor(key)
+                    packed_file[prefix] = os.path.basename(path)
+                    continue
+                tensor = f.get_tensor(key)
+                progress.update(tensor.numel() * tensor.element_size())
+                yield key, tensor, None, os.path.basename(path)
+    for prefix, parts in packed.items():
+        required = [s for s in suffixes if s not in ("g_idx", "weight_zero_point")]
+        missing = [s for s in required if s not in parts]
+        if missing:
+            raise CheckpointError(f"{model_path}: {prefix} lacks {', '.join(missing)} of its {method} weight")
+        try:
+            weight, perm = read_packed_linear(method, bits, group, parts, qcfg, prefix)
+        except QuantizationError as exc:
+            raise CheckpointError(str(exc)) from None
+        yield prefix + ".weight", weight, perm, packed_file[prefix]
+
+
+def _gguf_source(gguf_path: str, arch: ModelArch
+                 ) -> Iterator[tuple[str, Weight | None, torch.Tensor | None, str]]:
+    name = os.path.basename(gguf_path)
+    try:
+        for key, value in GgufCheckpoint(gguf_path).tensors(arch.num_heads, arch.num_kv_heads):
+            yield key, value, None, name
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _fuse(param_name: str, parts: list[Weight], perms: list[torch.Tensor | None]) -> tuple[Weight, torch.Tensor | None]:
+    if any(not torch.equal(perms[0], p) if perms[0] is not None and p is not None else (perms[0] is None) != (p is None)
+           for p in perms):
+        raise CheckpointError(f"{param_name}: its parts read their inputs in different act-order permutations; "
+                              "they must share one (they share their input)")
+    if len(parts) == 1:
+        return parts[0], perms[0]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0), perms[0]
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts), perms[0]
+    raise CheckpointError(f"{param_name}: some of its parts are quantized and some are not; they must all be one or the other")
+
+
+def _shape_only(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A parameter that only has a shape: where the weight lives quantized in `module.quantized`."""
+    return torch.empty(1, dtype=dtype, device=device).as_strided(shape, (0,) * len(shape))
+
+
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-               pack_weights: bool = True) -> tuple[LlamaForCausalLM, object]:
+               pack_weights: bool = True, quantization: str = "none",
+               quantization_group_size: int = 128) -> tuple[LlamaForCausalLM, object]:
     """Build the model for `model_path` with weights in `dtype` on `device`.
 
     With `pack_weights` (the serving default) the projections are packed for the CPU's GEMM
     library and their `weight` parameters keep only shapes: inspect weights with False.
+    Quantized weights (a quantized checkpoint, or `quantization` "int8"/"int4", the latter with
+    groups of `quantization_group_size` inputs) live in their module's `quantized` and are
+    packed either way; their `weight` keeps only the shape.
 
     Each tensor is read once, checked, converted and moved to the device; a fused
     parameter is assembled as soon as its last part arrives, so peak memory stays near
@@ -277,7 +414,12 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
             f"{arch.sliding_window}), which this engine implements only for contexts within the window: "
             f"set max_model_len <= {arch.sliding_window} (it is {max_positions})"
         )
-    files = _weight_files(model_path)
+    gguf_path = resolve_gguf_path(model_path)
+    already = "GGUF" if gguf_path else (packed_quantization_config(hf_config) or {}).get("quant_method")
+    if quantization != "none" and already:
+        raise CheckpointError(f"quantization={quantization!r} asks to quantize {model_path}, which is already "
+                              f"quantized ({already}); set quantization to none")
+    files = [gguf_path] if gguf_path else _weight_files(model_path)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
 
@@ -291,38 +433,47 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
             expected[ckpt] = (param_name, i, shape)
     skipped = {"lm_head.weight"} if arch.tie_word_embeddings else set()
 
-    state: dict[str, torch.Tensor] = {}
-    pending: dict[str, list[torch.Tensor | None]] = {}
+    state: dict[str, Weight] = {}
+    perms: dict[str, torch.Tensor] = {}
+    pending: dict[str, list] = {}
     seen: set[str] = set()
     leftover: list[str] = []
     total_bytes = sum(os.path.getsize(p) for p in files)
     with tqdm(total=total_bytes, desc="loading weights", unit="B", unit_scale=True,
               disable=total_bytes < PROGRESS_MIN_BYTES) as progress:
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key not in expected:
-                        if key not in skipped and not key.endswith(IGNORED_SUFFIXES):
-                            leftover.append(key)
-                        continue
-                    if key in seen:
-                        raise CheckpointError(f"tensor {key} appears twice in {model_path} (second time in {os.path.basename(path)})")
-                    seen.add(key)
-                    param_name, i, shape = expected[key]
-                    tensor = f.get_tensor(key)
-                    progress.update(tensor.numel() * tensor.element_size())
-                    if tuple(tensor.shape) != shape:
-                        raise CheckpointError(
-                            f"tensor {key} in {os.path.basename(path)} has shape {tuple(tensor.shape)}, but "
-                            f"{model_path}/config.json implies {shape}"
-                        )
-                    if not tensor.is_floating_point():
-                        raise CheckpointError(f"tensor {key} has dtype {tensor.dtype}; expected floating-point weights")
-                    parts = pending.setdefault(param_name, [None] * len(parts_of[param_name]))
-                    parts[i] = tensor.to(device=device, dtype=dtype)
-                    if all(p is not None for p in parts):
-                        del pending[param_name]
-                        state[param_name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        source = (_gguf_source(gguf_path, arch) if gguf_path
+                  else _safetensors_source(model_path, files, hf_config, progress))
+        for key, tensor, perm, where in source:
+            if key not in expected:
+                if key not in skipped and not key.endswith(IGNORED_SUFFIXES):
+                    leftover.append(key)
+                continue
+            if key in seen:
+                raise CheckpointError(f"tensor {key} appears twice in {model_path} (second time in {where})")
+            seen.add(key)
+            param_name, i, shape = expected[key]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(
+                    f"tensor {key} in {where} has shape {tuple(tensor.shape)}, but "
+                    f"{model_path}/config.json implies {shape}"
+                )
+            if isinstance(tensor, torch.Tensor):
+                if not tensor.is_floating_point():
+                    raise CheckpointError(f"tensor {key} has dtype {tensor.dtype}; expected floating-point weights")
+                tensor = tensor.to(device=device, dtype=dtype)
+            elif not (_quantized_param(param_name) or param_name == "embed_tokens.weight"):
+                raise CheckpointError(f"tensor {key} in {where} is quantized; only the projections, the output "
+                                      "head and the embedding may be")
+            parts = pending.setdefault(param_name, [[None] * len(parts_of[param_name]), [None] * len(parts_of[param_name])])
+            parts[0][i], parts[1][i] = tensor, perm
+            if all(p is not None for p in parts[0]):
+                del pending[param_name]
+                value, fused_perm = _fuse(param_name, parts[0], parts[1])
+                if quantization != "none" and _quantized_param(param_name):
+                    value = quantize_weight(value, quantization, quantization_group_size)
+                state[param_name] = value
+                if fused_perm is not None:
+                    perms[param_name] = fused_perm
         progress.update(progress.total - progress.n)  # file headers and skipped tensors
     missing = sorted(set(expected) - seen)
     problems = []
@@ -334,7 +485,14 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
         raise CheckpointError(
             f"checkpoint {model_path} does not match its config ({arch.architecture}): " + "; ".join(problems)
         )
+    quantized = {name: w for name, w in state.items() if isinstance(w, QuantizedWeight)}
+    for name, w in quantized.items():
+        state[name] = _shape_only(tuple(w.shape), dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
+    for name, w in quantized.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        module.quantized = w
+        module.input_perm = perms.get(name)
     # Non-persistent buffers were made on the meta device; build the real one (float32).
     model.cos_sin_cache = kernels.build_cos_sin_cache(
         arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
@@ -342,4 +500,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     model.eval()
     if pack_weights:
         model.pack_weights()
+    else:
+        model.pack_quantized_weights()
+    log.info("model weights: %.1f MiB resident (%s)", model.resident_weight_bytes() / 2**20,
+             quantization if quantization != "none" else (already or "float"))
     return model, hf_config

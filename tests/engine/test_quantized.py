@@ -337,3 +337,28 @@ def test_unsupported_quantization_config_is_named(tiny_checkpoint, tmp_path, qcf
     json.dump(config, open(tmp_path / "m" / "config.json", "w"))
     with pytest.raises(CheckpointError, match=message):
         load_model(str(tmp_path / "m"), torch.float32, torch.device("cpu"), 64)
+
+
+def test_lora_adapters_apply_in_float_over_a_quantized_base(tiny_checkpoint, tmp_path_factory):
+    """Adapters made for the float model, served over its int4 quantization: each request gets
+    transformers + PEFT's tokens on the de-quantized base with its adapter."""
+    from tests.checkpoints import make_random_adapter
+
+    root = tmp_path_factory.mktemp("quantized-lora")
+    reference = _dequantized_checkpoint(tiny_checkpoint, str(root / "deq"), 4, 64)
+    adapters = {"all-r8": make_random_adapter(str(root / "all-r8"), tiny_checkpoint, rank=8, seed=1),
+                "qv-r16": make_random_adapter(str(root / "qv-r16"), tiny_checkpoint, rank=16, seed=2,
+                                              target_modules=("q_proj", "v_proj"))}
+    names = [(None, "all-r8", "qv-r16")[i % 3] for i in range(len(PROMPTS))]
+    oracle = {}
+    for name in (None, *adapters):
+        outs = hf_greedy(reference, PROMPTS, MAX_NEW, adapter_dir=adapters[name] if name else None)
+        oracle.update({(name, tuple(p)): o for p, o in zip(PROMPTS, outs)})
+    engine, streamed, by_id = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, spread_arrivals(len(PROMPTS), every=1),
+                                         lora_names=names, lora_modules=adapters, max_lora_rank=16, max_loras=3,
+                                         max_num_seqs=8, num_kv_blocks=256, quantization="int4",
+                                         quantization_group_size=64)
+    assert engine.model.layers[0].self_attn.qkv_proj.quantized is not None
+    for rid, tokens in streamed.items():
+        i = int(rid[1:])
+        assert tokens == oracle[(names[i], tuple(by_id[rid]))][: MAX_TOKENS[i]], rid

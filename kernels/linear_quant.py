@@ -81,11 +81,6 @@ class PackedQuantWeight:
         """Device bytes of the packed weight, scales and mins."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
 
-    def to(self, device) -> PackedQuantWeight:
-        return PackedQuantWeight(self.q.to(device), self.scales.to(device),
-                                 None if self.mins is None else self.mins.to(device),
-                                 self.bits, self.group_size, self.in_features, self.out_features)
-
 
 def _narrowest_exact(t: torch.Tensor) -> torch.Tensor:
     """float16 if every value survives the round trip (finite ones only), else float32."""

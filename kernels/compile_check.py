@@ -18,7 +18,9 @@ import sys
 import time
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4):
+def _compile(fn, types: dict[str, str], constexprs: dict, arch: int, options: dict):
+    """`options`: the launch's compile options (num_warps; num_stages, enable_fp_fusion where
+    the launch sets them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -26,7 +28,7 @@ def _compile(fn, types: dict[str, str], constexprs: dict, arch: int, num_warps: 
     signature = {name: ("constexpr" if name in constexprs else types.get(name, "i32"))
                  for name in fn.arg_names}
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": True})
+                          options={"enable_fp_fusion": True, **options})
 
 
 def _stats(kernel) -> str:
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .activation import _silu_and_mul_kernel
     from .kv_store import _store_kv_kernel
+    from .linear_quant import _linear_quant_kernel, _sum_splits_kernel, linear_quant_config
     from .lora import _lora_expand_kernel, _lora_shrink_kernel
     from .paged_attention import _paged_attention_kernel, attention_config
     from .rms_norm import _rms_norm_kernel
@@ -79,7 +82,27 @@ def main(argv: list[str] | None = None) -> int:
              {"buf_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION=dot_precision(element_size))),
         ]
-        jobs = [job + (4,) for job in jobs]
+        jobs = [job + ({"num_warps": 4},) for job in jobs]
+        # (bits, group size, mins, rows): decode and prefill tiles, a group per tile or per weight
+        quant = [(4, 128, True, 1), (8, 4096, False, 512)] if args.quick else [
+            (bits, group, mins, m) for bits, group, mins in
+            ((8, 4096, False), (8, 32, False), (8, 16, False), (4, 32, True), (4, 128, True), (4, 128, False),
+             (4, 48, True)) for m in (1, 64, 512)]
+        for bits, group, mins, m in quant:
+            config = linear_quant_config(m, 4096, 4096, bits, group)
+            options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages"),
+                       "enable_fp_fusion": False}   # as linear_quant_triton launches it
+            for key in ("split_k", "tiles_per_split"):
+                config.pop(key)
+            jobs.append((f"linear_quant w{bits} g{group}{' mins' if mins else ''} block_m={config['BLOCK_M']}"
+                         f"{'' if config['ONE_GROUP_PER_TILE'] else ' scale/weight'}",
+                         _linear_quant_kernel,
+                         {"x_ptr": p, "q_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32",
+                          "mins_ptr": "*fp16", "bias_ptr": p, "out_ptr": "*fp32" if m == 1 else p},
+                         dict(BITS=bits, HAS_MINS=mins, HAS_BIAS=m > 1, DOT_PRECISION=dot_precision(element_size),
+                              **config), options))
+        jobs.append(("linear_quant sum_splits", _sum_splits_kernel,
+                     {"part_ptr": "*fp32", "bias_ptr": p, "out_ptr": p}, dict(HAS_BIAS=True, BLOCK=1024), {"num_warps": 4}))
         for hd, qpk, bs, max_q in attention:
             config = attention_config(qpk, hd, element_size, max_q)
             num_warps = config.pop("num_warps")
@@ -87,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                          _paged_attention_kernel,
                          {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32",
                           "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32"},
-                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, **config), num_warps))
-        for name, fn, types, constexprs, num_warps in jobs:
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, **config), {"num_warps": num_warps}))
+        for name, fn, types, constexprs, options in jobs:
             t0 = time.perf_counter()
             try:
-                kernel = _compile(fn, types, constexprs, args.arch, num_warps)
+                kernel = _compile(fn, types, constexprs, args.arch, options)
             except Exception as exc:  # report every failure, not just the first
                 failures += 1
                 print(f"FAIL {dt:<4} {name}: {type(exc).__name__}: {exc}", flush=True)

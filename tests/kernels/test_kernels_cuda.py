@@ -220,3 +220,79 @@ def test_lora_delta_on_cuda(dtype):
     torch.testing.assert_close(out.double().cpu(), want, **tol)
     covered = int(indptr[-1])
     assert torch.equal(out[covered:].cpu(), y.to(dtype)[covered:])
+
+
+# W8A16 / W4A16 (kernels/linear_quant.py): (bits, group size (None: per channel), mins). The
+# int4 ones are AWQ/GPTQ's g128 (with mins) and GGUF's Q4_0 (symmetric here: raw codes) and
+# Q4_1/Q4_K's g32 with mins; int8 per channel, Q8_0's g32 and Q6_K's g16.
+QUANT_CASES = {"int8-channel": (8, None, False), "int8-g32": (8, 32, False), "int8-g16": (8, 16, False),
+               "int4-g128-mins": (4, 128, True), "int4-g128": (4, 128, False), "int4-g32-mins": (4, 32, True)}
+# The kernel rounds the de-quantized weight to the activations' dtype before the tensor-core
+# dot (2^-9 relative for bf16, 2^-12 for fp16), then the float32 sum to the output's; float32
+# runs IEEE dots. Outputs here are ~3 in size (K = 4096 terms of N(0,1) x ~0.05).
+QUANT_TOL = {torch.float32: dict(atol=2e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=2e-2),
+             torch.float16: dict(atol=1e-2, rtol=5e-3)}
+
+
+def _quant_weight(bits, group_size, mins, n, k, seed):
+    from kernels.quantized import QuantizedWeight, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4 and not mins:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(n, -(-k // group_size), generator=g) * 0.006 + 5e-4
+        return QuantizedWeight(q, scales, None, 4, group_size)
+    return quantize(torch.randn(n, k, generator=g) * 0.05, bits, group_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+def test_linear_quant_on_cuda(case, rows, dtype):
+    """Llama-3-8B's fused q|k|v (4096 -> 6144) plus 40 rows, so N is off every block size:
+    decode (split-K) and prefill tilings, with a bias, against the float64 product of the
+    de-quantized weight and against the torch reference."""
+    from kernels.linear_quant import linear_quant_reference, linear_quant_triton, pack_quant_weight_triton
+
+    n, k = 6144 + 40, 4096
+    qw = _quant_weight(*QUANT_CASES[case], n, k, seed=rows)
+    g = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(CUDA)
+    bias = torch.randn(n, generator=g).to(dtype).to(CUDA)
+    packed = pack_quant_weight_triton(qw, CUDA)
+    out = linear_quant_triton(x, packed, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype and out.is_cuda
+    w = qw.dequantize().to(CUDA)
+    want = x.double() @ w.double().T + bias.double()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, **QUANT_TOL[dtype])
+    torch.testing.assert_close(out, linear_quant_reference(x, qw, bias), **QUANT_TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["int8-g32", "int4-g128-mins", "int4-g32-mins"])
+def test_linear_quant_builds_dequantize_s_weight_to_the_bit_on_cuda(case):
+    """float32 rows of the identity through IEEE dots return the kernel's de-quantized weight,
+    which must be dequantize()'s bits: the kernel is compiled without FMA contraction."""
+    from kernels.linear_quant import linear_quant_triton, pack_quant_weight_triton
+
+    n, k = 520, 1024
+    qw = _quant_weight(*QUANT_CASES[case], n, k, seed=5)
+    picked = torch.tensor([0, 1, 31, 32, 127, 128, 500, 1023] + list(range(600, 700)))
+    packed = pack_quant_weight_triton(qw, CUDA)
+    for rows in (picked[:3], picked):
+        out = linear_quant_triton(torch.eye(k)[rows].to(CUDA), packed)
+        assert torch.equal(out.cpu(), qw.dequantize()[:, rows].T)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_linear_quant_batch_invariant_on_cuda(dtype):
+    """With batch_invariant, a row's output is the same bits alone as among 300 rows."""
+    from kernels.linear_quant import linear_quant_triton, pack_quant_weight_triton
+
+    qw = _quant_weight(4, 128, True, 2048, 4096, seed=11)
+    packed = pack_quant_weight_triton(qw, CUDA)
+    x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(12)).to(dtype).to(CUDA)
+    whole = linear_quant_triton(x, packed, batch_invariant=True)
+    for t in (0, 5, 131, 299):
+        alone = linear_quant_triton(x[t:t + 1], packed, batch_invariant=True)
+        assert torch.equal(alone[0], whole[t])

@@ -258,6 +258,15 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.embed_tokens.quantized is not None:
             self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.quantized)
 
+    def is_quantized(self) -> bool:
+        return self.embed_tokens.quantized is not None or any(
+            isinstance(m, Linear) and m.quantized is not None for m in self.modules())
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads as they are held: every projection and norm
+        and the output head once; the embedding table only at the batch's rows (nothing)."""
+        return self.resident_weight_bytes() - self.embed_tokens.resident_bytes()
+
     def resident_weight_bytes(self) -> int:
         """Bytes the weights hold as they are served: packed, quantized or plain."""
         total = 0

@@ -47,7 +47,9 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
             seconds: float, windows: int) -> list[dict]:
     runner = engine.runner
     element_size = torch.empty((), dtype=engine.dtype).element_size()
-    weights = weight_bytes_read(engine.arch, element_size)
+    # A quantized model's bytes are its integers and scales as packed.
+    weights = (engine.model.step_weight_bytes() if engine.model.is_quantized()
+               else weight_bytes_read(engine.arch, element_size))
     kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype)
     rows = []
     for batch in batches:
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--quantization", default="none", help="the engine's quantization: none, int8, int4")
+    parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--json", help="write the report here")
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     bs = args.block_size
     config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
                           max_num_seqs=max(batches), max_model_len=max(contexts),
-                          num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1)
+                          num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1,
+                          quantization=args.quantization, quantization_group_size=args.group_size)
     engine = LLMEngine(config)
     bandwidth = copy_bandwidth_gbps(engine.device)
     rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": engine.device.type,
         "checkpoint": args.model,
         "dtype": dtype,
+        "quantization": args.quantization if args.quantization != "none" else (
+            "as stored" if engine.model.is_quantized() else "none"),
+        "group_size": args.group_size if args.quantization == "int4" else None,
         "copy_bandwidth_gbps": bandwidth,
         "results": rows,
     }

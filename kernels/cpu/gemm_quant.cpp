@@ -1,0 +1,510 @@
+// GEMMs of float activations against int8 and int4 weights (kernels/quantized.py's format),
+// packed once into 16-column panels and de-quantized in registers: out[M, N] = x[M, K] W^T
+// (+ bias), x and out float32.
+//
+// Numerics. The weight is w = fl(fl(scale * q) + min) (kernels/quantized.py: two roundings, no
+// fused multiply-add; `QuantizedWeight.dequantize()` computes the same), and every output element
+// is then ONE chain of fused multiply-adds over k in order, from zero, then + bias, exactly as
+// the float panel GEMM (gemm.cpp) runs it: so the result is the float panel GEMM's on the
+// de-quantized weight, to the bit, a row's result never depends on the other rows (batch
+// invariance), and the AVX2, AVX-512 and scalar paths give the same bits.
+// The build's -funsafe-math-optimizations lets g++ contract a product and a sum into a fused
+// multiply-add (its intrinsics are plain vector arithmetic to it): the pragma below forbids that
+// in this file, and tests/kernels/test_linear_quant.py checks the bits.
+//
+// Layout (pack_quant_panels). Panel p holds output columns 16p..16p+15 (columns past N: q, scale
+// and min 0, so w = 0):
+// - int8: q [P, K, 16], one 16-byte row per k;
+// - int4: q [P, ceil(K / 2), 16], one 16-byte row per pair of k's, byte c = q[c, 2j] | q[c, 2j+1] << 4
+//   (a weight's two k's are one load; an odd K's last high nibbles are 0);
+// - scales and mins [P, groups, 16], in float16 where every value converts to float16 and back
+//   exactly (GGUF's d and m, Q4_0's -8d, Q8_0's d), else float32 (Q4_K's d * sc, AWQ's -s * z).
+// So a Q4_0/Q4_1 weight costs 4 + 32/32 = 5 bits, Q8_0's 8 + 16/32 = 8.5, int4 with float32
+// scale and min per 128 4.5.
+//
+// Kernels. One tile computes up to kMaxRows rows x one panel: for each k (a pair of k's for
+// int4) it loads the panel's row of integers once, widens and converts them, multiplies by the
+// group's scales and adds its mins (held for the whole group), and runs the rows' multiply-adds
+// on those weights, so the de-quantization is paid once per tile of rows:
+// - kIsaAvx2: 6 rows x 16 columns (two 8-float registers per row; the group's scales and mins
+//   are memory operands, L1 hits);
+// - kIsaAvx512: 12 rows x 16 columns (one zmm per row);
+// - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA runs: slow, and kept for
+//   correctness; kernels/linear.py de-quantizes per call with torch instead there).
+// Work is split over the cores by (row block, panel) in chunks taken as cores come free, as
+// gemm.cpp splits it, and each tile asks for the next item's panel into L2 as it goes.
+//
+// Measured on a 2-core AVX2 EPYC (Zen 3, KVM), 2 threads, GFLOP/s and weight GB/s (the packed
+// bytes read once per call) at M = 1 / 8 / 32 / 256 (client/bench/quant_gemm.py,
+// bench/results/avx2/quant_gemm.json): see the table below.
+// QUANT_GEMM_TABLE
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+#include "prefetch.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// After the headers: only this file's functions. w = scale * q then + min, never fused.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// As gemm.cpp (and kernels/cpu_ext.py's Isa) number them.
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+constexpr int64_t kMinParallelMacs = 1 << 18;
+constexpr int64_t kShareOfWhatIsLeft = 8;
+
+// A panel's scales or mins for one group: 16 values in float16 or float32.
+struct GroupValues {
+  const void* base;  // [P, groups, 16]
+  bool half;
+  const void* at(int64_t panel_group) const {
+    return static_cast<const char*>(base) + panel_group * kPanel * (half ? 2 : 4);
+  }
+};
+
+struct Packed {
+  const uint8_t* q;
+  int64_t panel_bytes;  // bytes of one panel's q
+  GroupValues scales, mins;  // mins.base nullptr: none
+  int64_t groups, group_size, k;
+};
+
+// ---- the scalar path ------------------------------------------------------------------------
+
+template <int Bits>
+inline int q_at(const uint8_t* panel, int64_t k, int c) {
+  if (Bits == 8) return static_cast<int8_t>(panel[k * kRowBytes + c]);
+  const uint8_t byte = panel[(k / 2) * kRowBytes + c];
+  return k % 2 == 0 ? byte & 0xF : byte >> 4;
+}
+
+inline float value_at(const GroupValues& v, int64_t panel_group, int c) {
+  return v.half ? static_cast<float>(static_cast<const c10::Half*>(v.at(panel_group))[c])
+                : static_cast<const float*>(v.at(panel_group))[c];
+}
+
+template <int Bits>
+void scalar_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
+                 float* out, int64_t ldo, int64_t cols) {
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    for (int64_t j = 0; j < w.groups; ++j) {
+      float s[kPanel], m[kPanel];
+      for (int c = 0; c < kPanel; ++c) {
+        s[c] = value_at(w.scales, panel * w.groups + j, c);
+        m[c] = w.mins.base != nullptr ? value_at(w.mins, panel * w.groups + j, c) : 0.f;
+      }
+      const int64_t k_end = std::min(w.k, (j + 1) * w.group_size);
+      for (int64_t k = j * w.group_size; k < k_end; ++k) {
+        const float a = x[r * ldx + k];
+        for (int c = 0; c < kPanel; ++c) {
+          float wc = s[c] * static_cast<float>(q_at<Bits>(q, k, c));
+          if (w.mins.base != nullptr) wc = wc + m[c];
+          acc[c] = std::fma(a, wc, acc[c]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bias != nullptr ? acc[c] + bias[c] : acc[c];
+  }
+}
+
+// ---- the vector paths -------------------------------------------------------------------------
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INFLIGHT_HAVE_AVX2 1
+// A path supplies: its float and integer vectors (kVectors of each per 16 columns), a group's
+// 16 scales or mins, a row of int8's or of nibble pairs widened to 32-bit integers, the
+// de-quantization, the broadcast and the multiply-add, and the store.
+struct Avx2 {
+  using Vec = __m256;
+  using IVec = __m256i;
+  static constexpr int kVectors = 2;
+  static constexpr int kMaxRows = 6;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
+    if (v.half) {
+      const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
+      out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+      out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    } else {
+      const float* f = static_cast<const float*>(v.at(panel_group));
+      out[0] = _mm256_loadu_ps(f);
+      out[1] = _mm256_loadu_ps(f + 8);
+    }
+  }
+  static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
+    q[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+    q[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8)));
+  }
+  static void ints4(const uint8_t* row, IVec (&lo)[kVectors], IVec (&hi)[kVectors]) {
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256i pairs = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)));
+      lo[v] = _mm256_and_si256(pairs, mask);
+      hi[v] = _mm256_srli_epi32(pairs, 4);
+    }
+  }
+  static Vec weight(IVec q, Vec s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(q), s); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectors], float* dst) {
+    _mm256_storeu_ps(dst, line[0]);
+    _mm256_storeu_ps(dst + 8, line[1]);
+  }
+  static void store(const Vec (&line)[kVectors], const float* bias, float* dst) {
+    for (int v = 0; v < kVectors; ++v)
+      _mm256_storeu_ps(dst + 8 * v, bias != nullptr ? _mm256_add_ps(line[v], _mm256_loadu_ps(bias + 8 * v)) : line[v]);
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+#define INFLIGHT_HAVE_AVX512 1
+struct Avx512 {
+  using Vec = __m512;
+  using IVec = __m512i;
+  static constexpr int kVectors = 1;
+  static constexpr int kMaxRows = 12;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
+    if (v.half) {
+      out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))));
+    } else {
+      out[0] = _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
+    }
+  }
+  static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
+    q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  }
+  static void ints4(const uint8_t* row, IVec (&lo)[kVectors], IVec (&hi)[kVectors]) {
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    lo[0] = _mm512_and_si512(pairs, _mm512_set1_epi32(0xF));
+    hi[0] = _mm512_srli_epi32(pairs, 4);
+  }
+  static Vec weight(IVec q, Vec s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(q), s); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectors], float* dst) { _mm512_storeu_ps(dst, line[0]); }
+  static void store(const Vec (&line)[kVectors], const float* bias, float* dst) {
+    _mm512_storeu_ps(dst, bias != nullptr ? _mm512_add_ps(line[0], _mm512_loadu_ps(bias)) : line[0]);
+  }
+};
+#endif
+
+// One tile: Rows rows of x against one panel. `prefetch`: the next item's panel (nullptr: none),
+// of which this tile asks for the 64-byte lines [prefetch_begin, prefetch_end) into L2, one
+// every fourth packed row, spread over the tile's loop so that memory sees a steady stream.
+template <class V, int Rows, int Bits, bool Mins>
+void tile(const float* x, int64_t ldx, const Packed& w, int64_t panel, const float* bias, float* out, int64_t ldo,
+          int64_t cols, const uint8_t* prefetch, int64_t prefetch_begin, int64_t prefetch_end) {
+  using Vec = typename V::Vec;
+  using IVec = typename V::IVec;
+  constexpr int kV = V::kVectors;
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  Vec acc[Rows][kV];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = V::zero();
+  // The rows' multiply-adds at k on the weights w.
+  const auto madds = [&](int64_t k, const Vec (&wk)[kV]) {
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const Vec a = V::broadcast(x + r * ldx + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < kV; ++v) acc[r][v] = V::madd(acc[r][v], a, wk[v]);
+    }
+  };
+  const auto dequantize = [&](const IVec (&qi)[kV], const Vec (&s)[kV], const Vec (&m)[kV], Vec (&wk)[kV]) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kV; ++v) {
+      wk[v] = V::weight(qi[v], s[v]);
+      if (Mins) wk[v] = V::add(wk[v], m[v]);
+    }
+  };
+  int64_t line = prefetch_begin;
+  const auto ask = [&](int64_t packed_row) {
+    if (packed_row % 4 == 0 && line < prefetch_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+  };
+  for (int64_t j = 0; j < w.groups; ++j) {
+    Vec s[kV], m[kV];
+    V::group_values(w.scales, panel * w.groups + j, s);
+    if (Mins) V::group_values(w.mins, panel * w.groups + j, m);
+    int64_t k = j * w.group_size;
+    const int64_t k_end = std::min(w.k, k + w.group_size);
+    if (Bits == 8) {
+      for (; k < k_end; ++k) {
+        IVec qi[kV];
+        Vec wk[kV];
+        V::ints8(q + k * kRowBytes, qi);
+        dequantize(qi, s, m, wk);
+        madds(k, wk);
+        ask(k);
+      }
+    } else {
+      IVec lo[kV], hi[kV];
+      Vec wk[kV];
+      if (k % 2 != 0 && k < k_end) {  // a group that starts on a pair's second k (odd group sizes)
+        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
+        dequantize(hi, s, m, wk);
+        madds(k, wk);
+        ++k;
+      }
+      for (; k + 1 < k_end; k += 2) {
+        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
+        dequantize(lo, s, m, wk);
+        madds(k, wk);
+        dequantize(hi, s, m, wk);
+        madds(k + 1, wk);
+        ask(k / 2);
+      }
+      if (k < k_end) {  // a group that ends on a pair's first k
+        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
+        dequantize(lo, s, m, wk);
+        madds(k, wk);
+      }
+    }
+  }
+  if (cols == kPanel) {
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) V::store(acc[r], bias, out + r * ldo);
+    return;
+  }
+  alignas(64) float sums[kPanel];
+  for (int r = 0; r < Rows; ++r) {
+    V::to_floats(acc[r], sums);
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
+  }
+}
+
+template <class V, int Bits, bool Mins>
+struct TileTable {
+  using Fn = void (*)(const float*, int64_t, const Packed&, int64_t, const float*, float*, int64_t, int64_t,
+                      const uint8_t*, int64_t, int64_t);
+  template <int... Rows>
+  static constexpr auto make(std::integer_sequence<int, Rows...>) {
+    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, tile<V, Rows + 1, Bits, Mins>...};
+  }
+  static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
+};
+
+// The rows [row, row + rows) of x against one panel, in tiles of at most `max_rows`.
+using RowsFn = void (*)(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
+                        float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch);
+
+template <class V, int Bits, bool Mins>
+void vector_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
+                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  constexpr int64_t kRows = V::kMaxRows;
+  // As few tiles as the registers allow, of equal height (gemm.cpp: the same bits whatever the tile).
+  const int64_t tiles = (rows + kRows - 1) / kRows, tile_rows = (rows + tiles - 1) / tiles;
+  const int64_t lines = prefetch != nullptr ? (w.panel_bytes + 63) / 64 : 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t first = t * tile_rows, count = std::min(tile_rows, rows - first);
+    TileTable<V, Bits, Mins>::kTiles[count](x + first * ldx, ldx, w, panel, bias, out + first * ldo, ldo, cols,
+                                            prefetch, t * lines / tiles, (t + 1) * lines / tiles);
+  }
+}
+
+template <int Bits>
+void scalar_rows_fn(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
+                    float* out, int64_t ldo, int64_t cols, const uint8_t*) {
+  scalar_rows<Bits>(x, ldx, rows, w, panel, bias, out, ldo, cols);
+}
+
+template <class V>
+RowsFn pick_rows(int64_t bits, bool mins) {
+  if (bits == 8) return mins ? vector_rows<V, 8, true> : vector_rows<V, 8, false>;
+  return mins ? vector_rows<V, 4, true> : vector_rows<V, 4, false>;
+}
+
+at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
+                RowsFn rows_fn, int64_t max_rows) {
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int64_t block_rows =
+      std::max<int64_t>(max_rows, kRowBlockBytes / (k * int64_t(sizeof(float))) / max_rows * max_rows);
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+
+  // Items row block first (a core keeps its x rows in cache and streams panels past them);
+  // `after`: the item the core takes next once [begin, end) is done (-1: none known).
+  auto run = [&](int64_t begin, int64_t end, int64_t after) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / num_panels, panel = item % num_panels;
+      const int64_t first_row = block * block_rows, rows = std::min(m, first_row + block_rows) - first_row;
+      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+      const int64_t next_item = item + 1 < end ? item + 1 : after;
+      const uint8_t* next = next_item >= 0 ? w.q + next_item % num_panels * w.panel_bytes : nullptr;
+      rows_fn(xp + first_row * ldx, ldx, rows, w, panel, bias != nullptr ? bias + col : nullptr,
+              op + first_row * n + col, n, cols, next);
+    }
+  };
+  const int64_t items = row_blocks * num_panels;
+  const int64_t threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
+    run(0, items, -1);
+    return out;
+  }
+  // Chunks shrinking as the work runs out, claimed one ahead (gemm.cpp says why).
+  std::vector<int64_t> bounds{0};
+  while (bounds.back() < items) {
+    const int64_t left = items - bounds.back(), share = kShareOfWhatIsLeft * threads;
+    bounds.push_back(bounds.back() + (left + share - 1) / share);
+  }
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
+    while (mine < chunks) {
+      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
+      run(bounds[mine], bounds[mine + 1], following < chunks ? bounds[following] : -1);
+      mine = following;
+    }
+  }
+  return out;
+}
+
+int64_t best_isa() {
+#if defined(INFLIGHT_HAVE_AVX512)
+  return kIsaAvx512;
+#elif defined(INFLIGHT_HAVE_AVX2)
+  return kIsaAvx2;
+#else
+  return kIsaNone;
+#endif
+}
+
+void check_isa(const char* op, int64_t isa) {
+  TORCH_CHECK(isa >= kIsaNone && isa <= best_isa(), op, ": instruction set ", isa,
+              " has no quantized path built here (best: ", best_isa(), "; the bfloat16 paths take float weights)");
+}
+
+// float16 where every value survives the round trip, else float32; [P, groups, 16], padded with zeros.
+at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
+  const int64_t n = values.size(0), groups = values.size(1);
+  const at::Tensor as_half = values.to(at::kHalf);
+  const bool exact = as_half.to(at::kFloat).equal(values);
+  at::Tensor padded = at::zeros({panels * kPanel, groups}, values.options().dtype(exact ? at::kHalf : at::kFloat));
+  padded.narrow(0, 0, n).copy_(exact ? as_half : values);
+  return padded.view({panels, kPanel, groups}).transpose(1, 2).contiguous();
+}
+
+}  // namespace
+
+int64_t quant_gemm_isa() { return best_isa(); }
+
+std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                                          int64_t bits, int64_t group_size, int64_t isa) {
+  check_isa("pack_quant_panels", isa);
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_panels: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quant_panels: q must be int8 [N, K]");
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(group_size > 0, "pack_quant_panels: group_size must be positive, not ", group_size);
+  const int64_t groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
+                  scales.scalar_type() == at::kFloat,
+              "pack_quant_panels: scales must be float32 [", n, ", ", groups, "]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins)
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat,
+                "pack_quant_panels: mins must be float32 [", n, ", ", groups, "]");
+  at::Tensor packed;
+  if (bits == 8) {
+    at::Tensor padded = at::zeros({panels * kPanel, k}, q.options());
+    padded.narrow(0, 0, n).copy_(q);
+    packed = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous().view(at::kByte);
+  } else {
+    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
+                "pack_quant_panels: 4-bit q must hold 0..15");
+    const int64_t pairs = (k + 1) / 2;
+    at::Tensor padded = at::zeros({panels * kPanel, pairs * 2}, q.options().dtype(at::kByte));
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
+    at::Tensor nibbles = padded.view({panels * kPanel, pairs, 2});
+    at::Tensor bytes = at::bitwise_or(nibbles.select(2, 0), at::bitwise_left_shift(nibbles.select(2, 1), 4));
+    packed = bytes.view({panels, kPanel, pairs}).transpose(1, 2).contiguous();
+  }
+  std::vector<at::Tensor> result{packed, pack_group_values(scales.contiguous(), panels)};
+  if (has_mins) result.push_back(pack_group_values(mins->contiguous(), panels));
+  return result;
+}
+
+at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                            std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size,
+                            int64_t isa) {
+  check_isa("quant_panel_gemm", isa);
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_panel_gemm: x [M, K] in float32");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
+              "quant_panel_gemm: q panels from pack_quant_panels");
+  const int64_t num_panels = q.size(0), packed_rows = bits == 8 ? k : (k + 1) / 2;
+  TORCH_CHECK(q.size(1) == packed_rows, "quant_panel_gemm: x has ", k, " columns, the ", bits, "-bit weight's panels ",
+              q.size(1), " packed rows");
+  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "quant_panel_gemm: n does not match the panels");
+  TORCH_CHECK(group_size > 0, "quant_panel_gemm: group_size must be positive");
+  const int64_t groups = (k + group_size - 1) / group_size;
+  const auto check_values = [&](const at::Tensor& v, const char* name) {
+    TORCH_CHECK(v.dim() == 3 && v.size(0) == num_panels && v.size(1) == groups && v.size(2) == kPanel &&
+                    v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
+                "quant_panel_gemm: ", name, " from pack_quant_panels for ", groups, " groups of ", group_size);
+  };
+  check_values(scales, "scales");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins) check_values(*mins, "mins");
+  if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
+  at::Tensor bias_float;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
+                "quant_panel_gemm: bias [N] in float32");
+    bias_float = bias->contiguous();
+  }
+  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
+  const Packed w{q.data_ptr<uint8_t>(),
+                 q.stride(0),
+                 {scales.data_ptr(), scales.scalar_type() == at::kHalf},
+                 {has_mins ? mins->data_ptr() : nullptr, has_mins && mins->scalar_type() == at::kHalf},
+                 groups,
+                 group_size,
+                 k};
+  switch (isa) {
+#if defined(INFLIGHT_HAVE_AVX512)
+    case kIsaAvx512:
+      return gemm(x, w, num_panels, bias_data, n, pick_rows<Avx512>(bits, has_mins), Avx512::kMaxRows);
+#endif
+#if defined(INFLIGHT_HAVE_AVX2)
+    case kIsaAvx2:
+      return gemm(x, w, num_panels, bias_data, n, pick_rows<Avx2>(bits, has_mins), Avx2::kMaxRows);
+#endif
+    case kIsaNone:
+      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_rows_fn<8> : scalar_rows_fn<4>, 8);
+    default:
+      TORCH_CHECK(false, "quant_panel_gemm: no kernel for instruction set ", isa);
+  }
+}

@@ -141,7 +141,12 @@ struct Avx2 {
   using IVec = __m256i;
   static constexpr int kVectors = 2;
   static constexpr int kMaxRows = 6;
+  // Up to 4 rows de-quantize in registers; one row against two panels, for four independent
+  // sums (with more panels the group's scales, the weights and the sums outgrow the 16 registers).
+  static constexpr int kDirectRows = 4;
+  static constexpr int panels_for_rows(int rows) { return rows == 1 ? 2 : 1; }
   static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* w) { return _mm256_loadu_ps(w); }
   static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
     if (v.half) {
       const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
@@ -187,7 +192,10 @@ struct Avx512 {
   using IVec = __m512i;
   static constexpr int kVectors = 1;
   static constexpr int kMaxRows = 12;
+  static constexpr int kDirectRows = 4;
+  static constexpr int panels_for_rows(int rows) { return rows == 1 ? 4 : 2; }
   static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* w) { return _mm512_loadu_ps(w); }
   static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
     if (v.half) {
       out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))));
@@ -214,134 +222,327 @@ struct Avx512 {
 };
 #endif
 
-// One tile: Rows rows of x against one panel. `prefetch`: the next item's panel (nullptr: none),
-// of which this tile asks for the 64-byte lines [prefetch_begin, prefetch_end) into L2, one
-// every fourth packed row, spread over the tile's loop so that memory sees a steady stream.
-template <class V, int Rows, int Bits, bool Mins>
-void tile(const float* x, int64_t ldx, const Packed& w, int64_t panel, const float* bias, float* out, int64_t ldo,
-          int64_t cols, const uint8_t* prefetch, int64_t prefetch_begin, int64_t prefetch_end) {
+// Calls fn(k, w) for k in [k_begin, k_end) in order, w[p][v] the weights of panels
+// first_panel .. first_panel + Panels - 1 at k, de-quantized with their group's scales (and mins)
+// held for the whole group, and ask(row) after each packed row read (a k's for int8, a pair's for
+// int4). Inlined with its callers' lambdas: their sums then live in registers, not on the stack.
+template <class V, int Panels, int Bits, bool Mins, class Fn, class Ask>
+__attribute__((always_inline)) inline void for_each_k(const Packed& w, int64_t first_panel, int64_t k_begin, int64_t k_end, Fn&& fn, Ask&& ask) {
   using Vec = typename V::Vec;
   using IVec = typename V::IVec;
   constexpr int kV = V::kVectors;
-  const uint8_t* q = w.q + panel * w.panel_bytes;
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  for (int64_t j = k_begin / w.group_size; j * w.group_size < k_end; ++j) {
+    Vec s[Panels][kV], m[Panels][kV], wk[Panels][kV];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      V::group_values(w.scales, (first_panel + p) * w.groups + j, s[p]);
+      if (Mins) V::group_values(w.mins, (first_panel + p) * w.groups + j, m[p]);
+    }
+    const auto dequantize = [&](const IVec (&qi)[Panels][kV]) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p)
+        for (int v = 0; v < kV; ++v) {
+          wk[p][v] = V::weight(qi[p][v], s[p][v]);
+          if (Mins) wk[p][v] = V::add(wk[p][v], m[p][v]);
+        }
+    };
+    int64_t k = std::max(k_begin, j * w.group_size);
+    const int64_t end = std::min(k_end, (j + 1) * w.group_size);
+    if (Bits == 8) {
+      for (; k < end; ++k) {
+        IVec qi[Panels][kV];
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints8(q + p * w.panel_bytes + k * kRowBytes, qi[p]);
+        dequantize(qi);
+        fn(k, wk);
+        ask(k);
+      }
+    } else {
+      IVec lo[Panels][kV], hi[Panels][kV];
+      const auto load = [&](int64_t pair) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints4(q + p * w.panel_bytes + pair * kRowBytes, lo[p], hi[p]);
+      };
+      if (k % 2 != 0 && k < end) {  // a group that starts on a pair's second k (odd group sizes)
+        load(k / 2);
+        dequantize(hi);
+        fn(k, wk);
+        ++k;
+      }
+      for (; k + 1 < end; k += 2) {
+        load(k / 2);
+        dequantize(lo);
+        fn(k, wk);
+        dequantize(hi);
+        fn(k + 1, wk);
+        ask(k / 2);
+      }
+      if (k < end) {  // a group that ends on a pair's first k
+        load(k / 2);
+        dequantize(lo);
+        fn(k, wk);
+      }
+    }
+  }
+}
+
+// Stores a tile's sums for one panel (`cols` of its 16 columns), + bias.
+template <class V>
+inline void store_line(const typename V::Vec (&line)[V::kVectors], const float* bias, float* out, int64_t cols) {
+  if (cols == kPanel) return V::store(line, bias, out);
+  alignas(64) float sums[kPanel];
+  V::to_floats(line, sums);
+  for (int64_t c = 0; c < cols; ++c) out[c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
+}
+
+// Decode-sized row blocks: Rows rows against Panels adjacent panels, de-quantized in registers
+// (once for the tile's rows), over all of K. At one row, several panels give the multiply-adds
+// independent chains to interleave (one panel's two chains wait on the FMA latency). `prefetch`:
+// the next item's panels (nullptr: none), whose 64-byte lines [line_begin, line_end) this tile asks
+// for into L2, one a packed row, so that memory sees a steady stream.
+// One k of a direct tile: the panels' integers de-quantized, then each row's multiply-adds.
+template <class V, int Rows, int Panels, bool Mins>
+__attribute__((always_inline)) inline void direct_step(typename V::Vec (&acc)[Rows][Panels][V::kVectors],
+                                                       const float* x, int64_t ldx,
+                                                       const typename V::IVec (&qi)[Panels][V::kVectors],
+                                                       const typename V::Vec (&s)[Panels][V::kVectors],
+                                                       const typename V::Vec (&m)[Panels][V::kVectors]) {
+  using Vec = typename V::Vec;
+  constexpr int kV = V::kVectors;
+  Vec wk[Panels][kV];
+#pragma GCC unroll 8
+  for (int p = 0; p < Panels; ++p)
+    for (int v = 0; v < kV; ++v) {
+      wk[p][v] = V::weight(qi[p][v], s[p][v]);
+      if (Mins) wk[p][v] = V::add(wk[p][v], m[p][v]);
+    }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    const Vec a = V::broadcast(x + r * ldx);
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kV; ++v) acc[r][p][v] = V::madd(acc[r][p][v], a, wk[p][v]);
+  }
+}
+
+template <class V, int Panels>
+__attribute__((always_inline)) inline void ints4_rows(const uint8_t* q, int64_t panel_bytes, int64_t pair,
+                                                      typename V::IVec (&lo)[Panels][V::kVectors],
+                                                      typename V::IVec (&hi)[Panels][V::kVectors]) {
+#pragma GCC unroll 8
+  for (int p = 0; p < Panels; ++p) V::ints4(q + p * panel_bytes + pair * kRowBytes, lo[p], hi[p]);
+}
+
+template <class V, int Rows, int Panels, int Bits, bool Mins>
+void direct_tile(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, const float* bias, float* out,
+                 int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
+  using Vec = typename V::Vec;
+  using IVec = typename V::IVec;
+  constexpr int kV = V::kVectors;
+  Vec acc[Rows][Panels][kV];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kV; ++v) acc[r][p][v] = V::zero();
+  // for_each_k's loop, written out here, its steps functions rather than lambdas: with the sums
+  // captured by a lambda, g++ kept them in memory, loaded and stored every step (4x slower at one row).
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  int64_t line = line_begin;
+  for (int64_t j = 0; j < w.groups; ++j) {
+    Vec s[Panels][kV], m[Panels][kV];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      V::group_values(w.scales, (first_panel + p) * w.groups + j, s[p]);
+      if (Mins) V::group_values(w.mins, (first_panel + p) * w.groups + j, m[p]);
+    }
+    int64_t k = j * w.group_size;
+    const int64_t end = std::min(w.k, k + w.group_size);
+    if (Bits == 8) {
+      for (; k < end; ++k) {
+        IVec qi[Panels][kV];
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints8(q + p * w.panel_bytes + k * kRowBytes, qi[p]);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, qi, s, m);
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+      }
+    } else {
+      IVec lo[Panels][kV], hi[Panels][kV];
+      if (k % 2 != 0 && k < end) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, hi, s, m);
+        ++k;
+      }
+      for (; k + 1 < end; k += 2) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, lo, s, m);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k + 1, ldx, hi, s, m);
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+      }
+      if (k < end) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, lo, s, m);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      // A copy: with the sums' own address taken, g++ stored them to memory every step.
+      Vec line[kV];
+      for (int v = 0; v < kV; ++v) line[v] = acc[r][p][v];
+      if (p * kPanel < cols)
+        store_line<V>(line, bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+                      std::min<int64_t>(kPanel, cols - p * kPanel));
+    }
+}
+
+// Larger row blocks: one panel's weights for kChunk k's at a time, de-quantized once into a
+// buffer (L1), then every tile of the block's rows runs the float panel GEMM's loop on them:
+// Rows rows, the sums carried from chunk to chunk in `sums` (exact: stored and loaded as
+// floats), so each is still one chain over k in order.
+constexpr int64_t kChunk = 256;
+
+template <class V, int Rows>
+void buffered_tile(const float* x, int64_t ldx, const float* weights, int64_t steps, float* sums, bool first,
+                   bool last, const float* bias, float* out, int64_t ldo, int64_t cols) {
+  using Vec = typename V::Vec;
+  constexpr int kV = V::kVectors;
+  constexpr int64_t kVectorElems = kPanel / kV;
   Vec acc[Rows][kV];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = V::zero();
-  // The rows' multiply-adds at k on the weights w.
-  const auto madds = [&](int64_t k, const Vec (&wk)[kV]) {
+    for (int v = 0; v < kV; ++v) acc[r][v] = first ? V::zero() : V::load(sums + r * kPanel + v * kVectorElems);
+  for (int64_t k = 0; k < steps; ++k) {
+    Vec wk[kV];
+#pragma GCC unroll 4
+    for (int v = 0; v < kV; ++v) wk[v] = V::load(weights + k * kPanel + v * kVectorElems);
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const Vec a = V::broadcast(x + r * ldx + k);
 #pragma GCC unroll 4
       for (int v = 0; v < kV; ++v) acc[r][v] = V::madd(acc[r][v], a, wk[v]);
     }
-  };
-  const auto dequantize = [&](const IVec (&qi)[kV], const Vec (&s)[kV], const Vec (&m)[kV], Vec (&wk)[kV]) {
-#pragma GCC unroll 4
-    for (int v = 0; v < kV; ++v) {
-      wk[v] = V::weight(qi[v], s[v]);
-      if (Mins) wk[v] = V::add(wk[v], m[v]);
-    }
-  };
-  int64_t line = prefetch_begin;
-  const auto ask = [&](int64_t packed_row) {
-    if (packed_row % 4 == 0 && line < prefetch_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
-  };
-  for (int64_t j = 0; j < w.groups; ++j) {
-    Vec s[kV], m[kV];
-    V::group_values(w.scales, panel * w.groups + j, s);
-    if (Mins) V::group_values(w.mins, panel * w.groups + j, m);
-    int64_t k = j * w.group_size;
-    const int64_t k_end = std::min(w.k, k + w.group_size);
-    if (Bits == 8) {
-      for (; k < k_end; ++k) {
-        IVec qi[kV];
-        Vec wk[kV];
-        V::ints8(q + k * kRowBytes, qi);
-        dequantize(qi, s, m, wk);
-        madds(k, wk);
-        ask(k);
-      }
-    } else {
-      IVec lo[kV], hi[kV];
-      Vec wk[kV];
-      if (k % 2 != 0 && k < k_end) {  // a group that starts on a pair's second k (odd group sizes)
-        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
-        dequantize(hi, s, m, wk);
-        madds(k, wk);
-        ++k;
-      }
-      for (; k + 1 < k_end; k += 2) {
-        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
-        dequantize(lo, s, m, wk);
-        madds(k, wk);
-        dequantize(hi, s, m, wk);
-        madds(k + 1, wk);
-        ask(k / 2);
-      }
-      if (k < k_end) {  // a group that ends on a pair's first k
-        V::ints4(q + (k / 2) * kRowBytes, lo, hi);
-        dequantize(lo, s, m, wk);
-        madds(k, wk);
-      }
-    }
   }
-  if (cols == kPanel) {
 #pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) V::store(acc[r], bias, out + r * ldo);
-    return;
-  }
-  alignas(64) float sums[kPanel];
   for (int r = 0; r < Rows; ++r) {
-    V::to_floats(acc[r], sums);
-    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
+    if (last) {
+      store_line<V>(acc[r], bias, out + r * ldo, cols);
+    } else {
+      V::to_floats(acc[r], sums + r * kPanel);
+    }
   }
 }
 
-template <class V, int Bits, bool Mins>
-struct TileTable {
-  using Fn = void (*)(const float*, int64_t, const Packed&, int64_t, const float*, float*, int64_t, int64_t,
-                      const uint8_t*, int64_t, int64_t);
+template <class V>
+struct BufferedTiles {
+  using Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool, bool, const float*, float*, int64_t,
+                      int64_t);
   template <int... Rows>
   static constexpr auto make(std::integer_sequence<int, Rows...>) {
-    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, tile<V, Rows + 1, Bits, Mins>...};
+    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, buffered_tile<V, Rows + 1>...};
   }
   static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
 };
 
-// The rows [row, row + rows) of x against one panel, in tiles of at most `max_rows`.
-using RowsFn = void (*)(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
-                        float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch);
+// One work item: the rows [0, rows) of x (a row block) against the panels [first_panel,
+// first_panel + panels), their `cols` columns; `prefetch`: the next item's panels or nullptr.
+using ItemFn = void (*)(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel,
+                        int64_t panels, const float* bias, float* out, int64_t ldo, int64_t cols,
+                        const uint8_t* prefetch, std::vector<float>& sums);
+
+template <class V, int Rows, int Bits, bool Mins>
+void direct_rows(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, int64_t panels, const float* bias,
+                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  constexpr int kPanels = V::panels_for_rows(Rows);
+  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
+  const int64_t calls = panels / kPanels + panels % kPanels;
+  int64_t call = 0;
+  for (int64_t p = 0; p < panels; ++call) {
+    const int64_t line_begin = call * lines / calls, line_end = (call + 1) * lines / calls;
+    const int64_t col = p * kPanel, rest = cols - col;
+    const float* b = bias != nullptr ? bias + col : nullptr;
+    if (panels - p >= kPanels) {
+      direct_tile<V, Rows, kPanels, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch,
+                                                line_begin, line_end);
+      p += kPanels;
+    } else {
+      direct_tile<V, Rows, 1, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch, line_begin,
+                                          line_end);
+      p += 1;
+    }
+  }
+}
 
 template <class V, int Bits, bool Mins>
-void vector_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
-                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+void vector_item(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel, int64_t panels,
+                 const float* bias, float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch,
+                 std::vector<float>& sums) {
+  static_assert(V::kDirectRows == 4, "direct_rows below covers 1 to 4 rows");
+  switch (rows) {
+    case 1:
+      return direct_rows<V, 1, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 2:
+      return direct_rows<V, 2, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 3:
+      return direct_rows<V, 3, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 4:
+      return direct_rows<V, 4, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    default:
+      break;
+  }
   constexpr int64_t kRows = V::kMaxRows;
   // As few tiles as the registers allow, of equal height (gemm.cpp: the same bits whatever the tile).
   const int64_t tiles = (rows + kRows - 1) / kRows, tile_rows = (rows + tiles - 1) / tiles;
-  const int64_t lines = prefetch != nullptr ? (w.panel_bytes + 63) / 64 : 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t first = t * tile_rows, count = std::min(tile_rows, rows - first);
-    TileTable<V, Bits, Mins>::kTiles[count](x + first * ldx, ldx, w, panel, bias, out + first * ldo, ldo, cols,
-                                            prefetch, t * lines / tiles, (t + 1) * lines / tiles);
+  const int64_t chunks = (w.k + kChunk - 1) / kChunk;
+  if (chunks > 1 && static_cast<int64_t>(sums.size()) < rows * kPanel) sums.resize(rows * kPanel);
+  alignas(64) float weights[kChunk * kPanel];
+  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
+  int64_t line = 0;
+  const auto ask = [&](int64_t) __attribute__((always_inline)) {
+    if (line < lines) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+  };
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t col = p * kPanel, panel_cols = std::min(kPanel, cols - col);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k_begin = c * kChunk, k_end = std::min(w.k, k_begin + kChunk);
+      for_each_k<V, 1, Bits, Mins>(
+          w, first_panel + p, k_begin, k_end,
+          [&](int64_t k, const typename V::Vec (&wk)[1][V::kVectors]) __attribute__((always_inline)) {
+            V::to_floats(wk[0], weights + (k - k_begin) * kPanel);
+          },
+          ask);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t first = t * tile_rows, count = std::min(tile_rows, rows - first);
+        BufferedTiles<V>::kTiles[count](x + first * ldx + k_begin, ldx, weights, k_end - k_begin,
+                                        sums.data() + first * kPanel, c == 0, c == chunks - 1,
+                                        bias != nullptr ? bias + col : nullptr, out + first * ldo + col, ldo,
+                                        panel_cols);
+      }
+    }
   }
 }
 
 template <int Bits>
-void scalar_rows_fn(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
-                    float* out, int64_t ldo, int64_t cols, const uint8_t*) {
-  scalar_rows<Bits>(x, ldx, rows, w, panel, bias, out, ldo, cols);
+void scalar_item(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel, int64_t panels,
+                 const float* bias, float* out, int64_t ldo, int64_t cols, const uint8_t*, std::vector<float>&) {
+  for (int64_t p = 0; p < panels; ++p)
+    scalar_rows<Bits>(x, ldx, rows, w, first_panel + p, bias != nullptr ? bias + p * kPanel : nullptr,
+                      out + p * kPanel, ldo, std::min(kPanel, cols - p * kPanel));
 }
 
 template <class V>
-RowsFn pick_rows(int64_t bits, bool mins) {
-  if (bits == 8) return mins ? vector_rows<V, 8, true> : vector_rows<V, 8, false>;
-  return mins ? vector_rows<V, 4, true> : vector_rows<V, 4, false>;
+ItemFn pick_item(int64_t bits, bool mins) {
+  if (bits == 8) return mins ? vector_item<V, 8, true> : vector_item<V, 8, false>;
+  return mins ? vector_item<V, 4, true> : vector_item<V, 4, false>;
 }
 
+// Items are (row block, group of kGroup panels).
+constexpr int64_t kGroup = 4;
+
 at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
-                RowsFn rows_fn, int64_t max_rows) {
+                ItemFn item_fn, int64_t max_rows) {
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -351,21 +552,24 @@ at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const 
   const int64_t block_rows =
       std::max<int64_t>(max_rows, kRowBlockBytes / (k * int64_t(sizeof(float))) / max_rows * max_rows);
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  const int64_t groups = (num_panels + kGroup - 1) / kGroup;
 
   // Items row block first (a core keeps its x rows in cache and streams panels past them);
   // `after`: the item the core takes next once [begin, end) is done (-1: none known).
   auto run = [&](int64_t begin, int64_t end, int64_t after) {
+    std::vector<float> sums;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / num_panels, panel = item % num_panels;
+      const int64_t block = item / groups, g = item % groups;
       const int64_t first_row = block * block_rows, rows = std::min(m, first_row + block_rows) - first_row;
-      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+      const int64_t first_panel = g * kGroup, panels = std::min(kGroup, num_panels - first_panel);
+      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
       const int64_t next_item = item + 1 < end ? item + 1 : after;
-      const uint8_t* next = next_item >= 0 ? w.q + next_item % num_panels * w.panel_bytes : nullptr;
-      rows_fn(xp + first_row * ldx, ldx, rows, w, panel, bias != nullptr ? bias + col : nullptr,
-              op + first_row * n + col, n, cols, next);
+      const uint8_t* next = next_item >= 0 ? w.q + next_item % groups * kGroup * w.panel_bytes : nullptr;
+      item_fn(xp + first_row * ldx, ldx, rows, w, first_panel, panels, bias != nullptr ? bias + col : nullptr,
+              op + first_row * n + col, n, cols, next, sums);
     }
   };
-  const int64_t items = row_blocks * num_panels;
+  const int64_t items = row_blocks * groups;
   const int64_t threads = at::get_num_threads();
   if (m * n * k < kMinParallelMacs || threads == 1) {
     run(0, items, -1);
@@ -496,14 +700,14 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   switch (isa) {
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:
-      return gemm(x, w, num_panels, bias_data, n, pick_rows<Avx512>(bits, has_mins), Avx512::kMaxRows);
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows);
 #endif
 #if defined(INFLIGHT_HAVE_AVX2)
     case kIsaAvx2:
-      return gemm(x, w, num_panels, bias_data, n, pick_rows<Avx2>(bits, has_mins), Avx2::kMaxRows);
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx2>(bits, has_mins), Avx2::kMaxRows);
 #endif
     case kIsaNone:
-      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_rows_fn<8> : scalar_rows_fn<4>, 8);
+      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_item<8> : scalar_item<4>, 8);
     default:
       TORCH_CHECK(false, "quant_panel_gemm: no kernel for instruction set ", isa);
   }

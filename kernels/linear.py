@@ -42,6 +42,8 @@ maybe a min, per group of inputs) are packed as they are, never widened to a flo
 where that is exact, de-quantized in registers on the AVX2 or AVX-512 path. Its result is the
 float32 panel GEMM's on the de-quantized weight, to the bit (so batch invariance holds as
 above); a bfloat16 input is widened and the output rounded to bfloat16 once, as `upcast`.
+At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
+EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and
 de-quantizes it per call for torch's GEMM (slow, and correct).
 

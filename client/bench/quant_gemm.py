@@ -10,12 +10,13 @@ result is first checked to be the float32 panel GEMM's bits on the de-quantized 
 kernel is refused, never timed). Also the machine's copy bandwidth, the bound a decode's weight
 reads run against. Timings: the best of `--windows` windows of `--seconds`, after warm-up calls.
 
-    python -m client.bench.quant_gemm --json bench/results/avx2/quant_gemm.json
+    python -m client.bench.quant_gemm --threads 1 --json bench/results/avx2/quant_gemm.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -53,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch/OpenMP threads (default: torch's); 1 on a machine other processes share, "
+                             "where a core taken away stalls every parallel call")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     module = cpu_ext.load()
     if module is None or cpu_ext.isa() < cpu_ext.Isa.AVX2:
         print("the quantized panel GEMM needs the C++ kernels with AVX2 and FMA", file=sys.stderr)
@@ -96,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
               "float_isa": float_isa.name.lower(), "quant_isa": min(cpu_ext.isa(), cpu_ext.Isa.AVX512).name.lower(),
               "formats": {fmt: {"bits": bits, "group_size": group, "mins": mins, "float16_group_values": half}
                           for fmt, bits, group, mins, half in FORMATS},
-              "copy_bandwidth_gb_per_s": copy_bandwidth_gbps("cpu"), "results": results}
+              "copy_bandwidth_gb_per_s": copy_bandwidth_gbps("cpu"),
+              # Other processes' load skews the figures on a shared machine: said, not hidden.
+              "load_average_1_5_15_min": list(os.getloadavg()), "results": results}
     print(f"copy bandwidth {report['copy_bandwidth_gb_per_s']:.1f} GB/s")
     if args.json:
         write_report(args.json, report)

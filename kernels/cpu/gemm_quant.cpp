@@ -22,22 +22,56 @@
 // So a Q4_0/Q4_1 weight costs 4 + 32/32 = 5 bits, Q8_0's 8 + 16/32 = 8.5, int4 with float32
 // scale and min per 128 4.5.
 //
-// Kernels. One tile computes up to kMaxRows rows x one panel: for each k (a pair of k's for
-// int4) it loads the panel's row of integers once, widens and converts them, multiplies by the
-// group's scales and adds its mins (held for the whole group), and runs the rows' multiply-adds
-// on those weights, so the de-quantization is paid once per tile of rows:
-// - kIsaAvx2: 6 rows x 16 columns (two 8-float registers per row; the group's scales and mins
-//   are memory operands, L1 hits);
-// - kIsaAvx512: 12 rows x 16 columns (one zmm per row);
-// - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA runs: slow, and kept for
+// Kernels. De-quantizing costs more instructions than the multiply-adds it feeds at a few rows,
+// so it is paid once for as many rows as possible:
+// - row blocks of 1-4 rows (decode) de-quantize in registers: for each k (a pair of k's for int4)
+//   a tile loads its panels' integers once, widens and converts them, multiplies by the group's
+//   scales and adds its mins (held for the whole group) and runs every row's multiply-adds on
+//   them. One row runs against two panels at once (AVX2; four on AVX-512), so that four chains of
+//   sums interleave instead of two waiting on the FMA latency;
+// - larger row blocks de-quantize one panel's next 256 k's once into a 16 KB buffer (L1), and every
+//   tile of the block's rows (6 on AVX2, 12 on AVX-512, as gemm.cpp) runs the float panel GEMM's
+//   loop on it, its sums carried from one 256 k's to the next through memory (exact);
+// - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA would run: slow, and kept for
 //   correctness; kernels/linear.py de-quantizes per call with torch instead there).
-// Work is split over the cores by (row block, panel) in chunks taken as cores come free, as
-// gemm.cpp splits it, and each tile asks for the next item's panel into L2 as it goes.
+// Work is split over the cores by (row block, group of 4 panels) in chunks taken as cores come
+// free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
-// Measured on a 2-core AVX2 EPYC (Zen 3, KVM), 2 threads, GFLOP/s and weight GB/s (the packed
-// bytes read once per call) at M = 1 / 8 / 32 / 256 (client/bench/quant_gemm.py,
-// bench/results/avx2/quant_gemm.json): see the table below.
-// QUANT_GEMM_TABLE
+// Measured on a 2-core AVX2 EPYC (Zen 3, KVM) that other sessions' jobs shared (load average
+// 6.3 on its 2 cores), so one thread, best of 3 windows: GFLOP/s, and at M = 1 the weight's GB/s
+// (its packed bytes, read once a call), against the float32 panel GEMM on the same shape
+// (client/bench/quant_gemm.py --threads 1, bench/results/avx2/quant_gemm.json; formats there: int8
+// per channel; q8_0 int8 g32 float16 scales; q4_1 int4 g32 float16 scale and min; int4_g128 float32).
+// SmolLM2-135M's weights (the first four shapes, 1-7 MB in float32) sit in the L3 cache, where the
+// float GEMM reads ~30 GB/s and de-quantizing bounds the quantized ones at one row (the same
+// GFLOP/s); Llama-3.2-1B's (the last two, 64 MB) stream from memory, where one row runs 2.5-4.9x
+// faster quantized. From 32 rows on (de-quantized once per 256 k's) the quantized GEMMs ran at
+// 75-150% of the float rate; single figures moved by 10-20% between runs on the shared machine.
+//   N x K       M      float32         int8         q8_0         q4_1    int4_g128
+//  960 x 576     1   15.2 / 30.4  15.4 /  7.8  10.9 /  5.8  11.3 /  3.5  17.5 /  5.0
+//  960 x 576     8   45.0         41.2         43.0         30.8         29.4
+//  960 x 576    32   66.3         49.9         52.4         48.9         52.6
+//  960 x 576   256   59.2         58.4         59.1         56.1         74.7
+//  576 x 576     1   13.7 / 27.4  16.7 /  8.4  17.3 /  9.2  15.2 /  4.8  15.5 /  4.4
+//  576 x 576     8   46.8         29.0         27.8         28.8         38.8
+//  576 x 576    32   62.8         58.1         48.0         49.7         51.0
+//  576 x 576   256   64.4         68.0         59.3         56.2         59.3
+// 3072 x 576     1   16.4 / 32.8  15.5 /  7.8  14.3 /  7.6  13.9 /  4.3  14.1 /  4.0
+// 3072 x 576     8   46.0         40.1         37.3         39.7         40.8
+// 3072 x 576    32   77.6         74.2         73.7         58.8         73.7
+// 3072 x 576   256   69.3         62.2         65.2         57.7         76.0
+//  576 x 1536    1   16.7 / 33.3  16.6 /  8.3  21.8 / 11.6  13.1 /  4.1  12.1 /  3.4
+//  576 x 1536    8   39.6         29.4         37.8         35.6         30.1
+//  576 x 1536   32   60.9         54.0         54.0         53.4         53.3
+//  576 x 1536  256   61.6         58.9         58.9         75.0         73.9
+// 8192 x 2048    1    4.9 /  9.9  22.1 / 11.1  12.2 /  6.5  13.7 /  4.3  14.9 /  4.2
+// 8192 x 2048    8   29.8         36.7         36.7         39.5         34.2
+// 8192 x 2048   32   41.9         48.5         47.9         49.8         50.3
+// 8192 x 2048  256   57.1         69.3         65.9         69.3         63.2
+// 2048 x 8192    1    4.5 /  9.1  15.4 /  7.7  15.1 /  8.0  19.1 /  6.0  21.9 /  6.1
+// 2048 x 8192    8   19.0         29.9         34.8         41.0         41.1
+// 2048 x 8192   32   28.2         37.7         39.0         46.5         47.6
+// 2048 x 8192  256   28.2         41.2         42.4         34.7         35.8
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

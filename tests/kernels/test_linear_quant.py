@@ -104,6 +104,19 @@ def test_quant_gemm_gives_the_float_gemms_bits_on_the_dequantized_weight(isa, la
 
 
 @pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g128_mins", "int4_g33_odd_group", "int4_g32_symmetric"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 20])
+def test_quant_gemm_over_several_chunks_of_k(isa, layout, rows):
+    # 601 inputs: past one buffer of 256 k's (the sums carried from chunk to chunk; groups of 33
+    # straddle the chunks), odd; 1 to 4 rows de-quantize in registers (one or two panels a tile),
+    # 20 through the buffer.
+    weight = make_weight(100, 601, layout, rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 601, generator=gen), torch.randn(100, generator=gen)
+    assert torch.equal(quant_gemm(x, weight, bias, isa), float_panel_gemm(x, weight, bias, isa))
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
 @pytest.mark.parametrize("layout", ["int8_g32_q8_0", "int4_g32_mins", "int4_g33_odd_group"])
 @pytest.mark.parametrize("in_features", [1, 2, 31, 65])
 def test_quant_gemm_short_and_odd_inputs(isa, layout, in_features):

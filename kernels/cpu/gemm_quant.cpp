@@ -34,7 +34,7 @@
 //   loop on it, its sums carried from one 256 k's to the next through memory (exact);
 // - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA would run: slow, and kept for
 //   correctness; kernels/linear.py de-quantizes per call with torch instead there).
-// Work is split over the cores by (row block, group of 4 panels) in chunks taken as cores come
+// Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
 // Measured on a 2-core AVX2 EPYC (Zen 3, KVM) that other sessions' jobs shared (load average
@@ -572,11 +572,12 @@ ItemFn pick_item(int64_t bits, bool mins) {
   return mins ? vector_item<V, 4, true> : vector_item<V, 4, false>;
 }
 
-// Items are (row block, group of kGroup panels).
-constexpr int64_t kGroup = 4;
 
+// Items are (row block, group of `group_panels` panels): as many as a one-row tile takes, so that
+// a decode's few panels still make enough items to share out evenly over the cores.
 at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
-                ItemFn item_fn, int64_t max_rows) {
+                ItemFn item_fn, int64_t max_rows, int64_t group_panels) {
+  const int64_t kGroup = group_panels;
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -734,14 +735,16 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   switch (isa) {
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:
-      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows);
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows,
+                  Avx512::panels_for_rows(1));
 #endif
 #if defined(INFLIGHT_HAVE_AVX2)
     case kIsaAvx2:
-      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx2>(bits, has_mins), Avx2::kMaxRows);
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx2>(bits, has_mins), Avx2::kMaxRows,
+                  Avx2::panels_for_rows(1));
 #endif
     case kIsaNone:
-      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_item<8> : scalar_item<4>, 8);
+      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_item<8> : scalar_item<4>, 8, 1);
     default:
       TORCH_CHECK(false, "quant_panel_gemm: no kernel for instruction set ", isa);
   }

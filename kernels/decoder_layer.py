@@ -16,7 +16,8 @@ are loaded on it, `(packed, slice_offsets, rank)` in kernels/lora.py's terms (`p
 adapter a's `(lora_a, [lora_b per slice])`); a step's LoRA segments (`seg_indptr`,
 `seg_adapter`) then go into its `cpu_step_meta`, and each segment's delta is added as
 `lora_delta_cpu` adds it. `cpu_decoder_layer` answers None where the layer cannot run in one
-call: no C++ kernels, a weight not in the panel GEMM's layout, or norm weights of another dtype
+call: no C++ kernels, a weight not in a panel GEMM's layout (the float one's, or quantized
+weights' `quant_panels`: LoRA adapters stay float over a quantized base), or norm weights of another dtype
 than the layer's.
 """
 
@@ -29,11 +30,15 @@ from .linear import PackedWeight
 
 
 def _projection(module, packed: PackedWeight | None, bias: torch.Tensor | None):
-    if packed is None or packed.kind != "panels":
+    if packed is None or packed.kind not in ("panels", "quant_panels"):
         return None
     if bias is not None and packed.upcast:
         bias = bias.float()
-    return module.Projection(packed.data, bias, packed.shape_only.shape[0], int(packed.isa), packed.upcast)
+    n = packed.shape_only.shape[0]
+    if packed.kind == "quant_panels":
+        return module.Projection.quantized(packed.data, packed.scales, packed.mins, packed.bits, packed.group_size,
+                                           bias, n, int(packed.isa), packed.upcast)
+    return module.Projection(packed.data, bias, n, int(packed.isa), packed.upcast)
 
 
 def _lora_projection(module, lora):

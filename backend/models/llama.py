@@ -98,8 +98,9 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         if self.quantized is not None:
-            self.packed = kernels.pack_linear_weight(self.quantized)
-            return  # `weight` is already only a shape
+            self.packed = kernels.pack_linear_weight(self.quantized, dtype=self.weight.dtype, device=self.weight.device)
+            self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
+            return
         self.packed = kernels.pack_linear_weight(self.weight)
         if self.packed is not None:
             # The packed copy is the weight from now on; keep only its shape and dtype.
@@ -246,7 +247,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             embed = self.embed_tokens
-            self.tied_lm_head_packed = kernels.pack_linear_weight(embed.weight if embed.quantized is None else embed.quantized)
+            self.tied_lm_head_packed = (kernels.pack_linear_weight(embed.weight) if embed.quantized is None else
+                                        kernels.pack_linear_weight(embed.quantized, dtype=embed.weight.dtype,
+                                                                   device=embed.weight.device))
         self.build_cpu_layers()
 
     def pack_quantized_weights(self) -> None:
@@ -255,8 +258,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.quantized is not None:
                 module.pack()
-        if self.lm_head is None and self.embed_tokens.quantized is not None:
-            self.tied_lm_head_packed = kernels.pack_linear_weight(self.embed_tokens.quantized)
+        embed = self.embed_tokens
+        if self.lm_head is None and embed.quantized is not None:
+            self.tied_lm_head_packed = kernels.pack_linear_weight(embed.quantized, dtype=embed.weight.dtype,
+                                                                  device=embed.weight.device)
 
     def is_quantized(self) -> bool:
         return self.embed_tokens.quantized is not None or any(

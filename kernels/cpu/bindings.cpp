@@ -21,6 +21,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Ask Linux for the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM); whether it was lent");
   m.def("pack_panels", &pack_panels, kNoGil, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, kNoGil, "x [M, K] times the packed weight's transpose, plus an optional bias");
+  m.def("quant_gemm_isa", &quant_gemm_isa, "The best instruction set quant_panel_gemm is built with here (0: plain C++)");
+  m.def("pack_quant_panels", &pack_quant_panels, kNoGil, pybind11::arg("q"), pybind11::arg("scales"),
+        pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("isa"),
+        "int8/int4 weights [N, K] with their group scales and mins as 16-column panels: [q, scales(, mins)]");
+  m.def("quant_panel_gemm", &quant_panel_gemm, kNoGil, pybind11::arg("x"), pybind11::arg("q"),
+        pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bias"), pybind11::arg("n"),
+        pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("isa"),
+        "float32 x [M, K] times the packed quantized weight's transpose, plus an optional bias");
   m.def("openmp_team_cpus", &openmp_team_cpus, "The CPUs each thread of the calling thread's OpenMP team may run on");
   m.def("bind_openmp_team", &bind_openmp_team, "Pin thread i of the calling thread's OpenMP team to cpus[i]; the team's thread ids");
   m.def("cumsum_rows", &cumsum_rows, kNoGil, "Running sums along each float32 row into out, torch.cumsum's bits");
@@ -28,7 +36,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_store_kv", &rotary_store_kv, kNoGil, "RoPE on query and key, key and value into the paged cache");
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
       .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
-           pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"));
+           pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"))
+      .def_static(
+          "quantized",
+          [](at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
+             std::optional<at::Tensor> bias, int64_t n, int64_t isa, bool upcast) {
+            TORCH_CHECK(bits == 4 || bits == 8, "Projection.quantized: bits must be 4 or 8, not ", bits);
+            Projection p{q, bias, n, isa, upcast};
+            p.bits = bits, p.group_size = group_size, p.scales = scales, p.mins = mins;
+            return p;
+          },
+          pybind11::arg("q"), pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"),
+          pybind11::arg("group_size"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"),
+          pybind11::arg("upcast"), "A quantized weight's packed panels (pack_quant_panels), for DecoderLayer");
   pybind11::class_<LoraProjection>(m, "LoraProjection", "Every LoRA adapter's weights for one projection")
       .def(pybind11::init<std::vector<Projection>, std::vector<std::vector<Projection>>, std::vector<int64_t>,
                           int64_t>(),

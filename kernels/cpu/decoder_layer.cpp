@@ -19,6 +19,12 @@
 namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
+  if (p.bits != 0) {  // int8/int4 weights: a float32 GEMM, on the widened input where it is bfloat16
+    const at::Tensor y =
+        quant_panel_gemm(p.upcast ? x.to(at::kFloat) : x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits,
+                         p.group_size, p.isa);
+    return p.upcast ? y.to(x.scalar_type()) : y;
+  }
   if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, p.isa);
   // A bfloat16 weight packed as its float32 upcast (kernels/linear.py): widen the input, round
   // the output once.

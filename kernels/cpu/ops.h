@@ -37,6 +37,18 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa);
 
+// gemm_quant.cpp: float32 x against int8 or int4 weights (kernels/quantized.py's q, scales, mins),
+// packed once into 16-column panels (returns q panels, scales, and mins where given) and
+// de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
+// C++, 1 AVX2, 2 AVX-512; quant_gemm_isa: the best built.
+int64_t quant_gemm_isa();
+
+std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                                          int64_t bits, int64_t group_size, int64_t isa);
+
+at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                            std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size, int64_t isa);
+
 // threads.cpp: the CPUs each thread of the calling thread's OpenMP team may run on, and
 // pinning that team's thread i to cpus[i] (as many CPUs as at::get_num_threads()); the team's
 // thread ids, the caller's first.
@@ -47,11 +59,15 @@ std::vector<int64_t> bind_openmp_team(std::vector<int64_t> cpus);
 // decoder_layer.cpp: a Llama-family decoder layer in one call, the kernels above in the order
 // backend/models/llama.py's modules call them.
 struct Projection {
-  at::Tensor panels;               // pack_panels' layout
+  at::Tensor panels;               // pack_panels' layout, or pack_quant_panels' q panels
   std::optional<at::Tensor> bias;  // in the dtype the GEMM computes in
   int64_t n;                       // output columns
   int64_t isa;
-  bool upcast;  // a bfloat16 weight packed as float32: the input is widened, the output rounded
+  bool upcast;  // a float32 GEMM on bfloat16 activations: the input is widened, the output rounded
+  // A quantized weight (quant_panel_gemm): bits 4 or 8, with its packed scales and mins; 0: float.
+  int64_t bits = 0, group_size = 0;
+  at::Tensor scales;
+  std::optional<at::Tensor> mins;
 };
 
 // Every loaded LoRA adapter's weights for one projection (kernels/lora.py's layout): per

@@ -1,0 +1,115 @@
+"""The quantized CPU GEMM (kernels/cpu/gemm_quant.cpp) against the float32 panel GEMM on the
+same shapes: `python -m client.bench.quant_gemm`.
+
+For each weight shape (SmolLM2-135M's projections and two of Llama-3.2-1B's) and row count,
+GFLOP/s and the weight's GB/s (its packed bytes, read once a call) of: the float32 panel GEMM
+(`float32`), int8 per output channel (`int8`), int8 in groups of 32 with float16 scales (as
+GGUF's Q8_0, `q8_0`), int4 in groups of 32 with float16 scale and min (as Q4_1, `q4_1`), and
+int4 in groups of 128 with float32 scale and min (AWQ/GPTQ-like, `int4_g128`). Each quantized
+result is first checked to be the float32 panel GEMM's bits on the de-quantized weight (a wrong
+kernel is refused, never timed). Also the machine's copy bandwidth, the bound a decode's weight
+reads run against. Timings: the best of `--windows` windows of `--seconds`, after warm-up calls.
+
+    python -m client.bench.quant_gemm --threads 1 --json bench/results/avx2/quant_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import kernels
+from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
+from client.bench.records import git_commit, machine, write_report
+from kernels import cpu_ext
+from kernels.quantized import QuantizedWeight
+
+# (name, out_features, in_features)
+SHAPES = [("smollm2_qkv", 960, 576), ("smollm2_o", 576, 576), ("smollm2_gate_up", 3072, 576),
+          ("smollm2_down", 576, 1536), ("llama32_1b_gate_up", 8192, 2048), ("llama32_1b_down", 2048, 8192)]
+# (name, bits, group_size or None (per output channel), mins, float16-exact group values)
+FORMATS = [("int8", 8, None, False, False), ("q8_0", 8, 32, False, True), ("q4_1", 4, 32, True, True),
+           ("int4_g128", 4, 128, True, False)]
+
+
+def make_weight(out_features: int, in_features: int, bits: int, group: int | None, mins: bool, half: bool,
+                gen: torch.Generator) -> QuantizedWeight:
+    group = group or in_features
+    groups = -(-in_features // group)
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
+    lows = -torch.rand(out_features, groups, generator=gen) * 0.1 if mins else None
+    if half:
+        scales, lows = scales.half().float(), None if lows is None else lows.half().float()
+    return QuantizedWeight(q, scales, lows, bits, group)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
+    parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
+    parser.add_argument("--seconds", type=float, default=0.3)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch/OpenMP threads (default: torch's); 1 on a machine other processes share, "
+                             "where a core taken away stalls every parallel call")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    module = cpu_ext.load()
+    if module is None or cpu_ext.isa() < cpu_ext.Isa.AVX2:
+        print("the quantized panel GEMM needs the C++ kernels with AVX2 and FMA", file=sys.stderr)
+        return 1
+    float_isa = min(cpu_ext.isa(), cpu_ext.Isa.AVX512, cpu_ext.Isa(module.gemm_vector_isa()))
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, n, k in SHAPES:
+        if name not in args.shapes:
+            continue
+        float_packed = None
+        packed = {}
+        for fmt, bits, group, mins, half in FORMATS:
+            weight = make_weight(n, k, bits, group, mins, half, gen)
+            packed[fmt] = (weight, kernels.pack_linear_weight(weight))
+        dequantized = packed["int8"][0].dequantize()
+        float_packed = kernels.pack_linear_weight(dequantized, isa=float_isa)
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=gen)
+            row = {"shape": name, "out_features": n, "in_features": k, "rows": rows}
+            calls = {"float32": (lambda: kernels.linear(x, float_packed.shape_only, None, float_packed),
+                                 n * k * 4)}
+            for fmt, (weight, p) in packed.items():
+                got = kernels.linear(x, p.shape_only, None, p)
+                want = module.panel_gemm(x, module.pack_panels(weight.dequantize(), float_isa), None, n, float_isa)
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"{fmt} {name} at {rows} rows: not the float GEMM's bits; refusing to time it")
+                calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
+            for fmt, (call, nbytes) in calls.items():
+                spent = seconds_per_call(call, "cpu", args.seconds, args.windows)
+                row[fmt] = {"us": spent * 1e6, "gflop_per_s": 2 * rows * n * k / spent / 1e9,
+                            "weight_gb_per_s": nbytes / spent / 1e9, "weight_bytes": nbytes}
+            print(f"{name:20s} {n:5d}x{k:<5d} rows {rows:4d}: " + "  ".join(
+                f"{fmt} {row[fmt]['gflop_per_s']:6.1f} GF/s {row[fmt]['weight_gb_per_s']:5.1f} GB/s"
+                for fmt in calls), flush=True)
+            results.append(row)
+    report = {"benchmark": "quant_gemm", "command": " ".join(["python -m client.bench.quant_gemm"] + sys.argv[1:]),
+              "machine": machine(), "git_commit": git_commit(), "threads": torch.get_num_threads(),
+              "float_isa": float_isa.name.lower(), "quant_isa": min(cpu_ext.isa(), cpu_ext.Isa.AVX512).name.lower(),
+              "formats": {fmt: {"bits": bits, "group_size": group, "mins": mins, "float16_group_values": half}
+                          for fmt, bits, group, mins, half in FORMATS},
+              "copy_bandwidth_gb_per_s": copy_bandwidth_gbps("cpu"),
+              # Other processes' load skews the figures on a shared machine: said, not hidden.
+              "load_average_1_5_15_min": list(os.getloadavg()), "results": results}
+    print(f"copy bandwidth {report['copy_bandwidth_gb_per_s']:.1f} GB/s")
+    if args.json:
+        write_report(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,751 @@
+// GEMMs of float activations against int8 and int4 weights (kernels/quantized.py's format),
+// packed once into 16-column panels and de-quantized in registers: out[M, N] = x[M, K] W^T
+// (+ bias), x and out float32.
+//
+// Numerics. The weight is w = fl(fl(scale * q) + min) (kernels/quantized.py: two roundings, no
+// fused multiply-add; `QuantizedWeight.dequantize()` computes the same), and every output element
+// is then ONE chain of fused multiply-adds over k in order, from zero, then + bias, exactly as
+// the float panel GEMM (gemm.cpp) runs it: so the result is the float panel GEMM's on the
+// de-quantized weight, to the bit, a row's result never depends on the other rows (batch
+// invariance), and the AVX2, AVX-512 and scalar paths give the same bits.
+// The build's -funsafe-math-optimizations lets g++ contract a product and a sum into a fused
+// multiply-add (its intrinsics are plain vector arithmetic to it): the pragma below forbids that
+// in this file, and tests/kernels/test_linear_quant.py checks the bits.
+//
+// Layout (pack_quant_panels). Panel p holds output columns 16p..16p+15 (columns past N: q, scale
+// and min 0, so w = 0):
+// - int8: q [P, K, 16], one 16-byte row per k;
+// - int4: q [P, ceil(K / 2), 16], one 16-byte row per pair of k's, byte c = q[c, 2j] | q[c, 2j+1] << 4
+//   (a weight's two k's are one load; an odd K's last high nibbles are 0);
+// - scales and mins [P, groups, 16], in float16 where every value converts to float16 and back
+//   exactly (GGUF's d and m, Q4_0's -8d, Q8_0's d), else float32 (Q4_K's d * sc, AWQ's -s * z).
+// So a Q4_0/Q4_1 weight costs 4 + 32/32 = 5 bits, Q8_0's 8 + 16/32 = 8.5, int4 with float32
+// scale and min per 128 4.5.
+//
+// Kernels. De-quantizing costs more instructions than the multiply-adds it feeds at a few rows,
+// so it is paid once for as many rows as possible:
+// - row blocks of 1-4 rows (decode) de-quantize in registers: for each k (a pair of k's for int4)
+//   a tile loads its panels' integers once, widens and converts them, multiplies by the group's
+//   scales and adds its mins (held for the whole group) and runs every row's multiply-adds on
+//   them. One row runs against two panels at once (AVX2; four on AVX-512), so that four chains of
+//   sums interleave instead of two waiting on the FMA latency;
+// - larger row blocks de-quantize one panel's next 256 k's once into a 16 KB buffer (L1), and every
+//   tile of the block's rows (6 on AVX2, 12 on AVX-512, as gemm.cpp) runs the float panel GEMM's
+//   loop on it, its sums carried from one 256 k's to the next through memory (exact);
+// - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA would run: slow, and kept for
+//   correctness; kernels/linear.py de-quantizes per call with torch instead there).
+// Work is split over the cores by (row block, group of panels) in chunks taken as cores come
+// free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
+//
+// Measured on a 2-core AVX2 EPYC (Zen 3, KVM) that other sessions' jobs shared (load average
+// 6.3 on its 2 cores), so one thread, best of 3 windows: GFLOP/s, and at M = 1 the weight's GB/s
+// (its packed bytes, read once a call), against the float32 panel GEMM on the same shape
+// (client/bench/quant_gemm.py --threads 1, bench/results/avx2/quant_gemm.json; formats there: int8
+// per channel; q8_0 int8 g32 float16 scales; q4_1 int4 g32 float16 scale and min; int4_g128 float32).
+// SmolLM2-135M's weights (the first four shapes, 1-7 MB in float32) sit in the L3 cache, where the
+// float GEMM reads ~30 GB/s and de-quantizing bounds the quantized ones at one row (the same
+// GFLOP/s); Llama-3.2-1B's (the last two, 64 MB) stream from memory, where one row runs 2.5-4.9x
+// faster quantized. From 32 rows on (de-quantized once per 256 k's) the quantized GEMMs ran at
+// 75-150% of the float rate; single figures moved by 10-20% between runs on the shared machine.
+//   N x K       M      float32         int8         q8_0         q4_1    int4_g128
+//  960 x 576     1   15.2 / 30.4  15.4 /  7.8  10.9 /  5.8  11.3 /  3.5  17.5 /  5.0
+//  960 x 576     8   45.0         41.2         43.0         30.8         29.4
+//  960 x 576    32   66.3         49.9         52.4         48.9         52.6
+//  960 x 576   256   59.2         58.4         59.1         56.1         74.7
+//  576 x 576     1   13.7 / 27.4  16.7 /  8.4  17.3 /  9.2  15.2 /  4.8  15.5 /  4.4
+//  576 x 576     8   46.8         29.0         27.8         28.8         38.8
+//  576 x 576    32   62.8         58.1         48.0         49.7         51.0
+//  576 x 576   256   64.4         68.0         59.3         56.2         59.3
+// 3072 x 576     1   16.4 / 32.8  15.5 /  7.8  14.3 /  7.6  13.9 /  4.3  14.1 /  4.0
+// 3072 x 576     8   46.0         40.1         37.3         39.7         40.8
+// 3072 x 576    32   77.6         74.2         73.7         58.8         73.7
+// 3072 x 576   256   69.3         62.2         65.2         57.7         76.0
+//  576 x 1536    1   16.7 / 33.3  16.6 /  8.3  21.8 / 11.6  13.1 /  4.1  12.1 /  3.4
+//  576 x 1536    8   39.6         29.4         37.8         35.6         30.1
+//  576 x 1536   32   60.9         54.0         54.0         53.4         53.3
+//  576 x 1536  256   61.6         58.9         58.9         75.0         73.9
+// 8192 x 2048    1    4.9 /  9.9  22.1 / 11.1  12.2 /  6.5  13.7 /  4.3  14.9 /  4.2
+// 8192 x 2048    8   29.8         36.7         36.7         39.5         34.2
+// 8192 x 2048   32   41.9         48.5         47.9         49.8         50.3
+// 8192 x 2048  256   57.1         69.3         65.9         69.3         63.2
+// 2048 x 8192    1    4.5 /  9.1  15.4 /  7.7  15.1 /  8.0  19.1 /  6.0  21.9 /  6.1
+// 2048 x 8192    8   19.0         29.9         34.8         41.0         41.1
+// 2048 x 8192   32   28.2         37.7         39.0         46.5         47.6
+// 2048 x 8192  256   28.2         41.2         42.4         34.7         35.8
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+#include "prefetch.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// After the headers: only this file's functions. w = scale * q then + min, never fused.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// As gemm.cpp (and kernels/cpu_ext.py's Isa) number them.
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+constexpr int64_t kMinParallelMacs = 1 << 18;
+constexpr int64_t kShareOfWhatIsLeft = 8;
+
+// A panel's scales or mins for one group: 16 values in float16 or float32.
+struct GroupValues {
+  const void* base;  // [P, groups, 16]
+  bool half;
+  const void* at(int64_t panel_group) const {
+    return static_cast<const char*>(base) + panel_group * kPanel * (half ? 2 : 4);
+  }
+};
+
+struct Packed {
+  const uint8_t* q;
+  int64_t panel_bytes;  // bytes of one panel's q
+  GroupValues scales, mins;  // mins.base nullptr: none
+  int64_t groups, group_size, k;
+};
+
+// ---- the scalar path ------------------------------------------------------------------------
+
+template <int Bits>
+inline int q_at(const uint8_t* panel, int64_t k, int c) {
+  if (Bits == 8) return static_cast<int8_t>(panel[k * kRowBytes + c]);
+  const uint8_t byte = panel[(k / 2) * kRowBytes + c];
+  return k % 2 == 0 ? byte & 0xF : byte >> 4;
+}
+
+inline float value_at(const GroupValues& v, int64_t panel_group, int c) {
+  return v.half ? static_cast<float>(static_cast<const c10::Half*>(v.at(panel_group))[c])
+                : static_cast<const float*>(v.at(panel_group))[c];
+}
+
+template <int Bits>
+void scalar_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
+                 float* out, int64_t ldo, int64_t cols) {
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kPanel] = {};
+    for (int64_t j = 0; j < w.groups; ++j) {
+      float s[kPanel], m[kPanel];
+      for (int c = 0; c < kPanel; ++c) {
+        s[c] = value_at(w.scales, panel * w.groups + j, c);
+        m[c] = w.mins.base != nullptr ? value_at(w.mins, panel * w.groups + j, c) : 0.f;
+      }
+      const int64_t k_end = std::min(w.k, (j + 1) * w.group_size);
+      for (int64_t k = j * w.group_size; k < k_end; ++k) {
+        const float a = x[r * ldx + k];
+        for (int c = 0; c < kPanel; ++c) {
+          float wc = s[c] * static_cast<float>(q_at<Bits>(q, k, c));
+          if (w.mins.base != nullptr) wc = wc + m[c];
+          acc[c] = std::fma(a, wc, acc[c]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = bias != nullptr ? acc[c] + bias[c] : acc[c];
+  }
+}
+
+// ---- the vector paths -------------------------------------------------------------------------
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INFLIGHT_HAVE_AVX2 1
+// A path supplies: its float and integer vectors (kVectors of each per 16 columns), a group's
+// 16 scales or mins, a row of int8's or of nibble pairs widened to 32-bit integers, the
+// de-quantization, the broadcast and the multiply-add, and the store.
+struct Avx2 {
+  using Vec = __m256;
+  using IVec = __m256i;
+  static constexpr int kVectors = 2;
+  static constexpr int kMaxRows = 6;
+  // Up to 4 rows de-quantize in registers; one row against two panels, for four independent
+  // sums (with more panels the group's scales, the weights and the sums outgrow the 16 registers).
+  static constexpr int kDirectRows = 4;
+  static constexpr int panels_for_rows(int rows) { return rows == 1 ? 2 : 1; }
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* w) { return _mm256_loadu_ps(w); }
+  static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
+    if (v.half) {
+      const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
+      out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+      out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    } else {
+      const float* f = static_cast<const float*>(v.at(panel_group));
+      out[0] = _mm256_loadu_ps(f);
+      out[1] = _mm256_loadu_ps(f + 8);
+    }
+  }
+  static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
+    q[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+    q[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8)));
+  }
+  static void ints4(const uint8_t* row, IVec (&lo)[kVectors], IVec (&hi)[kVectors]) {
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256i pairs = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)));
+      lo[v] = _mm256_and_si256(pairs, mask);
+      hi[v] = _mm256_srli_epi32(pairs, 4);
+    }
+  }
+  static Vec weight(IVec q, Vec s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(q), s); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectors], float* dst) {
+    _mm256_storeu_ps(dst, line[0]);
+    _mm256_storeu_ps(dst + 8, line[1]);
+  }
+  static void store(const Vec (&line)[kVectors], const float* bias, float* dst) {
+    for (int v = 0; v < kVectors; ++v)
+      _mm256_storeu_ps(dst + 8 * v, bias != nullptr ? _mm256_add_ps(line[v], _mm256_loadu_ps(bias + 8 * v)) : line[v]);
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+#define INFLIGHT_HAVE_AVX512 1
+struct Avx512 {
+  using Vec = __m512;
+  using IVec = __m512i;
+  static constexpr int kVectors = 1;
+  static constexpr int kMaxRows = 12;
+  static constexpr int kDirectRows = 4;
+  static constexpr int panels_for_rows(int rows) { return rows == 1 ? 4 : 2; }
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* w) { return _mm512_loadu_ps(w); }
+  static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
+    if (v.half) {
+      out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))));
+    } else {
+      out[0] = _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
+    }
+  }
+  static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
+    q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  }
+  static void ints4(const uint8_t* row, IVec (&lo)[kVectors], IVec (&hi)[kVectors]) {
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    lo[0] = _mm512_and_si512(pairs, _mm512_set1_epi32(0xF));
+    hi[0] = _mm512_srli_epi32(pairs, 4);
+  }
+  static Vec weight(IVec q, Vec s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(q), s); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static Vec madd(Vec acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void to_floats(const Vec (&line)[kVectors], float* dst) { _mm512_storeu_ps(dst, line[0]); }
+  static void store(const Vec (&line)[kVectors], const float* bias, float* dst) {
+    _mm512_storeu_ps(dst, bias != nullptr ? _mm512_add_ps(line[0], _mm512_loadu_ps(bias)) : line[0]);
+  }
+};
+#endif
+
+// Calls fn(k, w) for k in [k_begin, k_end) in order, w[p][v] the weights of panels
+// first_panel .. first_panel + Panels - 1 at k, de-quantized with their group's scales (and mins)
+// held for the whole group, and ask(row) after each packed row read (a k's for int8, a pair's for
+// int4). Inlined with its callers' lambdas: their sums then live in registers, not on the stack.
+template <class V, int Panels, int Bits, bool Mins, class Fn, class Ask>
+__attribute__((always_inline)) inline void for_each_k(const Packed& w, int64_t first_panel, int64_t k_begin, int64_t k_end, Fn&& fn, Ask&& ask) {
+  using Vec = typename V::Vec;
+  using IVec = typename V::IVec;
+  constexpr int kV = V::kVectors;
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  for (int64_t j = k_begin / w.group_size; j * w.group_size < k_end; ++j) {
+    Vec s[Panels][kV], m[Panels][kV], wk[Panels][kV];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      V::group_values(w.scales, (first_panel + p) * w.groups + j, s[p]);
+      if (Mins) V::group_values(w.mins, (first_panel + p) * w.groups + j, m[p]);
+    }
+    const auto dequantize = [&](const IVec (&qi)[Panels][kV]) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p)
+        for (int v = 0; v < kV; ++v) {
+          wk[p][v] = V::weight(qi[p][v], s[p][v]);
+          if (Mins) wk[p][v] = V::add(wk[p][v], m[p][v]);
+        }
+    };
+    int64_t k = std::max(k_begin, j * w.group_size);
+    const int64_t end = std::min(k_end, (j + 1) * w.group_size);
+    if (Bits == 8) {
+      for (; k < end; ++k) {
+        IVec qi[Panels][kV];
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints8(q + p * w.panel_bytes + k * kRowBytes, qi[p]);
+        dequantize(qi);
+        fn(k, wk);
+        ask(k);
+      }
+    } else {
+      IVec lo[Panels][kV], hi[Panels][kV];
+      const auto load = [&](int64_t pair) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints4(q + p * w.panel_bytes + pair * kRowBytes, lo[p], hi[p]);
+      };
+      if (k % 2 != 0 && k < end) {  // a group that starts on a pair's second k (odd group sizes)
+        load(k / 2);
+        dequantize(hi);
+        fn(k, wk);
+        ++k;
+      }
+      for (; k + 1 < end; k += 2) {
+        load(k / 2);
+        dequantize(lo);
+        fn(k, wk);
+        dequantize(hi);
+        fn(k + 1, wk);
+        ask(k / 2);
+      }
+      if (k < end) {  // a group that ends on a pair's first k
+        load(k / 2);
+        dequantize(lo);
+        fn(k, wk);
+      }
+    }
+  }
+}
+
+// Stores a tile's sums for one panel (`cols` of its 16 columns), + bias.
+template <class V>
+inline void store_line(const typename V::Vec (&line)[V::kVectors], const float* bias, float* out, int64_t cols) {
+  if (cols == kPanel) return V::store(line, bias, out);
+  alignas(64) float sums[kPanel];
+  V::to_floats(line, sums);
+  for (int64_t c = 0; c < cols; ++c) out[c] = bias != nullptr ? sums[c] + bias[c] : sums[c];
+}
+
+// Decode-sized row blocks: Rows rows against Panels adjacent panels, de-quantized in registers
+// (once for the tile's rows), over all of K. At one row, several panels give the multiply-adds
+// independent chains to interleave (one panel's two chains wait on the FMA latency). `prefetch`:
+// the next item's panels (nullptr: none), whose 64-byte lines [line_begin, line_end) this tile asks
+// for into L2, one a packed row, so that memory sees a steady stream.
+// One k of a direct tile: the panels' integers de-quantized, then each row's multiply-adds.
+template <class V, int Rows, int Panels, bool Mins>
+__attribute__((always_inline)) inline void direct_step(typename V::Vec (&acc)[Rows][Panels][V::kVectors],
+                                                       const float* x, int64_t ldx,
+                                                       const typename V::IVec (&qi)[Panels][V::kVectors],
+                                                       const typename V::Vec (&s)[Panels][V::kVectors],
+                                                       const typename V::Vec (&m)[Panels][V::kVectors]) {
+  using Vec = typename V::Vec;
+  constexpr int kV = V::kVectors;
+  Vec wk[Panels][kV];
+#pragma GCC unroll 8
+  for (int p = 0; p < Panels; ++p)
+    for (int v = 0; v < kV; ++v) {
+      wk[p][v] = V::weight(qi[p][v], s[p][v]);
+      if (Mins) wk[p][v] = V::add(wk[p][v], m[p][v]);
+    }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    const Vec a = V::broadcast(x + r * ldx);
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kV; ++v) acc[r][p][v] = V::madd(acc[r][p][v], a, wk[p][v]);
+  }
+}
+
+template <class V, int Panels>
+__attribute__((always_inline)) inline void ints4_rows(const uint8_t* q, int64_t panel_bytes, int64_t pair,
+                                                      typename V::IVec (&lo)[Panels][V::kVectors],
+                                                      typename V::IVec (&hi)[Panels][V::kVectors]) {
+#pragma GCC unroll 8
+  for (int p = 0; p < Panels; ++p) V::ints4(q + p * panel_bytes + pair * kRowBytes, lo[p], hi[p]);
+}
+
+template <class V, int Rows, int Panels, int Bits, bool Mins>
+void direct_tile(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, const float* bias, float* out,
+                 int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
+  using Vec = typename V::Vec;
+  using IVec = typename V::IVec;
+  constexpr int kV = V::kVectors;
+  Vec acc[Rows][Panels][kV];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p)
+      for (int v = 0; v < kV; ++v) acc[r][p][v] = V::zero();
+  // for_each_k's loop, written out here, its steps functions rather than lambdas: with the sums
+  // captured by a lambda, g++ kept them in memory, loaded and stored every step (4x slower at one row).
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  int64_t line = line_begin;
+  for (int64_t j = 0; j < w.groups; ++j) {
+    Vec s[Panels][kV], m[Panels][kV];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      V::group_values(w.scales, (first_panel + p) * w.groups + j, s[p]);
+      if (Mins) V::group_values(w.mins, (first_panel + p) * w.groups + j, m[p]);
+    }
+    int64_t k = j * w.group_size;
+    const int64_t end = std::min(w.k, k + w.group_size);
+    if (Bits == 8) {
+      for (; k < end; ++k) {
+        IVec qi[Panels][kV];
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) V::ints8(q + p * w.panel_bytes + k * kRowBytes, qi[p]);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, qi, s, m);
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+      }
+    } else {
+      IVec lo[Panels][kV], hi[Panels][kV];
+      if (k % 2 != 0 && k < end) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, hi, s, m);
+        ++k;
+      }
+      for (; k + 1 < end; k += 2) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, lo, s, m);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k + 1, ldx, hi, s, m);
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+      }
+      if (k < end) {
+        ints4_rows<V, Panels>(q, w.panel_bytes, k >> 1, lo, hi);
+        direct_step<V, Rows, Panels, Mins>(acc, x + k, ldx, lo, s, m);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      // A copy: with the sums' own address taken, g++ stored them to memory every step.
+      Vec line[kV];
+      for (int v = 0; v < kV; ++v) line[v] = acc[r][p][v];
+      if (p * kPanel < cols)
+        store_line<V>(line, bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+                      std::min<int64_t>(kPanel, cols - p * kPanel));
+    }
+}
+
+// Larger row blocks: one panel's weights for kChunk k's at a time, de-quantized once into a
+// buffer (L1), then every tile of the block's rows runs the float panel GEMM's loop on them:
+// Rows rows, the sums carried from chunk to chunk in `sums` (exact: stored and loaded as
+// floats), so each is still one chain over k in order.
+constexpr int64_t kChunk = 256;
+
+template <class V, int Rows>
+void buffered_tile(const float* x, int64_t ldx, const float* weights, int64_t steps, float* sums, bool first,
+                   bool last, const float* bias, float* out, int64_t ldo, int64_t cols) {
+  using Vec = typename V::Vec;
+  constexpr int kV = V::kVectors;
+  constexpr int64_t kVectorElems = kPanel / kV;
+  Vec acc[Rows][kV];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = first ? V::zero() : V::load(sums + r * kPanel + v * kVectorElems);
+  for (int64_t k = 0; k < steps; ++k) {
+    Vec wk[kV];
+#pragma GCC unroll 4
+    for (int v = 0; v < kV; ++v) wk[v] = V::load(weights + k * kPanel + v * kVectorElems);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const Vec a = V::broadcast(x + r * ldx + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < kV; ++v) acc[r][v] = V::madd(acc[r][v], a, wk[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    if (last) {
+      store_line<V>(acc[r], bias, out + r * ldo, cols);
+    } else {
+      V::to_floats(acc[r], sums + r * kPanel);
+    }
+  }
+}
+
+template <class V>
+struct BufferedTiles {
+  using Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool, bool, const float*, float*, int64_t,
+                      int64_t);
+  template <int... Rows>
+  static constexpr auto make(std::integer_sequence<int, Rows...>) {
+    return std::array<Fn, sizeof...(Rows) + 1>{nullptr, buffered_tile<V, Rows + 1>...};
+  }
+  static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
+};
+
+// One work item: the rows [0, rows) of x (a row block) against the panels [first_panel,
+// first_panel + panels), their `cols` columns; `prefetch`: the next item's panels or nullptr.
+using ItemFn = void (*)(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel,
+                        int64_t panels, const float* bias, float* out, int64_t ldo, int64_t cols,
+                        const uint8_t* prefetch, std::vector<float>& sums);
+
+template <class V, int Rows, int Bits, bool Mins>
+void direct_rows(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, int64_t panels, const float* bias,
+                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  constexpr int kPanels = V::panels_for_rows(Rows);
+  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
+  const int64_t calls = panels / kPanels + panels % kPanels;
+  int64_t call = 0;
+  for (int64_t p = 0; p < panels; ++call) {
+    const int64_t line_begin = call * lines / calls, line_end = (call + 1) * lines / calls;
+    const int64_t col = p * kPanel, rest = cols - col;
+    const float* b = bias != nullptr ? bias + col : nullptr;
+    if (panels - p >= kPanels) {
+      direct_tile<V, Rows, kPanels, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch,
+                                                line_begin, line_end);
+      p += kPanels;
+    } else {
+      direct_tile<V, Rows, 1, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch, line_begin,
+                                          line_end);
+      p += 1;
+    }
+  }
+}
+
+template <class V, int Bits, bool Mins>
+void vector_item(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel, int64_t panels,
+                 const float* bias, float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch,
+                 std::vector<float>& sums) {
+  static_assert(V::kDirectRows == 4, "direct_rows below covers 1 to 4 rows");
+  switch (rows) {
+    case 1:
+      return direct_rows<V, 1, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 2:
+      return direct_rows<V, 2, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 3:
+      return direct_rows<V, 3, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    case 4:
+      return direct_rows<V, 4, Bits, Mins>(x, ldx, w, first_panel, panels, bias, out, ldo, cols, prefetch);
+    default:
+      break;
+  }
+  constexpr int64_t kRows = V::kMaxRows;
+  // As few tiles as the registers allow, of equal height (gemm.cpp: the same bits whatever the tile).
+  const int64_t tiles = (rows + kRows - 1) / kRows, tile_rows = (rows + tiles - 1) / tiles;
+  const int64_t chunks = (w.k + kChunk - 1) / kChunk;
+  if (chunks > 1 && static_cast<int64_t>(sums.size()) < rows * kPanel) sums.resize(rows * kPanel);
+  alignas(64) float weights[kChunk * kPanel];
+  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
+  int64_t line = 0;
+  const auto ask = [&](int64_t) __attribute__((always_inline)) {
+    if (line < lines) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+  };
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t col = p * kPanel, panel_cols = std::min(kPanel, cols - col);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k_begin = c * kChunk, k_end = std::min(w.k, k_begin + kChunk);
+      for_each_k<V, 1, Bits, Mins>(
+          w, first_panel + p, k_begin, k_end,
+          [&](int64_t k, const typename V::Vec (&wk)[1][V::kVectors]) __attribute__((always_inline)) {
+            V::to_floats(wk[0], weights + (k - k_begin) * kPanel);
+          },
+          ask);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t first = t * tile_rows, count = std::min(tile_rows, rows - first);
+        BufferedTiles<V>::kTiles[count](x + first * ldx + k_begin, ldx, weights, k_end - k_begin,
+                                        sums.data() + first * kPanel, c == 0, c == chunks - 1,
+                                        bias != nullptr ? bias + col : nullptr, out + first * ldo + col, ldo,
+                                        panel_cols);
+      }
+    }
+  }
+}
+
+template <int Bits>
+void scalar_item(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t first_panel, int64_t panels,
+                 const float* bias, float* out, int64_t ldo, int64_t cols, const uint8_t*, std::vector<float>&) {
+  for (int64_t p = 0; p < panels; ++p)
+    scalar_rows<Bits>(x, ldx, rows, w, first_panel + p, bias != nullptr ? bias + p * kPanel : nullptr,
+                      out + p * kPanel, ldo, std::min(kPanel, cols - p * kPanel));
+}
+
+template <class V>
+ItemFn pick_item(int64_t bits, bool mins) {
+  if (bits == 8) return mins ? vector_item<V, 8, true> : vector_item<V, 8, false>;
+  return mins ? vector_item<V, 4, true> : vector_item<V, 4, false>;
+}
+
+
+// Items are (row block, group of `group_panels` panels): as many as a one-row tile takes, so that
+// a decode's few panels still make enough items to share out evenly over the cores.
+at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
+                ItemFn item_fn, int64_t max_rows, int64_t group_panels) {
+  const int64_t kGroup = group_panels;
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int64_t block_rows =
+      std::max<int64_t>(max_rows, kRowBlockBytes / (k * int64_t(sizeof(float))) / max_rows * max_rows);
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+  const int64_t groups = (num_panels + kGroup - 1) / kGroup;
+
+  // Items row block first (a core keeps its x rows in cache and streams panels past them);
+  // `after`: the item the core takes next once [begin, end) is done (-1: none known).
+  auto run = [&](int64_t begin, int64_t end, int64_t after) {
+    std::vector<float> sums;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / groups, g = item % groups;
+      const int64_t first_row = block * block_rows, rows = std::min(m, first_row + block_rows) - first_row;
+      const int64_t first_panel = g * kGroup, panels = std::min(kGroup, num_panels - first_panel);
+      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
+      const int64_t next_item = item + 1 < end ? item + 1 : after;
+      const uint8_t* next = next_item >= 0 ? w.q + next_item % groups * kGroup * w.panel_bytes : nullptr;
+      item_fn(xp + first_row * ldx, ldx, rows, w, first_panel, panels, bias != nullptr ? bias + col : nullptr,
+              op + first_row * n + col, n, cols, next, sums);
+    }
+  };
+  const int64_t items = row_blocks * groups;
+  const int64_t threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
+    run(0, items, -1);
+    return out;
+  }
+  // Chunks shrinking as the work runs out, claimed one ahead (gemm.cpp says why).
+  std::vector<int64_t> bounds{0};
+  while (bounds.back() < items) {
+    const int64_t left = items - bounds.back(), share = kShareOfWhatIsLeft * threads;
+    bounds.push_back(bounds.back() + (left + share - 1) / share);
+  }
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
+    while (mine < chunks) {
+      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
+      run(bounds[mine], bounds[mine + 1], following < chunks ? bounds[following] : -1);
+      mine = following;
+    }
+  }
+  return out;
+}
+
+int64_t best_isa() {
+#if defined(INFLIGHT_HAVE_AVX512)
+  return kIsaAvx512;
+#elif defined(INFLIGHT_HAVE_AVX2)
+  return kIsaAvx2;
+#else
+  return kIsaNone;
+#endif
+}
+
+void check_isa(const char* op, int64_t isa) {
+  TORCH_CHECK(isa >= kIsaNone && isa <= best_isa(), op, ": instruction set ", isa,
+              " has no quantized path built here (best: ", best_isa(), "; the bfloat16 paths take float weights)");
+}
+
+// float16 where every value survives the round trip, else float32; [P, groups, 16], padded with zeros.
+at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
+  const int64_t n = values.size(0), groups = values.size(1);
+  const at::Tensor as_half = values.to(at::kHalf);
+  const bool exact = as_half.to(at::kFloat).equal(values);
+  at::Tensor padded = at::zeros({panels * kPanel, groups}, values.options().dtype(exact ? at::kHalf : at::kFloat));
+  padded.narrow(0, 0, n).copy_(exact ? as_half : values);
+  return padded.view({panels, kPanel, groups}).transpose(1, 2).contiguous();
+}
+
+}  // namespace
+
+int64_t quant_gemm_isa() { return best_isa(); }
+
+std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                                          int64_t bits, int64_t group_size, int64_t isa) {
+  check_isa("pack_quant_panels", isa);
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_panels: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quant_panels: q must be int8 [N, K]");
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(group_size > 0, "pack_quant_panels: group_size must be positive, not ", group_size);
+  const int64_t groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
+                  scales.scalar_type() == at::kFloat,
+              "pack_quant_panels: scales must be float32 [", n, ", ", groups, "]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins)
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat,
+                "pack_quant_panels: mins must be float32 [", n, ", ", groups, "]");
+  at::Tensor packed;
+  if (bits == 8) {
+    at::Tensor padded = at::zeros({panels * kPanel, k}, q.options());
+    padded.narrow(0, 0, n).copy_(q);
+    packed = padded.view({panels, kPanel, k}).transpose(1, 2).contiguous().view(at::kByte);
+  } else {
+    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
+                "pack_quant_panels: 4-bit q must hold 0..15");
+    const int64_t pairs = (k + 1) / 2;
+    at::Tensor padded = at::zeros({panels * kPanel, pairs * 2}, q.options().dtype(at::kByte));
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
+    at::Tensor nibbles = padded.view({panels * kPanel, pairs, 2});
+    at::Tensor bytes = at::bitwise_or(nibbles.select(2, 0), at::bitwise_left_shift(nibbles.select(2, 1), 4));
+    packed = bytes.view({panels, kPanel, pairs}).transpose(1, 2).contiguous();
+  }
+  std::vector<at::Tensor> result{packed, pack_group_values(scales.contiguous(), panels)};
+  if (has_mins) result.push_back(pack_group_values(mins->contiguous(), panels));
+  return result;
+}
+
+at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                            std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size,
+                            int64_t isa) {
+  check_isa("quant_panel_gemm", isa);
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_panel_gemm: x [M, K] in float32");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
+              "quant_panel_gemm: q panels from pack_quant_panels");
+  const int64_t num_panels = q.size(0), packed_rows = bits == 8 ? k : (k + 1) / 2;
+  TORCH_CHECK(q.size(1) == packed_rows, "quant_panel_gemm: x has ", k, " columns, the ", bits, "-bit weight's panels ",
+              q.size(1), " packed rows");
+  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "quant_panel_gemm: n does not match the panels");
+  TORCH_CHECK(group_size > 0, "quant_panel_gemm: group_size must be positive");
+  const int64_t groups = (k + group_size - 1) / group_size;
+  const auto check_values = [&](const at::Tensor& v, const char* name) {
+    TORCH_CHECK(v.dim() == 3 && v.size(0) == num_panels && v.size(1) == groups && v.size(2) == kPanel &&
+                    v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
+                "quant_panel_gemm: ", name, " from pack_quant_panels for ", groups, " groups of ", group_size);
+  };
+  check_values(scales, "scales");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins) check_values(*mins, "mins");
+  if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
+  at::Tensor bias_float;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
+                "quant_panel_gemm: bias [N] in float32");
+    bias_float = bias->contiguous();
+  }
+  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
+  const Packed w{q.data_ptr<uint8_t>(),
+                 q.stride(0),
+                 {scales.data_ptr(), scales.scalar_type() == at::kHalf},
+                 {has_mins ? mins->data_ptr() : nullptr, has_mins && mins->scalar_type() == at::kHalf},
+                 groups,
+                 group_size,
+                 k};
+  switch (isa) {
+#if defined(INFLIGHT_HAVE_AVX512)
+    case kIsaAvx512:
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows,
+                  Avx512::panels_for_rows(1));
+#endif
+#if defined(INFLIGHT_HAVE_AVX2)
+    case kIsaAvx2:
+      return gemm(x, w, num_panels, bias_data, n, pick_item<Avx2>(bits, has_mins), Avx2::kMaxRows,
+                  Avx2::panels_for_rows(1));
+#endif
+    case kIsaNone:
+      return gemm(x, w, num_panels, bias_data, n, bits == 8 ? scalar_item<8> : scalar_item<4>, 8, 1);
+    default:
+      TORCH_CHECK(false, "quant_panel_gemm: no kernel for instruction set ", isa);
+  }
+}

@@ -1,0 +1,322 @@
+"""kernels/cpu/gemm_quant.cpp and its use in kernels.linear and the fused decoder layer: int8 and
+int4 weights packed once and de-quantized in registers give the float32 panel GEMM's bits on the
+de-quantized weight (QuantizedWeight.dequantize(): scale * q then + min, never fused), for every
+group layout, shape tail and row count; a row's bits never depend on its batch; the AVX2,
+AVX-512 and plain C++ paths agree; and a decoder layer with quantized projections runs as one
+C++ call with the bits of the same layer on the de-quantized weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu_ext
+from kernels.cpu_ext import Isa
+from kernels.quantized import QuantizedWeight, quantize
+
+LINEAR = sys.modules["kernels.linear"]
+MODULE = cpu_ext.load()
+
+
+def needs(isa: Isa):
+    return pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < isa,
+                              reason=f"this CPU (or build) has no {isa.name} path")
+
+
+VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512)]
+pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
+
+# (bits, group_size or None for one group per output channel, mins, float16-exact scales)
+LAYOUTS = {
+    "int8_per_channel": (8, None, False, False),
+    "int8_g32_q8_0": (8, 32, False, True),
+    "int4_g32_mins": (4, 32, True, False),
+    "int4_g32_q4_1": (4, 32, True, True),
+    "int4_g64_mins": (4, 64, True, False),
+    "int4_g128_mins": (4, 128, True, False),
+    "int4_g32_symmetric": (4, 32, False, False),
+    "int4_g128_symmetric": (4, 128, False, True),
+    "int4_g33_odd_group": (4, 33, True, False),
+    "int4_per_channel": (4, None, True, False),
+}
+
+
+def make_weight(out_features: int, in_features: int, layout: str, seed: int) -> QuantizedWeight:
+    """Random integers and group values in `layout`; where float16-exact, values float16 holds
+    (GGUF's), so that the packing keeps them as float16."""
+    bits, group, mins, half = LAYOUTS[layout]
+    group = group or in_features
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-in_features // group)
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
+    lows = -torch.rand(out_features, groups, generator=gen) * 0.1 if mins else None
+    if half:
+        scales = scales.half().float()
+        lows = None if lows is None else lows.half().float()
+    return QuantizedWeight(q, scales, lows, bits, group)
+
+
+def float_panel_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, isa: Isa) -> torch.Tensor:
+    """The float32 panel GEMM (kernels/cpu/gemm.cpp) on the de-quantized weight."""
+    float_isa = max(Isa.AVX2, min(isa, Isa.AVX512))
+    return MODULE.panel_gemm(x, MODULE.pack_panels(weight.dequantize(), float_isa), bias, weight.shape[0], float_isa)
+
+
+def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, isa: Isa) -> torch.Tensor:
+    packed = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits, weight.group_size, isa)
+    return MODULE.quant_panel_gemm(x, packed[0], packed[1], packed[2] if len(packed) > 2 else None, bias,
+                                   weight.shape[0], weight.bits, weight.group_size, isa)
+
+
+def test_dequantize_is_two_roundings():
+    """The oracle itself: QuantizedWeight.dequantize() rounds the product and then the sum,
+    which a fused multiply-add would not (some of these weights differ from the fused value)."""
+    weight = make_weight(64, 200, "int4_g32_mins", 0)
+    scale = weight.scales.repeat_interleave(32, dim=1)[:, :200].double()
+    low = weight.mins.repeat_interleave(32, dim=1)[:, :200].double()
+    product = (scale * weight.q.double()).float().double()
+    two_roundings = (product + low).float()
+    fused = (scale * weight.q.double() + low).float()
+    assert torch.equal(weight.dequantize(), two_roundings)
+    assert not torch.equal(two_roundings, fused), "no weight here tells the two apart"
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rows", [1, 5, 7, 33, 300])
+def test_quant_gemm_gives_the_float_gemms_bits_on_the_dequantized_weight(isa, layout, rows):
+    # 200 inputs: no multiple of 32, 64, 128 or 33 (a short last group), and odd halves for int4;
+    # 70 outputs: a partial last panel.
+    weight = make_weight(70, 200, layout, rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 200, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    for b in (None, bias):
+        got = quant_gemm(x, weight, b, isa)
+        assert got.dtype == torch.float32 and got.shape == (rows, 70)
+        assert torch.equal(got, float_panel_gemm(x, weight, b, isa)), (layout, rows, b is not None)
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g128_mins", "int4_g33_odd_group", "int4_g32_symmetric"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 20])
+def test_quant_gemm_over_several_chunks_of_k(isa, layout, rows):
+    # 601 inputs: past one buffer of 256 k's (the sums carried from chunk to chunk; groups of 33
+    # straddle the chunks), odd; 1 to 4 rows de-quantize in registers (one or two panels a tile),
+    # 20 through the buffer.
+    weight = make_weight(100, 601, layout, rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 601, generator=gen), torch.randn(100, generator=gen)
+    assert torch.equal(quant_gemm(x, weight, bias, isa), float_panel_gemm(x, weight, bias, isa))
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("layout", ["int8_g32_q8_0", "int4_g32_mins", "int4_g33_odd_group"])
+@pytest.mark.parametrize("in_features", [1, 2, 31, 65])
+def test_quant_gemm_short_and_odd_inputs(isa, layout, in_features):
+    weight = make_weight(17, in_features, layout, in_features)
+    x = torch.randn(3, in_features + 3)[:, :in_features]  # rows strided past their length
+    assert torch.equal(quant_gemm(x, weight, None, isa), float_panel_gemm(x.contiguous(), weight, None, isa))
+
+
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g32_mins", "int4_g33_odd_group", "int4_g128_symmetric"])
+def test_the_plain_cpp_path_gives_the_same_bits(layout):
+    weight = make_weight(40, 150, layout, 1)
+    x, bias = torch.randn(9, 150), torch.randn(40)
+    assert torch.equal(quant_gemm(x, weight, bias, Isa.NONE), float_panel_gemm(x, weight, bias, Isa.AVX2))
+
+
+@needs(Isa.AVX512)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_avx2_and_avx512_paths_give_the_same_bits(layout):
+    weight = make_weight(70, 333, layout, 4)
+    x, bias = torch.randn(37, 333), torch.randn(70)
+    assert torch.equal(quant_gemm(x, weight, bias, Isa.AVX2), quant_gemm(x, weight, bias, Isa.AVX512))
+
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g32_mins"])
+def test_a_row_has_the_same_bits_in_any_batch(isa, layout):
+    """Batch invariance: a row's output is the same alone, in any batch around it, at any
+    position, with one thread or two (large enough for the parallel path)."""
+    weight = make_weight(1000, 576, layout, 3)
+    gen = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(300, 576, generator=gen), torch.randn(1000, generator=gen)
+    packed = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits, weight.group_size, isa)
+    mins = packed[2] if len(packed) > 2 else None
+
+    def gemm(rows):
+        return MODULE.quant_panel_gemm(rows, packed[0], packed[1], mins, bias, 1000, weight.bits, weight.group_size, isa)
+
+    full = gemm(x)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for first, count in [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)]:
+                assert torch.equal(gemm(x[first:first + count].clone()), full[first:first + count]), \
+                    (num_threads, first, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout, bits_per_weight", [
+    ("int4_g32_q4_1", 4 + 32 / 32), ("int8_g32_q8_0", 8 + 16 / 32), ("int4_g32_mins", 4 + 64 / 32),
+    ("int4_g128_mins", 4 + 64 / 128),
+])
+def test_packed_bytes_per_weight(layout, bits_per_weight):
+    """Scales and mins that float16 holds exactly are stored as float16 (GGUF's), others as float32."""
+    weight = make_weight(64, 256, layout, 0)
+    packed = kernels.pack_linear_weight(weight, isa=max(Isa.AVX2, MODULE.quant_gemm_isa()))
+    assert packed.kind == "quant_panels"
+    half = LAYOUTS[layout][3]
+    assert packed.scales.dtype == (torch.float16 if half else torch.float32)
+    assert packed.nbytes * 8 / weight.q.numel() == bits_per_weight
+
+
+# ---- kernels.linear ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g64_mins"])
+def test_linear_dispatches_quant_panels(isa, dtype, layout):
+    weight = make_weight(70, 200, layout, 9)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 5, 200, generator=gen).to(dtype)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
+    assert (packed.kind, packed.isa, packed.upcast, packed.bits) == ("quant_panels", isa, dtype == torch.bfloat16,
+                                                                     weight.bits)
+    assert packed.shape_only.shape == (70, 200) and packed.shape_only.dtype == dtype
+    got = kernels.linear(x, packed.shape_only, bias, packed)
+    # A float32 GEMM on the widened input, rounded once to the input's dtype.
+    expected = float_panel_gemm(x.reshape(10, 200).float(), weight, bias.float(), isa).to(dtype).view(2, 5, 70)
+    assert got.dtype == dtype and torch.equal(got, expected)
+    strided = torch.randn(7, 400, generator=gen).to(dtype)[:, ::2]
+    assert torch.equal(kernels.linear(strided, packed.shape_only, bias, packed),
+                       float_panel_gemm(strided.float(), weight, bias.float(), isa).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_without_the_cpp_kernels_dequantizes_per_call(monkeypatch, dtype):
+    weight = make_weight(48, 100, "int4_g32_mins", 2)
+    monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
+    packed = kernels.pack_linear_weight(weight, dtype=dtype)
+    assert packed.kind == "quant" and packed.data is None and packed.quantized is weight
+    assert packed.nbytes == weight.nbytes  # no float copy resident
+    x, bias = torch.randn(6, 100).to(dtype), torch.randn(48).to(dtype)
+    got = kernels.linear(x, packed.shape_only, bias, packed)
+    expected = F.linear(x.double(), weight.dequantize().double(), bias.double())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32
+                                                          else dict(atol=1e-5, rtol=2 ** -8)))
+
+
+def test_round_to_nearest_quantization_packs_and_runs():
+    """kernels.quantize's own int8 and int4 weights, through the packed path."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 160, generator=gen), torch.randn(4, 160, generator=gen)
+    for weight in (quantize(w, 8), quantize(w, 4, 32), quantize(w, 4, 64)):
+        packed = kernels.pack_linear_weight(weight)
+        got = kernels.linear(x, packed.shape_only, None, packed)
+        torch.testing.assert_close(got, F.linear(x, weight.dequantize()), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_packing_is_refused():
+    weight = make_weight(16, 32, "int4_g32_mins", 0)
+    with pytest.raises(RuntimeError, match="4-bit q must hold 0..15"):
+        MODULE.pack_quant_panels(weight.q - 1, weight.scales, weight.mins, 4, 32, Isa.AVX2)
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        MODULE.pack_quant_panels(weight.q, weight.scales[:, :0], weight.mins, 4, 32, Isa.AVX2)
+    packed = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, 4, 32, Isa.AVX2)
+    with pytest.raises(RuntimeError, match="x has 30 columns"):
+        MODULE.quant_panel_gemm(torch.randn(2, 30), *packed, None, 16, 4, 32, Isa.AVX2)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 40, 4, 32, Isa.AVX2)
+    with pytest.raises(RuntimeError, match="instruction set 3 has no quantized path"):
+        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 3)
+
+
+# ---- the fused decoder layer --------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decoder_layer_with_quantized_projections(isa, dtype):
+    """A layer whose four projections are quantized (int4 g32 with mins, int8 per channel,
+    int4 g64 symmetric, int8 g32), with a float LoRA adapter on q|k|v, runs as one C++ call, and
+    gives the bits of the same layer on the de-quantized weights' float32 panels (that layer's
+    bits are the modules' own: tests/engine/test_model_families.py), hidden state and KV writes
+    alike, over a batch of a prefill chunk and decodes."""
+    hidden_size, heads, kv_heads, head_dim, inter, rank = 64, 4, 2, 16, 96, 4
+    qkv_size = (heads + 2 * kv_heads) * head_dim
+    weights = {"qkv": make_weight(qkv_size, hidden_size, "int4_g32_mins", 1),
+               "o": make_weight(hidden_size, heads * head_dim, "int8_per_channel", 2),
+               "gate_up": make_weight(2 * inter, hidden_size, "int4_g128_symmetric", 3),
+               "down": make_weight(hidden_size, inter, "int8_g32_q8_0", 4)}
+    gen = torch.Generator().manual_seed(5)
+    qkv_bias = (torch.randn(qkv_size, generator=gen) * 0.1).to(dtype)
+    upcast = dtype != torch.float32
+    float_isa = min(isa, Isa.AVX512)
+
+    def float_projection(weight: torch.Tensor, bias=None):
+        return MODULE.Projection(MODULE.pack_panels(weight, float_isa), None if bias is None else bias.float(),
+                                 weight.shape[0], int(float_isa), upcast)
+
+    lora_a = torch.randn(3 * rank, hidden_size, generator=gen) * 0.1
+    slices = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    lora_b = [torch.randn(n, rank, generator=gen) * 0.1 for n in slices]
+    lora = MODULE.LoraProjection([float_projection(lora_a)], [[float_projection(b) for b in lora_b]],
+                                 [0, slices[0], slices[0] + slices[1]], rank)
+    norms = [(1 + 0.1 * torch.randn(hidden_size, generator=gen)).to(dtype) for _ in range(2)]
+
+    def layer(quantized: bool):
+        projections = []
+        for name, weight in weights.items():
+            bias = qkv_bias if name == "qkv" else None
+            if quantized:
+                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
+                assert packed.kind == "quant_panels"
+                projections.append(kernels.decoder_layer._projection(MODULE, packed, bias))
+            else:
+                projections.append(float_projection(weight.dequantize(), bias))
+        return MODULE.DecoderLayer(*norms, 1e-5, *projections, heads, kv_heads, head_dim, head_dim ** -0.5, None,
+                                   None, True, 8, [lora, None, None, None])
+
+    block, new_tokens, cached = 16, [6, 1, 1], [3, 20, 9]
+    seq_lens = [n + c for n, c in zip(new_tokens, cached)]
+    tables = torch.arange(len(seq_lens) * 2, dtype=torch.int32).view(len(seq_lens), 2)
+    positions = torch.cat([torch.arange(c, c + n) for n, c in zip(new_tokens, cached)])
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(new_tokens))
+    slots = tables[seq_of, positions // block].to(torch.int64) * block + positions % block
+    meta = kernels.cpu_step_meta(positions, kernels.build_cos_sin_cache(head_dim, 64, 10000.0), slots, tables,
+                                 torch.tensor(seq_lens, dtype=torch.int32),
+                                 torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32),
+                                 torch.tensor([0, 6, 8]), torch.tensor([0, 0]))
+    shape = (tables.numel(), block, kv_heads, head_dim)
+    cache = (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+    hidden = torch.randn(len(positions), hidden_size, generator=gen).to(dtype)
+    residual = torch.randn(len(positions), hidden_size, generator=gen).to(dtype)
+
+    def forward(quantized: bool):
+        kv = tuple(c.clone() for c in cache)
+        return layer(quantized).forward(hidden, residual, *kv, meta), kv
+
+    (got, got_kv), (expected, expected_kv) = forward(True), forward(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, expected_kv))
+    assert not torch.equal(got[0], hidden)
+
+
+def test_cpu_decoder_layer_takes_quantized_projections():
+    """kernels.cpu_decoder_layer (what the model builds its layers with) accepts quant panels."""
+    weights = [make_weight(n, k, "int4_g32_mins", i) for i, (n, k) in enumerate([(128, 64), (64, 64), (192, 64),
+                                                                                 (64, 96)])]
+    packed = [(kernels.pack_linear_weight(w), None, None) for w in weights]
+    layer = kernels.cpu_decoder_layer(torch.ones(64), torch.ones(64), 1e-5, *packed, 4, 2, 16, 0.25)
+    assert layer is not None

@@ -3,6 +3,7 @@ with llama.cpp's own convert_hf_to_gguf.py, served by the llama-server that `mak
 peers-llama-cpp` builds (.llama.cpp/), then measured as any OpenAI server is:
 
     .venv/bin/python -m client.bench.llama_cpp --model .models/SmolLM2-135M-Instruct --dtype bfloat16 --port 8090
+    .venv/bin/python -m client.bench.llama_cpp --gguf .models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8090
     .venv/bin/python -m client.bench W3 --target llama-server=openai://127.0.0.1:8090 --concurrency 32 ...
 
 Settings (`server_command`), each what the project's engine runs with: `--parallel` slots
@@ -71,8 +72,11 @@ def server_command(gguf: str, dtype: str, port: int, slots: int = 32, slot_conte
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="llama.cpp's llama-server on a checkpoint, for --target openai://")
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
-    parser.add_argument("--dtype", choices=sorted(GGUF_TYPE), default="float32")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="Hugging Face checkpoint folder (converted to GGUF in --dtype)")
+    source.add_argument("--gguf", help="a GGUF file served as it is (e.g. a quantized one, as model_repository/llm_q4)")
+    parser.add_argument("--dtype", choices=sorted(GGUF_TYPE), default="float32",
+                        help="the weights' dtype of a --model conversion, and the KV cache's")
     parser.add_argument("--port", type=int, default=8090)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--slots", type=int, default=32, help="sequences at once (the engine's max_num_seqs)")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not LLAMA_SERVER.exists():
         raise SystemExit(f"{LLAMA_SERVER} is missing: run `make peers-llama-cpp`")
     start = time.perf_counter()
-    gguf = convert(args.model, args.dtype)
+    gguf = args.gguf or convert(args.model, args.dtype)
     print(f"llama-server: {gguf} ready in {time.perf_counter() - start:.1f} s", flush=True)
     command = server_command(gguf, args.dtype, args.port, args.slots, args.slot_context, host=args.host)
     print(" ".join(command), flush=True)

@@ -22,7 +22,11 @@ whole engine through the CUDA path's kernels on a machine without a GPU.
     silu_and_mul(x) -> out
     build_cos_sin_cache(head_dim, max_position, base, rope_scaling=None, dtype=float32)
     linear(x, weight, bias=None, packed=None) -> out; pack_linear_weight(weight) -> packed | None
-        (CPU only: weights in the GEMM library's own layout; see linear.py)
+        (CPU: weights in the GEMM library's own layout; see linear.py). `weight` may be a
+        QuantizedWeight (quantized.py: int8/int4, w = scale * q + min per group), packed for
+        the CPU's int8/int4 GEMM (cpu/gemm_quant.cpp) or, on CUDA, for the Triton W8A16/W4A16
+        kernel (`linear_quant_triton`, linear_quant.py); both give the float GEMM's result on
+        `dequantize()`'s weight (`linear_quant_reference`)
     lora_delta(x, y, lora_a, lora_b, slice_offsets, seg_indptr, seg_adapter, packed=None, max_seg_len=None)
         in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
     cpu_decoder_layer(...) -> layer | None; cpu_step_meta(...) (CPU only: a Llama decoder layer's

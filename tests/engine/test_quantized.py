@@ -362,3 +362,13 @@ def test_lora_adapters_apply_in_float_over_a_quantized_base(tiny_checkpoint, tmp
     for rid, tokens in streamed.items():
         i = int(rid[1:])
         assert tokens == oracle[(names[i], tuple(by_id[rid]))][: MAX_TOKENS[i]], rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weights_on_cuda_match_the_dequantized_model(tiny_checkpoint, tmp_path_factory, mode):
+    """The Triton W8A16/W4A16 kernel in the engine on a GPU, float32 (IEEE dot products)."""
+    bits = 8 if mode == "int8" else 4
+    reference = _dequantized_checkpoint(tiny_checkpoint, str(tmp_path_factory.mktemp("deq-cuda") / "m"), bits,
+                                        None if bits == 8 else 64)
+    _scenarios(tiny_checkpoint, _oracle(reference), device="cuda", quantization=mode, quantization_group_size=64)

@@ -147,17 +147,23 @@ def set_parameters(config_text: str, parameters: Mapping[str, str]) -> str:
     return config_text
 
 
+# The engine parameters that are paths, relative to the model's version folder when not absolute.
+PATH_PARAMETERS = ("model_path", "tokenizer")
+
+
 def repository_with_parameters(src: Path, dst: Path, parameters: Mapping[str, str]) -> Path:
     """A copy of model repository ``src`` at ``dst``, each model's config.pbtxt with
-    ``parameters`` set and a relative ``model_path`` made absolute (the copy lives elsewhere)."""
+    ``parameters`` set and its relative paths (``model_path``, ``tokenizer``) made absolute
+    (the copy lives elsewhere)."""
     shutil.copytree(src, dst)
     for config_path in dst.glob("*/config.pbtxt"):
         text = config_path.read_text()
         version_dir = (src / config_path.parent.name / "1").resolve()
-        match = re.search(r'key:\s*"model_path"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
         values = dict(parameters)
-        if "model_path" not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
-            values["model_path"] = os.path.normpath(version_dir / match.group(1))
+        for name in PATH_PARAMETERS:
+            match = re.search(rf'key:\s*"{name}"\s*,\s*value:\s*\{{\s*string_value:\s*"([^"]*)"', text)
+            if name not in values and match and match.group(1) and not os.path.isabs(match.group(1)):
+                values[name] = os.path.normpath(version_dir / match.group(1))
         config_path.write_text(set_parameters(text, values))
     return dst
 

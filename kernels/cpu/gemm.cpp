@@ -43,7 +43,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +51,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "work_split.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -71,12 +71,6 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 // Below this many multiply-adds one core finishes before a second would have started.
 constexpr int64_t kMinParallelMacs = 1 << 18;
-// A parallel GEMM's next chunk is 1 / (this x threads) of the items left: the first chunks
-// large enough that taking one costs nothing measurable, the last ones single items, so that a
-// core that falls behind hands its share to the others and none waits long for the last chunk
-// (a step's projections 3-8% faster than equal chunks of 1/16, SmolLM2 bf16 at 1 to 200 rows,
-// 2-core AVX512-BF16 EPYC).
-constexpr int64_t kShareOfWhatIsLeft = 8;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define INFLIGHT_HAVE_AVX2 1
@@ -301,31 +295,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
     run(0, items, -1);
     return out;
   }
-  // Handed out in chunks, several per core, as each core comes back for more (not one equal
-  // range per core, as at::parallel_for does): when another thread of the process (Triton's
-  // response thread, the gRPC server) or of the machine takes a core for a while, the other
-  // core does that core's remaining chunks instead of the whole GEMM waiting for it. Chunks
-  // shrink as the work runs out (each a share of what is left, single items at the end), so
-  // that the cores finish together.
-  // A core claims its next chunk before it starts this one, so that this chunk's last tiles can
-  // ask for the next chunk's first panels (OpenMP's dynamic schedule says which chunk comes next
-  // only once it is taken: every chunk's first group would come from memory unannounced).
-  std::vector<int64_t> bounds{0};
-  while (bounds.back() < items) {
-    const int64_t left = items - bounds.back(), share = kShareOfWhatIsLeft * threads;
-    bounds.push_back(bounds.back() + (left + share - 1) / share);
-  }
-  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
-    while (mine < chunks) {
-      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
-      run(bounds[mine], bounds[mine + 1], following < chunks ? bounds[following] : -1);
-      mine = following;
-    }
-  }
+  run_in_shrinking_chunks(items, threads, run);
   return out;
 }
 

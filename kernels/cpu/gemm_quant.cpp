@@ -79,7 +79,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,6 +87,7 @@
 
 #include "ops.h"
 #include "prefetch.h"
+#include "work_split.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -105,7 +105,6 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 constexpr int64_t kMinParallelMacs = 1 << 18;
-constexpr int64_t kShareOfWhatIsLeft = 8;
 
 // A panel's scales or mins for one group: 16 values in float16 or float32.
 struct GroupValues {
@@ -610,23 +609,7 @@ at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const 
     run(0, items, -1);
     return out;
   }
-  // Chunks shrinking as the work runs out, claimed one ahead (gemm.cpp says why).
-  std::vector<int64_t> bounds{0};
-  while (bounds.back() < items) {
-    const int64_t left = items - bounds.back(), share = kShareOfWhatIsLeft * threads;
-    bounds.push_back(bounds.back() + (left + share - 1) / share);
-  }
-  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
-    while (mine < chunks) {
-      const int64_t following = claimed.fetch_add(1, std::memory_order_relaxed);
-      run(bounds[mine], bounds[mine + 1], following < chunks ? bounds[following] : -1);
-      mine = following;
-    }
-  }
+  run_in_shrinking_chunks(items, threads, run);
   return out;
 }
 

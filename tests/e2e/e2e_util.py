@@ -260,3 +260,30 @@ def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
         return wait_until(idle, timeout, 0.2, "idle engine")
     except AssertionError:
         raise AssertionError(f"model {model} not idle after {timeout:.0f}s: {last}") from None
+
+
+def greedy_tokens_and_texts(grpc_url: str, model: str, prompts: list[str], max_tokens: int,
+                            timeout_s: float = 300) -> list[tuple[list[int], str]]:
+    """Every prompt at once, one gRPC stream each, greedy with EOS ignored: each request's
+    sampled token ids (from its logprobs) and text, from its one (non-streamed) response."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.grpc as grpcclient
+
+    from client.triton import make_inputs, stream_generate, text_of
+
+    sampling = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0}
+
+    def ask(i: int) -> tuple[list[int], str]:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        try:
+            inputs = make_inputs(prompts[i], sampling, stream=False, returns=("return_logprobs",))
+            responses = list(stream_generate(client, model, inputs, request_id=str(i), timeout_s=timeout_s))
+        finally:
+            client.close()
+        assert len(responses) == 1
+        entries = json.loads(responses[0].as_numpy("logprobs").reshape(-1)[0])
+        return [int(next(iter(entry))) for entry in entries], text_of(responses[0])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, range(len(prompts))))

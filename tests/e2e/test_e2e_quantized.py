@@ -6,16 +6,15 @@ tests/engine/test_quantized.py), and exports its resident weight bytes.
 
 from __future__ import annotations
 
-import json
 import os
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import transformers
 
 from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF
 from tests.checkpoints import hf_greedy
+from tests.e2e.e2e_util import greedy_tokens_and_texts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -25,31 +24,13 @@ MAX_TOKENS = 16
 
 
 def test_llm_q4_serves_the_gguf_file_as_transformers_reads_it(tritonserver):
-    import tritonclient.grpc as grpcclient
-
-    from client.triton import make_inputs, stream_generate, text_of
-
     parameters = {"model_path": str(DEFAULT_GGUF), "tokenizer": str(DEFAULT_CHECKPOINT), "max_num_seqs": "8",
                   "kv_cache_memory_mb": "64"}
     with tritonserver({"llm_q4": parameters}, sources={"llm_q4": "llm_q4"}) as server:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
-        sampling = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
-
-        def ask(i: int):
-            client = grpcclient.InferenceServerClient(server.grpc_url)
-            try:
-                inputs = make_inputs(PROMPTS[i], sampling, stream=False, returns=("return_logprobs",))
-                responses = list(stream_generate(client, "llm_q4", inputs, request_id=str(i), timeout_s=300))
-            finally:
-                client.close()
-            assert len(responses) == 1
-            entries = json.loads(responses[0].as_numpy("logprobs").reshape(-1)[0])
-            return [int(next(iter(entry))) for entry in entries], text_of(responses[0])
-
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(ask, range(len(PROMPTS))))
+        results = greedy_tokens_and_texts(server.grpc_url, "llm_q4", PROMPTS, MAX_TOKENS)
         with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
             metrics = response.read().decode()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
     expected = hf_greedy(os.path.dirname(DEFAULT_GGUF), [tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS,
                          gguf_file=os.path.basename(DEFAULT_GGUF))
     for (token_ids, text), want in zip(results, expected):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
+from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
 from tools import launch, serve
 
 
@@ -92,6 +92,10 @@ def test_serve_set_serves_a_copy_with_the_parameters_set(tmp_path, monkeypatch):
     kept_params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
                                   (kept / "llm" / "config.pbtxt").read_text()))
     assert Path(EngineConfig.from_parameters(kept_params, str(kept / "llm" / "1")).model_path) == DEFAULT_CHECKPOINT
+    q4_params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
+                                (kept / "llm_q4" / "config.pbtxt").read_text()))
+    q4 = EngineConfig.from_parameters(q4_params, str(kept / "llm_q4" / "1"))
+    assert (Path(q4.model_path), Path(q4.tokenizer)) == (DEFAULT_GGUF, DEFAULT_CHECKPOINT)
     for bad in ("max_num_seqs", "=8"):
         with pytest.raises(ValueError, match="expected KEY=VALUE"):
             serve.parse_settings([bad])

@@ -50,8 +50,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ign
 
 # The block type of each projection in `make_gguf_checkpoint`'s file: every type the engine
 # reads, and a q|k|v and a gate|up whose parts differ (as in llama.cpp's Q4_K_M mixes).
-GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q6_K", "attn_output": "Q4_K",
-              "ffn_gate": "Q4_K", "ffn_up": "Q4_1", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}
+GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q4_K",
+              "ffn_gate": "Q5_1", "ffn_up": "Q4_1", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -74,8 +74,9 @@ def _k_quant_blocks(type_name: str, weight: np.ndarray, rng: np.random.Generator
     if type_name == "Q4_K":  # w = d * sc * q - dmin * m, sc and m up to 63, q up to 15
         blocks[:, 0:2] = f16(np.abs(rng.standard_normal(n)) * std / 200)
         blocks[:, 2:4] = f16(np.abs(rng.standard_normal(n)) * std / 30)
-    else:  # Q6_K: w = d * scale * (q - 32), int8 scales
+    elif type_name == "Q6_K":  # w = d * scale * (q - 32), int8 scales
         blocks[:, 208:210] = f16(np.abs(rng.standard_normal(n)) * std / 2000)
+    # Other K types: random bytes (for files the engine must refuse).
     return blocks.reshape(weight.shape[0], -1)
 
 

@@ -3,9 +3,9 @@
 Every reader here turns a checkpoint's own integers into `kernels.QuantizedWeight`s (one
 format: w = scale * q + min per group along the input), never into float weights:
 
-- GGUF files (llama.cpp), through the `gguf` package's reader: Q8_0, Q4_0, Q4_1, Q4_K and
-  Q6_K blocks (the types of llama.cpp's Q4_0, Q4_1, Q8_0 and Q4_K_M files), F32/F16/BF16
-  tensors as floats. llama.cpp stores the q and k projections of Llama models with their
+- GGUF files (llama.cpp), through the `gguf` package's reader: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+  Q4_K and Q6_K blocks (the types of llama.cpp's Q4_0, Q4_1, Q8_0 and Q4_K_M files, with the
+  Q5_0/Q5_1 it puts where rows are no multiple of 256), F32/F16/BF16 tensors as floats. llama.cpp stores the q and k projections of Llama models with their
   rows permuted for its rotary layout; `GgufCheckpoint` undoes it on the integers' rows.
 - Hugging Face `quantization_config`: AWQ (GEMM packing), GPTQ (with or without act-order)
   and compressed-tensors pack-quantized W4A16/W8A16 (`read_packed_linear`).
@@ -30,7 +30,7 @@ import torch
 from backend.config import QUANTIZATION_MODES
 from kernels import QuantizedWeight, quantize
 
-GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 PACKED_METHODS = ("awq", "gptq", "compressed-tensors")
 
@@ -74,6 +74,16 @@ def _decode_blocks(type_name: str, blocks: np.ndarray):
         return _nibbles(blocks[:, 2:]).reshape(len(blocks), 32), d, -8.0 * d, 4, 32
     if type_name == "Q4_1":  # d f16, m f16, 16 bytes of nibbles; w = d * q + m
         return _nibbles(blocks[:, 4:]).reshape(len(blocks), 32), _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None], 4, 32
+    if type_name in ("Q5_0", "Q5_1"):
+        # d f16 (Q5_1: and m f16), 32 fifth bits (a little-endian uint32), 16 bytes of nibbles;
+        # Q5_0: w = d * (q - 16), Q5_1: w = d * q + m. Held as 8-bit integers.
+        at = 2 if type_name == "Q5_0" else 4
+        high = blocks[:, at:at + 4].copy().view(np.uint32)[:, :1] >> np.arange(32, dtype=np.uint32) & 1
+        q = (_nibbles(blocks[:, at + 4:]).reshape(len(blocks), 32) | (high.astype(np.uint8) << 4)).astype(np.int16)
+        d = _f16(blocks, 0)[:, None]
+        if type_name == "Q5_0":
+            return (q - 16).astype(np.int8), d, None, 8, 32
+        return q.astype(np.int8), d, _f16(blocks, 2)[:, None], 8, 32
     if type_name == "Q4_K":
         # 256 weights: d f16, dmin f16, 12 bytes of eight 6-bit scales and mins, 128 bytes of
         # nibbles (per 32 bytes: one sub-block's 32 in the low nibbles, the next one's in the high).

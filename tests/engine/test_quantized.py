@@ -86,13 +86,14 @@ def _random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) 
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     n = rows * k // block_elems
     blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
-    scale_at = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
+    scale_at = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2],
+                "Q6_K": [208]}[type_name]
     for at in scale_at:  # finite float16 scales of both signs
         blocks[:, at:at + 2] = np.frombuffer(rng.standard_normal(n).astype(np.float16).tobytes(), np.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_gguf_blocks_read_as_gguf_py_dequantizes_them(type_name):
     """Every block type's integers, scales and mins give gguf-py's own de-quantized floats,
     to the bit (up to the sign of zero, which Q4_0's d * (q - 8) gives as -0 for a negative d)."""
@@ -118,10 +119,10 @@ def test_gguf_weights_are_transformers_dequantized_ones_and_stay_quantized(gguf_
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         qkv, gate_up = layer.self_attn.qkv_proj.quantized, layer.mlp.gate_up_proj.quantized
-        # q (Q4_0), k (Q4_1) and v (Q6_K) fused: in 8-bit groups of 16, the widest and smallest.
+        # q (Q4_0), k (Q5_0) and v (Q6_K) fused: in 8-bit groups of 16, the widest and smallest.
         assert (qkv.bits, qkv.group_size) == (8, 16)
         assert torch.equal(qkv.dequantize(), torch.cat([hf[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
-        assert (gate_up.bits, gate_up.group_size) == (4, 32)
+        assert (gate_up.bits, gate_up.group_size) == (8, 32)  # gate Q5_1, up Q4_1
         assert torch.equal(gate_up.dequantize(), torch.cat([hf[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
         assert torch.equal(layer.mlp.down_proj.quantized.dequantize(), hf[prefix + "mlp.down_proj.weight"])
     assert torch.equal(model.embed_tokens.quantized.dequantize(), hf["model.embed_tokens.weight"])
@@ -144,8 +145,8 @@ def test_gguf_file_with_an_untied_quantized_head(tiny_checkpoint, tmp_path):
 
 
 def test_unsupported_gguf_block_type_is_named(tiny_checkpoint, tmp_path):
-    path = make_gguf_checkpoint(tiny_checkpoint, str(tmp_path / "q5.gguf"), types={"ffn_up": "Q5_0"})
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight .* block type Q5_0; supported: Q8_0, Q4_0"):
+    path = make_gguf_checkpoint(tiny_checkpoint, str(tmp_path / "q5k.gguf"), types={"ffn_up": "Q5_K"})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight .* block type Q5_K; supported: Q8_0, Q4_0"):
         load_model(path, torch.float32, torch.device("cpu"), 64)
 
 

@@ -120,50 +120,53 @@ def scored_nll(logits: torch.Tensor, window: list[int]) -> float:
     return -float(log_probs.gather(1, targets[:, None]).sum())
 
 
-def load_runner(config: Configuration, n_ctx: int, device: str, dtype: torch.dtype,
+def load_runner(config: Configuration, n_ctx: int, device: str, dtype: torch.dtype, sequences: int = 1,
                 block_size: int = 16) -> ModelRunner:
-    """The configuration's model with a KV pool of one n_ctx-token sequence."""
+    """The configuration's model with a KV pool of `sequences` n_ctx-token sequences."""
+    num_blocks = sequences * -(-n_ctx // block_size)
     engine_config = EngineConfig(model_path=config.model_path, device=device, block_size=block_size,
-                                 max_num_seqs=1, max_model_len=n_ctx, max_num_batched_tokens=n_ctx,
-                                 num_kv_blocks=-(-n_ctx // block_size), quantization=config.quantization,
+                                 max_num_seqs=sequences, max_model_len=n_ctx, max_num_batched_tokens=sequences * n_ctx,
+                                 num_kv_blocks=num_blocks, quantization=config.quantization,
                                  quantization_group_size=config.group_size)
     torch_device = resolve_device(device)
     model, _ = load_model(config.model_path, dtype, torch_device, n_ctx, quantization=config.quantization,
                           quantization_group_size=config.group_size)
-    return ModelRunner(engine_config, model, model.arch, -(-n_ctx // block_size), 0, torch_device, dtype)
+    return ModelRunner(engine_config, model, model.arch, num_blocks, 0, torch_device, dtype)
 
 
 @torch.inference_mode()
-def engine_nll(runner: ModelRunner, windows_: list[list[int]], progress: bool = False) -> tuple[float, int]:
-    """The summed NLL over the scored tokens of all windows, and their count: each window one
-    prefill of n_ctx tokens from position 0 over the runner's paged KV cache."""
+def engine_nll(runner: ModelRunner, windows_: list[list[int]], sequences: int = 1,
+               progress: bool = False) -> tuple[float, int]:
+    """The summed NLL over the scored tokens of all windows, and their count. Each window is
+    its own sequence, prefilled from position 0 over the runner's paged KV cache, `sequences`
+    windows to a forward pass (the pass's weight reads, and a fallback GEMM's de-quantization,
+    are shared by all of them; each window's attention sees only its own tokens)."""
     n_ctx = len(windows_[0])
     first = n_ctx // 2
-    # A step of one n_ctx-token sequence in blocks 0.. of the pool; only its tokens change.
-    inputs = runner.synthetic_inputs([n_ctx])
     total, count = 0.0, 0
-    for i, window in enumerate(windows_):
-        ids = torch.tensor(window, dtype=torch.int64, device=runner.device)
+    for start in range(0, len(windows_), sequences):
+        batch = windows_[start:start + sequences]
+        # A step of len(batch) n_ctx-token sequences in blocks 0.. of the pool; only the tokens are set.
+        inputs = runner.synthetic_inputs([n_ctx] * len(batch))
+        ids = torch.tensor(batch, dtype=torch.int64, device=runner.device).flatten()
         hidden = runner.model(ids, inputs.positions, runner.kv_caches, inputs.meta)
-        logits = runner.model.compute_logits(hidden[first:n_ctx - 1])
-        total += scored_nll(logits, window)
-        count += n_ctx - 1 - first
-        if progress and (i + 1) % 10 == 0:
-            print(f"  [{i + 1}/{len(windows_)}] ppl so far {math.exp(total / count):.4f}", flush=True)
+        for j, window in enumerate(batch):
+            logits = runner.model.compute_logits(hidden[j * n_ctx + first:(j + 1) * n_ctx - 1])
+            total += scored_nll(logits, window)
+            count += n_ctx - 1 - first
+        if progress:
+            print(f"  [{start + len(batch)}/{len(windows_)}] ppl so far {math.exp(total / count):.4f}", flush=True)
     return total, count
 
 
-def engine_row(config: Configuration, windows_: list[list[int]], n_ctx: int, device: str) -> dict:
-    """The engine's figures for `config`: perplexity, and the resident bits per weight (every
-    byte the weights hold, norms and embedding included, over the 2-D weights' entries)."""
+def engine_row(config: Configuration, windows_: list[list[int]], n_ctx: int, device: str, sequences: int) -> dict:
+    """The engine's figures for `config`: perplexity, and the bytes its weights hold resident
+    (the packed and quantized forms the engine computes with)."""
     start = time.perf_counter()
-    runner = load_runner(config, n_ctx, device, torch.float32)
-    resident = runner.model.resident_weight_bytes()
-    weights = sum(param.numel() for name, param in runner.model.named_parameters()
-                  if name.endswith("weight") and param.dim() == 2)
-    nll, count = engine_nll(runner, windows_, progress=True)
+    runner = load_runner(config, n_ctx, device, torch.float32, sequences)
+    nll, count = engine_nll(runner, windows_, sequences, progress=True)
     return {"quantization": config.quantization, "group_size": config.group_size if config.quantization == "int4" else None,
-            "resident_weight_bytes": resident, "bits_per_weight": 8 * resident / weights,
+            "resident_weight_bytes": runner.model.resident_weight_bytes(),
             "ppl": math.exp(nll / count), "mean_nll": nll / count, "scored_tokens": count,
             "seconds": time.perf_counter() - start, "git_commit": git_commit(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -193,7 +196,7 @@ def markdown(report: dict) -> str:
         f"{report['method']['windows']} windows of n_ctx={report['method']['n_ctx']}, second half scored), "
         f"`{report['command']}` on {report['machine']['cpu']} ({report['machine']['cpu_kind']}).",
         "",
-        "| weights | bits/weight (resident) | perplexity (engine) | llama-perplexity | difference |",
+        "| weights | resident weights (MiB) | perplexity (engine) | llama-perplexity | difference |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for row in report["results"]:
@@ -201,8 +204,8 @@ def markdown(report: dict) -> str:
         theirs = f"{peer['ppl']:.4f}" if peer else "-"
         diff = f"{row['relative_difference']:+.3%}" if "relative_difference" in row else "-"
         ours = f"{row['ppl']:.4f}" if "ppl" in row else "-"
-        bits = f"{row['bits_per_weight']:.2f}" if "bits_per_weight" in row else "-"
-        lines.append(f"| {row['name']} | {bits} | {ours} | {theirs} | {diff} |")
+        size = f"{row['resident_weight_bytes'] / 2**20:.1f}" if "resident_weight_bytes" in row else "-"
+        lines.append(f"| {row['name']} | {size} | {ours} | {theirs} | {diff} |")
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama-perplexity")
     parser.add_argument("--llama-cpp-only", action="store_true", help="only llama-perplexity (with --update: "
                         "added to the engine's figures already in the report)")
+    parser.add_argument("--sequences", type=int, default=8, help="windows to a forward pass")
     parser.add_argument("--threads", type=int, default=2, help="llama-perplexity's threads")
     parser.add_argument("--json", help="default bench/results/<cpu kind>/perplexity.json, a .md table beside it")
     parser.add_argument("--update", action="store_true",
@@ -240,22 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"{args.text}: {len(tokens)} tokens, {len(windows_)} windows of {args.n_ctx}; {info['cpu']}", flush=True)
 
-    results = []
-    for config in selected:
-        if config.name in GGUF_TYPES:
-            config = Configuration(config.name, make_quantized_gguf(args.model, config.name))
-        row = {"name": config.name, "model_path": os.path.relpath(config.model_path, REPO_ROOT)}
-        if not args.llama_cpp_only:
-            row.update(engine_row(config, windows_, args.n_ctx, args.device))
-            print(f"{config.name}: ppl {row['ppl']:.4f} at {row['bits_per_weight']:.2f} bits/weight", flush=True)
-        if config.is_gguf and not args.no_llama_cpp:
-            row["llama_perplexity"] = llama_perplexity(config.model_path, args.text, args.n_ctx, args.threads)
-            print(f"{config.name}: llama-perplexity {row['llama_perplexity']['ppl']:.4f}", flush=True)
-        results.append(row)
-
+    command = "python -m client.bench.perplexity " + " ".join(sys.argv[1:] if argv is None else argv)
     report = {
         "benchmark": "perplexity of quantized weights (issue 47)",
-        "command": "python -m client.bench.perplexity " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command,
         "git_commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": info,
@@ -265,31 +257,41 @@ def main(argv: list[str] | None = None) -> int:
         "method": {"n_ctx": args.n_ctx, "windows": len(windows_), "bos": bos,
                    "scored_positions": f"{args.n_ctx // 2}..{args.n_ctx - 2} of each window (llama-perplexity's default)",
                    "llama_perplexity_threads": args.threads},
-        "results": results,
+        "results": [],
     }
     path = args.json or str(REPO_ROOT / "bench" / "results" / info["cpu_kind"] / "perplexity.json")
+    rows: dict[str, dict] = {}
     if args.update and os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
         if earlier["text"] != report["text"] or earlier["method"] != report["method"]:
             raise SystemExit(f"--update: {path} scores another text or method; run without --update")
         rows = {row["name"]: row for row in earlier["results"]}
-        for row in results:
-            rows[row["name"]] = {**rows.get(row["name"], {}), **row}
-        order = [c.name for c in configurations(args.model, args.gguf)]
-        report["results"] = sorted(rows.values(), key=lambda row: order.index(row["name"]))
-        report["command"] = f"{earlier['command']}; {report['command']}"
-    for row in report["results"]:
+        report["command"] = f"{earlier['command']}; {command}"
+    order = [c.name for c in configurations(args.model, args.gguf)]
+
+    for config in selected:
+        if config.name in GGUF_TYPES:
+            config = Configuration(config.name, make_quantized_gguf(args.model, config.name))
+        row = {"name": config.name, "model_path": os.path.relpath(config.model_path, REPO_ROOT)}
+        if not args.llama_cpp_only:
+            row.update(engine_row(config, windows_, args.n_ctx, args.device, args.sequences))
+            print(f"{config.name}: ppl {row['ppl']:.4f}, weights {row['resident_weight_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+        if config.is_gguf and not args.no_llama_cpp:
+            row["llama_perplexity"] = llama_perplexity(config.model_path, args.text, args.n_ctx, args.threads)
+            print(f"{config.name}: llama-perplexity {row['llama_perplexity']['ppl']:.4f}", flush=True)
+        row = rows[config.name] = {**rows.get(config.name, {}), **row}
         if "ppl" in row and "llama_perplexity" in row:
             row["relative_difference"] = (row["ppl"] - row["llama_perplexity"]["ppl"]) / row["llama_perplexity"]["ppl"]
-    write_report(path, report)
-    table = os.path.splitext(path)[0] + ".md"
-    with open(table, "w") as f:
-        f.write(markdown(report))
-    print(f"wrote {table}")
+        # Written after each configuration: a long run stopped halfway keeps what it measured.
+        report["results"] = sorted(rows.values(), key=lambda r: order.index(r["name"]))
+        write_report(path, report)
+        table = os.path.splitext(path)[0] + ".md"
+        with open(table, "w") as f:
+            f.write(markdown(report))
     print(markdown(report))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -52,8 +52,10 @@ def test_scored_nll_scores_the_second_half():
 
 def test_engine_perplexity_equals_transformers(tiny_checkpoint, text_tokens):
     windows = perplexity.windows(text_tokens[:4 * N_CTX + 17], N_CTX, bos=None)
-    runner = perplexity.load_runner(perplexity.Configuration("tiny", tiny_checkpoint), N_CTX, "cpu", torch.float32)
-    nll, count = perplexity.engine_nll(runner, windows)
+    # Three windows to a pass, then the fourth alone: each window's attention sees only its own tokens.
+    runner = perplexity.load_runner(perplexity.Configuration("tiny", tiny_checkpoint), N_CTX, "cpu", torch.float32,
+                                    sequences=3)
+    nll, count = perplexity.engine_nll(runner, windows, sequences=3)
     assert count == 4 * (N_CTX - 1 - N_CTX // 2)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()

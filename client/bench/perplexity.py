@@ -260,15 +260,23 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     path = args.json or str(REPO_ROOT / "bench" / "results" / info["cpu_kind"] / "perplexity.json")
-    rows: dict[str, dict] = {}
-    if args.update and os.path.exists(path):
+    order = [c.name for c in configurations(args.model, args.gguf)]
+
+    def earlier_rows() -> dict[str, dict]:
+        """With --update, the rows of the report at `path` as it is now (another run, of other
+        configurations, may have written it since this one began)."""
+        if not (args.update and os.path.exists(path)):
+            return {}
         with open(path) as f:
             earlier = json.load(f)
         if earlier["text"] != report["text"] or earlier["method"] != report["method"]:
             raise SystemExit(f"--update: {path} scores another text or method; run without --update")
-        rows = {row["name"]: row for row in earlier["results"]}
-        report["command"] = f"{earlier['command']}; {command}"
-    order = [c.name for c in configurations(args.model, args.gguf)]
+        if command not in earlier["command"]:
+            report["command"] = f"{earlier['command']}; {command}"
+        return {row["name"]: row for row in earlier["results"]}
+
+    earlier_rows()  # refuses a report of another text or method before the first configuration
+    measured: dict[str, dict] = {}
 
     for config in selected:
         if config.name in GGUF_TYPES:
@@ -281,10 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         if config.is_gguf and not args.no_llama_cpp:
             row["llama_perplexity"] = llama_perplexity(config.model_path, args.text, args.n_ctx, args.threads)
             print(f"{config.name}: llama-perplexity {row['llama_perplexity']['ppl']:.4f}", flush=True)
-        row = rows[config.name] = {**rows.get(config.name, {}), **row}
-        if "ppl" in row and "llama_perplexity" in row:
-            row["relative_difference"] = (row["ppl"] - row["llama_perplexity"]["ppl"]) / row["llama_perplexity"]["ppl"]
+        measured[config.name] = row
         # Written after each configuration: a long run stopped halfway keeps what it measured.
+        rows = earlier_rows()
+        for name, mine in measured.items():
+            rows[name] = {**rows.get(name, {}), **mine}
+        for row in rows.values():
+            if "ppl" in row and "llama_perplexity" in row:
+                row["relative_difference"] = (row["ppl"] - row["llama_perplexity"]["ppl"]) / row["llama_perplexity"]["ppl"]
         report["results"] = sorted(rows.values(), key=lambda r: order.index(r["name"]))
         write_report(path, report)
         table = os.path.splitext(path)[0] + ".md"

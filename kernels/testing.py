@@ -103,3 +103,20 @@ def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     for r in range(rows.shape[0]):
         out[r] = rows[r] / torch.sqrt((rows[r] ** 2).mean() + eps) * weight.double()
     return out.view(x.shape)
+
+
+def make_random_quantized_weight(out_features: int, in_features: int, bits: int, group: int | None, mins: bool,
+                                 half: bool, gen: torch.Generator):
+    """Random integers and group values of a QuantizedWeight (`group` None: one group per row);
+    with `half`, values float16 holds exactly (as GGUF's), which the CPU packing keeps in float16."""
+    from .quantized import QuantizedWeight
+
+    group = group or in_features
+    groups = -(-in_features // group)
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
+    lows = -torch.rand(out_features, groups, generator=gen) * 0.1 if mins else None
+    if half:
+        scales, lows = scales.half().float(), None if lows is None else lows.half().float()
+    return QuantizedWeight(q, scales, lows, bits, group)

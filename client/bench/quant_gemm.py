@@ -25,7 +25,7 @@ import kernels
 from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
 from kernels import cpu_ext
-from kernels.quantized import QuantizedWeight
+from kernels.testing import make_random_quantized_weight
 
 # (name, out_features, in_features)
 SHAPES = [("smollm2_qkv", 960, 576), ("smollm2_o", 576, 576), ("smollm2_gate_up", 3072, 576),
@@ -34,18 +34,6 @@ SHAPES = [("smollm2_qkv", 960, 576), ("smollm2_o", 576, 576), ("smollm2_gate_up"
 FORMATS = [("int8", 8, None, False, False), ("q8_0", 8, 32, False, True), ("q4_1", 4, 32, True, True),
            ("int4_g128", 4, 128, True, False)]
 
-
-def make_weight(out_features: int, in_features: int, bits: int, group: int | None, mins: bool, half: bool,
-                gen: torch.Generator) -> QuantizedWeight:
-    group = group or in_features
-    groups = -(-in_features // group)
-    low, high = (-128, 128) if bits == 8 else (0, 16)
-    q = torch.randint(low, high, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
-    lows = -torch.rand(out_features, groups, generator=gen) * 0.1 if mins else None
-    if half:
-        scales, lows = scales.half().float(), None if lows is None else lows.half().float()
-    return QuantizedWeight(q, scales, lows, bits, group)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         float_packed = None
         packed = {}
         for fmt, bits, group, mins, half in FORMATS:
-            weight = make_weight(n, k, bits, group, mins, half, gen)
+            weight = make_random_quantized_weight(n, k, bits, group, mins, half, gen)
             packed[fmt] = (weight, kernels.pack_linear_weight(weight))
         dequantized = packed["int8"][0].dequantize()
         float_packed = kernels.pack_linear_weight(dequantized, isa=float_isa)

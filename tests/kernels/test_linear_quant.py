@@ -17,6 +17,7 @@ import kernels
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
 from kernels.quantized import QuantizedWeight, quantize
+from kernels.testing import make_random_quantized_weight
 
 LINEAR = sys.modules["kernels.linear"]
 MODULE = cpu_ext.load()
@@ -49,17 +50,8 @@ def make_weight(out_features: int, in_features: int, layout: str, seed: int) -> 
     """Random integers and group values in `layout`; where float16-exact, values float16 holds
     (GGUF's), so that the packing keeps them as float16."""
     bits, group, mins, half = LAYOUTS[layout]
-    group = group or in_features
-    gen = torch.Generator().manual_seed(seed)
-    groups = -(-in_features // group)
-    low, high = (-128, 128) if bits == 8 else (0, 16)
-    q = torch.randint(low, high, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
-    lows = -torch.rand(out_features, groups, generator=gen) * 0.1 if mins else None
-    if half:
-        scales = scales.half().float()
-        lows = None if lows is None else lows.half().float()
-    return QuantizedWeight(q, scales, lows, bits, group)
+    return make_random_quantized_weight(out_features, in_features, bits, group, mins, half,
+                                        torch.Generator().manual_seed(seed))
 
 
 def float_panel_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, isa: Isa) -> torch.Tensor:

@@ -374,8 +374,10 @@ def _gguf_source(gguf_path: str, arch: ModelArch
 
 
 def _fuse(param_name: str, parts: list[Weight], perms: list[torch.Tensor | None]) -> tuple[Weight, torch.Tensor | None]:
-    if any(not torch.equal(perms[0], p) if perms[0] is not None and p is not None else (perms[0] is None) != (p is None)
-           for p in perms):
+    def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+    if not all(same(perms[0], p) for p in perms):
         raise CheckpointError(f"{param_name}: its parts read their inputs in different act-order permutations; "
                               "they must share one (they share their input)")
     if len(parts) == 1:

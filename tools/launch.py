@@ -52,6 +52,7 @@ from backend.paths import REPO_ROOT
 TRITON_DIR = Path(os.environ.get("INFLIGHT_TRITON_DIR", REPO_ROOT / ".triton"))
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_SECS = 15
+GROUP_EXIT_TIMEOUT_SECS = 10
 
 
 def venv_dir() -> Path:
@@ -336,7 +337,32 @@ def stop(proc: subprocess.Popen, timeout: float = EXIT_TIMEOUT_SECS + 15) -> int
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is gone: nothing was left behind
+    else:
+        _wait_until_group_exits(proc.pid, GROUP_EXIT_TIMEOUT_SECS)
+    _remove_shared_memory_regions(proc.args)
     return code
+
+
+def _wait_until_group_exits(pgid: int, timeout: float) -> None:
+    """SIGKILL is asynchronous: a relaunch on the same ports must not race the stubs' exit
+    while they still hold gigabytes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+def _remove_shared_memory_regions(args) -> None:
+    """A killed tritonserver never unlinks its Python backend stubs' shared-memory regions,
+    and /dev/shm is memory: remove what is left under the prefix this module gave it."""
+    flag = "--backend-config=python,shm-region-prefix-name="
+    prefixes = [a[len(flag):] for a in (args if isinstance(args, (list, tuple)) else []) if str(a).startswith(flag)]
+    for prefix in prefixes:
+        for region in Path("/dev/shm").glob(f"{prefix}*"):
+            region.unlink(missing_ok=True)
 
 
 def model_names(http_port: int, host: str = "127.0.0.1") -> list[str]:

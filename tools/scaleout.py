@@ -44,6 +44,8 @@ ROUTER_POLICIES = ("round_robin", "power_of_two", "consistent_hash", "cache_awar
 # Port offsets of replica i from base_port + 10 * i.
 HTTP, GRPC, METRICS, OPENAI, KV_EVENTS, KV_REPLAY = range(6)
 HEALTH_INTERVAL_S = 1
+# A replica that dies before it is ready shows this much of its log in the error.
+LOG_TAIL_LINES = 40
 
 
 @dataclasses.dataclass
@@ -256,7 +258,9 @@ class Cluster:
             launch.wait_tritonserver(replica.port(HTTP), self.ready_timeout_s, replica.host, replica.triton,
                                      replica.port(METRICS))
         except (RuntimeError, TimeoutError) as exc:
-            raise type(exc)(f"{replica.name}: {exc}") from None
+            log = self.log_dir / f"{replica.name}-triton.log"
+            tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
+            raise type(exc)("\n".join([f"{replica.name}: {exc}; the end of {log}:", *tail])) from None
 
     def start_frontend(self, replica: Replica) -> None:
         if replica.frontend is not None and replica.frontend.poll() is None:

@@ -4,10 +4,12 @@ and the shipped model repository's config."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,31 @@ def test_loadtest_refuses_genai_perf_options_for_perf_analyzer():
         main(["perf-analyzer", "--repeat", "3"])
     with pytest.raises(SystemExit):
         main(["genai-perf", "--repeat", "0"])
+
+
+def test_stop_leaves_no_process_of_the_group_and_no_shared_memory_region(tmp_path):
+    """A server killed mid-run leaves stubs (here a grandchild) and /dev/shm regions behind;
+    stop() removes both before it returns, so a relaunch on the same ports starts clean."""
+    prefix = f"inflight_test_{tmp_path.name}_"
+    region = Path("/dev/shm") / f"{prefix}stub-region"
+    region.write_bytes(b"\0" * 4096)
+    unrelated = Path("/dev/shm") / f"inflight_other_{tmp_path.name}"
+    unrelated.write_bytes(b"\0")
+    # The "server" starts a child that ignores SIGTERM, as a busy stub would, then is killed alone.
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); time.sleep(600)"
+    args = [sys.executable, "-c", script, f"--backend-config=python,shm-region-prefix-name={prefix}"]
+    proc = launch._popen(args, dict(os.environ), None, None)
+    try:
+        time.sleep(1.0)
+        proc.kill()
+        proc.wait()
+        os.killpg(proc.pid, 0)  # the child is still alive in the group
+        launch.stop(proc, timeout=1)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+        assert not region.exists()
+        assert unrelated.exists()
+    finally:
+        unrelated.unlink(missing_ok=True)
+        region.unlink(missing_ok=True)

@@ -322,10 +322,25 @@ def load_tokenizer(model_path: str, tokenizer: str = ""):
 Weight = torch.Tensor | QuantizedWeight
 
 
-def _quantized_param(param_name: str) -> bool:
-    """Whether the `quantization` parameter quantizes this parameter: the projections and an
-    untied output head (embeddings stay float, as in vLLM's and llama.cpp's int4 models)."""
-    return param_name.endswith("_proj.weight") or param_name == "lm_head.weight"
+def _may_be_quantized(param_name: str) -> bool:
+    """Whether a checkpoint may store this parameter quantized: the projections, the output
+    head and the embedding."""
+    return param_name.endswith("_proj.weight") or param_name in ("lm_head.weight", "embed_tokens.weight")
+
+
+def _quantization_at_load(param_name: str, tied: bool, quantization: str, group_size: int) -> tuple[str, int] | None:
+    """What the `quantization` parameter makes of this parameter: the projections in its mode;
+    the output head (the embedding, when tied) int8 per output channel in either mode, as
+    llama.cpp keeps Q6_K and OpenVINO int8 for it: a decode step reads the head whole, so it is
+    worth its bytes, and it is the layer most sensitive to rounding. An untied embedding stays
+    float (a step reads only its batch's rows)."""
+    if quantization == "none":
+        return None
+    if param_name.endswith("_proj.weight"):
+        return quantization, group_size
+    if param_name == ("embed_tokens.weight" if tied else "lm_head.weight"):
+        return "int8", group_size
+    return None
 
 
 def _safetensors_source(model_path: str, files: list[str], hf_config, progress: tqdm
@@ -463,7 +478,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"tensor {key} has dtype {tensor.dtype}; expected floating-point weights")
                 tensor = tensor.to(device=device, dtype=dtype)
-            elif not (_quantized_param(param_name) or param_name == "embed_tokens.weight"):
+            elif not _may_be_quantized(param_name):
                 raise CheckpointError(f"tensor {key} in {where} is quantized; only the projections, the output "
                                       "head and the embedding may be")
             parts = pending.setdefault(param_name, [[None] * len(parts_of[param_name]), [None] * len(parts_of[param_name])])
@@ -471,8 +486,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
             if all(p is not None for p in parts[0]):
                 del pending[param_name]
                 value, fused_perm = _fuse(param_name, parts[0], parts[1])
-                if quantization != "none" and _quantized_param(param_name):
-                    value = quantize_weight(value, quantization, quantization_group_size)
+                at_load = _quantization_at_load(param_name, arch.tie_word_embeddings, quantization,
+                                                quantization_group_size)
+                if at_load is not None:
+                    value = quantize_weight(value, *at_load)
                 state[param_name] = value
                 if fused_perm is not None:
                     perms[param_name] = fused_perm

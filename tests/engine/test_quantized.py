@@ -27,7 +27,7 @@ from backend.engine import LLMEngine
 from backend.models.loader import CheckpointError, load_model
 from backend.models.quantization import gguf_quantized
 from backend.request import SamplingParams
-from tests.checkpoints import make_gguf_checkpoint
+from tests.checkpoints import make_gguf_checkpoint, make_tiny_checkpoint
 from tests.engine.test_engine_equivalence import (
     MAX_TOKENS,
     PROMPTS,
@@ -160,14 +160,20 @@ def test_quantizing_a_quantized_checkpoint_is_refused(gguf_file):
 
 
 def _dequantized_checkpoint(source: str, dest: str, bits: int, group: int | None) -> str:
-    """`source` with every projection replaced by its de-quantized weight (the oracle's model)."""
+    """`source` with every projection replaced by its de-quantized weight, and the output head
+    (the embedding, when tied) by its int8 per-channel one (the oracle's model)."""
     if os.path.isdir(dest):
         return dest
     shutil.copytree(source, dest)
     weights = load_file(os.path.join(source, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        head = "model.embed_tokens.weight" if json.load(f).get("tie_word_embeddings") else "lm_head.weight"
+    assert head in weights
     for name, w in weights.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight":
+        if name.endswith("_proj.weight"):
             weights[name] = kernels.quantize(w, bits, group).dequantize().to(w.dtype)
+        elif name == head:
+            weights[name] = kernels.quantize(w, 8, None).dequantize().to(w.dtype)
     save_file(weights, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     return dest
 
@@ -178,6 +184,20 @@ def test_quantization_at_load_matches_the_dequantized_model(tiny_checkpoint, tmp
     reference = _dequantized_checkpoint(tiny_checkpoint, str(tmp_path_factory.mktemp("deq") / "m"), bits,
                                         None if bits == 8 else group)
     _scenarios(tiny_checkpoint, _oracle(reference), quantization=mode, quantization_group_size=group)
+
+
+def test_a_tied_output_head_is_quantized_int8_per_channel_and_looked_up_from_the_same_table(tmp_path_factory):
+    """With tied embeddings the head is the embedding table: `quantization` holds it int8 per
+    output channel, and the embedding's lookups read the same integers as the head's GEMM."""
+    root = tmp_path_factory.mktemp("tied")
+    tied = make_tiny_checkpoint(str(root / "m"), tie_word_embeddings=True)
+    model, _ = load_model(tied, torch.float32, torch.device("cpu"), 64, quantization="int4",
+                          quantization_group_size=32)
+    table = model.embed_tokens.quantized
+    assert model.lm_head is None and table is not None and table.bits == 8 and table.group_size == table.shape[1]
+    assert model.layers[0].mlp.down_proj.quantized.bits == 4
+    reference = _dequantized_checkpoint(tied, str(root / "deq"), 4, 32)
+    _scenarios(tied, _oracle(reference), quantization="int4", quantization_group_size=32)
 
 
 def test_quantization_shrinks_the_resident_weights(tiny_checkpoint):

@@ -2,7 +2,8 @@
 
 `cos_sin_cache[p]` = [cos(p * inv_freq), sin(p * inv_freq)] (rotary_dim / 2 each), built
 once by `build_cos_sin_cache` exactly as HF `LlamaRotaryEmbedding` computes its cos/sin
-(float32, `position.float() * inv_freq`), including HF's "llama3" and "linear" scaling.
+(float32, `position.float() * inv_freq`), including HF's "llama3", "linear" and "yarn"
+scaling (YaRN's attention factor scales cos and sin, as HF does).
 Neox style (`is_neox=True`, HF Llama's `rotate_half`) rotates pairs (i, i + rotary_dim/2);
 GPT-J style rotates pairs (2i, 2i + 1). Dimensions past rotary_dim pass through.
 """
@@ -20,15 +21,17 @@ from .kv_store import store_kv_reference
 from .triton_utils import launch, next_power_of_2
 
 
-def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies and the factor cos and sin are scaled by (YaRN's attention
+    factor; 1 for the others), in transformers' operations and order."""
     scaling = dict(rope_scaling or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     dim = int(head_dim * scaling.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
         # Same operations, in the same order, as transformers' _compute_llama3_parameters.
         factor = scaling["factor"]
@@ -42,8 +45,44 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
         smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
         is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-    raise NotImplementedError(f"rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+        return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
+    if rope_type == "yarn":
+        return _yarn(dim, base, scaling)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies past the correction range interpolated by `factor`,
+    those below it kept, a linear ramp between; cos and sin scaled by the attention factor.
+    Same operations, in the same order, as transformers' _compute_yarn_parameters."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        def mscale_of(scale: float, mscale: float = 1) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
+                            if mscale and mscale_all_dim else mscale_of(factor))
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
@@ -54,9 +93,12 @@ def build_cos_sin_cache(head_dim: int, max_position: int, base: float,
     Computed in float32 like HF (then cast to `dtype`, float32 by default; HF casts cos/sin
     to the activations' dtype at use, which `rotary_embedding_reference` does too).
     """
-    inv_freq = _inv_freq(head_dim, base, rope_scaling)
+    inv_freq, attention_factor = _inv_freq(head_dim, base, rope_scaling)
     freqs = torch.arange(max_position, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return torch.cat([cos, sin], dim=-1).to(dtype)
 
 
 def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,

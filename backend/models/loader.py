@@ -57,7 +57,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types"),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
 # Buffers some exporters save that we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -142,6 +142,11 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise refuse("rope_scaling.rope_type", rope_type, f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "yarn":
+        if not rope.get("original_max_position_embeddings"):
+            raise refuse("rope_scaling.original_max_position_embeddings", None, "YaRN needs the pretraining context")
+        if rope.get("factor") is None:  # transformers' reading: the context's growth over pretraining
+            rope["factor"] = hf.max_position_embeddings / rope["original_max_position_embeddings"]
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise refuse("partial_rotary_factor", partial, "rotary embedding over the whole head only")

@@ -66,6 +66,10 @@ CASES = {
     ),
     "mistral-untied-gqa-hd32": ("mistral", dict(head_dim=32, sliding_window=4096), {}),
     "qwen2-untied-qkv-bias-gqa": ("qwen2", {}, dict(max_num_batched_tokens=24)),
+    # Qwen2.5's long-context YaRN, its pretraining context shrunk so that the ramp and the
+    # attention factor change even the short prompts here.
+    "qwen2-yarn-rope-scaling": ("qwen2", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                                                   original_max_position_embeddings=64)), {}),
     "qwen2-tied-mha-hd64": ("qwen2", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
                                           head_dim=64), {}),
     "qwen3-tied-qk-norm-hd16": ("qwen3", {}, {}),
@@ -199,6 +203,7 @@ def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, 
 
 @pytest.mark.parametrize("case, rope_type, theta", [
     ("llama3-rope-scaling-hd128", "llama3", 500000.0), ("llama2-linear-rope-untied-gqa4", "linear", 10000.0),
+    ("qwen2-yarn-rope-scaling", "yarn", 1000000.0),
 ])
 def test_rope_scaling_is_applied(ckpt_root, tmp_path, case, rope_type, theta):
     """The scaled cases would pass vacuously if the scaling did not change the logits."""
@@ -340,8 +345,9 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
 
 
 @pytest.mark.parametrize("family, overrides, message", [
-    ("llama", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
-                                        original_max_position_embeddings=256)), r"rope_scaling\.rope_type='yarn'"),
+    ("llama", dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                                        long_factor=[2.0] * 8, original_max_position_embeddings=256)),
+     r"rope_scaling\.rope_type='longrope'"),
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)), r"rope_scaling\.rope_type='dynamic'"),
     ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     ("qwen3", dict(hidden_act="relu"), r"hidden_act='relu'"),

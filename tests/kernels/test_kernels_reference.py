@@ -287,6 +287,11 @@ ROPE = {
     "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    # Qwen2.5's long-context setting, its pretraining context shrunk so the ramp falls inside the head.
+    "yarn": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
+    "yarn-mscale-untruncated": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                                "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2, "truncate": False,
+                                "original_max_position_embeddings": 512},
 }
 
 
@@ -336,7 +341,7 @@ def test_rotary_gptj_style_matches_loop():
 
 def test_rope_scaling_rejects_unknown_type():
     with pytest.raises(NotImplementedError):
-        build_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+        build_cos_sin_cache(64, 16, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
 
 
 # ---- batch invariance: a token's or a row's result alone equals its result in any batch -----

@@ -45,9 +45,11 @@ class _Family:
     o_proj_bias: bool | str
     mlp_bias: bool | str
     qk_norm: bool
-    # Where the sliding window comes from: "always" (Mistral: every layer when
+    # Where the sliding window comes from: "always" (Mistral, Phi-3: every layer when
     # sliding_window is set), "layer_types" (Qwen2/3: layers marked sliding_attention), or None.
     sliding: str | None
+    # Whether the checkpoint stores q|k|v and gate|up fused, as this model holds them (Phi-3).
+    fused_checkpoint: bool = False
 
 
 SUPPORTED_ARCHITECTURES = {
@@ -55,6 +57,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always"),
     "Qwen2ForCausalLM": _Family(True, False, False, qk_norm=False, sliding="layer_types"),
     "Qwen3ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types"),
+    "Phi3ForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", fused_checkpoint=True),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -284,11 +287,13 @@ _FUSED = {
 }
 
 
-def _checkpoint_names(param_name: str) -> list[str]:
+def _checkpoint_names(param_name: str, fused_checkpoint: bool) -> list[str]:
     """Checkpoint tensor names that make up one of our parameters."""
     if param_name.startswith("lm_head."):
         return [param_name]
     full = "model." + param_name
+    if fused_checkpoint:
+        return [full]
     for fused, parts in _FUSED.items():
         marker = f".{fused}."
         if marker in full:
@@ -297,8 +302,10 @@ def _checkpoint_names(param_name: str) -> list[str]:
     return [full]
 
 
-def _part_shapes(arch: ModelArch, param_name: str, shape: torch.Size) -> list[tuple[int, ...]]:
+def _part_shapes(arch: ModelArch, param_name: str, shape: torch.Size, fused_checkpoint: bool) -> list[tuple[int, ...]]:
     """The shape each checkpoint tensor of a (possibly fused) parameter must have."""
+    if fused_checkpoint:
+        return [tuple(shape)]
     if ".qkv_proj." in param_name:
         rows = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
     elif ".gate_up_proj." in param_name:
@@ -442,6 +449,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
         raise CheckpointError(f"quantization={quantization!r} asks to quantize {model_path}, which is already "
                               f"quantized ({already}); set quantization to none")
     files = [gguf_path] if gguf_path else _weight_files(model_path)
+    fused_checkpoint = SUPPORTED_ARCHITECTURES[arch.architecture].fused_checkpoint
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
 
@@ -449,9 +457,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     expected: dict[str, tuple[str, int, tuple[int, ...]]] = {}
     parts_of: dict[str, list[str]] = {}
     for param_name, param in model.named_parameters():
-        names = _checkpoint_names(param_name)
+        names = _checkpoint_names(param_name, fused_checkpoint)
         parts_of[param_name] = names
-        for i, (ckpt, shape) in enumerate(zip(names, _part_shapes(arch, param_name, param.shape))):
+        for i, (ckpt, shape) in enumerate(zip(names, _part_shapes(arch, param_name, param.shape, fused_checkpoint))):
             expected[ckpt] = (param_name, i, shape)
     skipped = {"lm_head.weight"} if arch.tie_word_embeddings else set()
 

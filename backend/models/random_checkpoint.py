@@ -43,6 +43,8 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False, use_sliding_window=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16, use_sliding_window=False)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(tie_word_embeddings=False, sliding_window=None,
+                                                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 

@@ -1,6 +1,7 @@
-"""A non-Llama family through tritonserver: a tiny Qwen3 checkpoint served as model `llm`
-answers concurrent greedy requests with the token ids and text of transformers generate()
-(the engine-level family tests are tests/engine/test_model_families.py).
+"""The non-Llama families through tritonserver: tiny Qwen3 and Phi-3 checkpoints, served by one
+tritonserver as models `llm` and `phi3`, answer concurrent greedy requests with the token ids and
+text of transformers generate() (the engine-level family tests are
+tests/engine/test_model_families.py).
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from tests.checkpoints import hf_greedy
+from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 from tests.e2e.e2e_util import greedy_tokens_and_texts
-from tests.engine.test_model_families import MAX_TOKENS, PROMPTS
+from tests.engine.test_model_families import CASES, MAX_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PHI3_CASE = "phi3-fused-untied-gqa"
 
 
 @pytest.fixture(scope="module")
@@ -21,22 +24,27 @@ def tiny_checkpoint_options() -> dict:
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tritonserver, tiny_checkpoint):
-    """A tritonserver of its own serving a tiny Qwen3 checkpoint as model `llm`."""
-    parameters = {"model_path": tiny_checkpoint, "max_num_seqs": "8", "kv_cache_memory_mb": "64",
-                  "max_model_len": "256"}
-    with tritonserver({"llm": parameters}) as server:
-        yield server, tiny_checkpoint
+def families_server(tritonserver, tiny_checkpoint, tmp_path_factory):
+    """A tritonserver of its own serving a tiny Qwen3 checkpoint as `llm` and a tiny Phi-3 one
+    (q|k|v and gate|up stored fused, a sliding window) as `phi3`."""
+    family, overrides, _ = CASES[PHI3_CASE]
+    phi3 = make_tiny_checkpoint(str(tmp_path_factory.mktemp("phi3") / "ckpt"), family=family, **overrides)
+    parameters = {"max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
+    with tritonserver({"llm": {"model_path": tiny_checkpoint, **parameters},
+                       "phi3": {"model_path": phi3, **parameters}}) as server:
+        yield server, {"llm": tiny_checkpoint, "phi3": phi3}
 
 
 @pytest.mark.e2e
-def test_qwen3_through_tritonserver_matches_transformers(qwen3_server):
+@pytest.mark.parametrize("model", ["llm", "phi3"], ids=["qwen3", "phi3"])
+def test_family_through_tritonserver_matches_transformers(families_server, model):
     """A batch of concurrent greedy requests: the token ids (from the returned logprobs) and
     the text are those of transformers generate()."""
-    server, path = qwen3_server
+    server, paths = families_server
+    path = paths[model]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     expected = hf_greedy(path, [tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
-    results = greedy_tokens_and_texts(server.grpc_url, "llm", PROMPTS, MAX_TOKENS)
+    results = greedy_tokens_and_texts(server.grpc_url, model, PROMPTS, MAX_TOKENS)
     for (token_ids, text), want in zip(results, expected):
         assert token_ids == want
         assert text == tokenizer.decode(want, skip_special_tokens=True)

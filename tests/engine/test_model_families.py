@@ -72,6 +72,10 @@ CASES = {
                                                                    original_max_position_embeddings=64)), {}),
     "qwen2-tied-mha-hd64": ("qwen2", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
                                           head_dim=64), {}),
+    # Phi-3/Phi-4: q|k|v and gate|up stored fused; a sliding window as Phi-3-mini's (2047).
+    "phi3-fused-untied-gqa": ("phi3", dict(sliding_window=2047), dict(max_num_batched_tokens=24)),
+    "phi3-tied-mha-hd32": ("phi3", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
+                                        head_dim=32), {}),
     "qwen3-tied-qk-norm-hd16": ("qwen3", {}, {}),
     "qwen3-untied-bias-hd64-gqa4": ("qwen3", dict(head_dim=64, num_key_value_heads=1, attention_bias=True,
                                                   tie_word_embeddings=False), {}),
@@ -335,6 +339,7 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
         "mistral": (transformers.MistralConfig, "MistralForCausalLM", {}),
         "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM", {}),
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM", {}),
+        "phi3": (transformers.Phi3Config, "Phi3ForCausalLM", {}),
     }[family]
     shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -486,6 +491,21 @@ _SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_
           rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False, sliding_window=None,
           attention_bias=False, torch_dtype="float16"),
      dict(rope_theta=1000000.0, rope_type=None, sliding_window=None, dtype=torch.float16)),
+    # Qwen2.5 with the YaRN block its model card adds for contexts past 32768.
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=131072,
+          rope_theta=1000000.0, rope_scaling=dict(factor=4.0, original_max_position_embeddings=32768, type="yarn"),
+          use_sliding_window=False, sliding_window=131072, torch_dtype="bfloat16"),
+     dict(rope_theta=1000000.0, rope_type="yarn", sliding_window=None, dtype=torch.bfloat16)),
+    # Phi-3-mini-4k: a 2047 window under a 4096 context.
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", max_position_embeddings=4096,
+          original_max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=None, sliding_window=2047,
+          torch_dtype="bfloat16", tie_word_embeddings=False),
+     dict(rope_theta=10000.0, rope_type=None, sliding_window=2047, dtype=torch.bfloat16)),
+    # Phi-4: no window.
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", max_position_embeddings=16384,
+          original_max_position_embeddings=16384, rope_theta=250000.0, rope_scaling=None, sliding_window=None,
+          torch_dtype="bfloat16", tie_word_embeddings=False),
+     dict(rope_theta=250000.0, rope_type=None, sliding_window=None, dtype=torch.bfloat16)),
 ])
 def test_released_config_json_is_read(tmp_path, raw, want):
     (tmp_path / "config.json").write_text(json.dumps({**_SMALL, **raw}))

@@ -164,6 +164,10 @@ def install_adapters(model: LlamaForCausalLM, adapters: list[LoRAAdapter], dtype
         for module_path, slice_names in SLICES.items():
             if not any((layer_index, m) in a.weights for a in adapters for m in slice_names):
                 continue
+            if module_path.startswith("mlp.") and not hasattr(layer.mlp, module_path.split(".")[1]):
+                raise LoRAError(f"an adapter targets {'/'.join(slice_names)} of layer {layer_index}, which routes its "
+                                "MLP to experts: LoRA applies to the attention projections of a mixture-of-experts "
+                                "model (target_modules among q_proj, k_proj, v_proj, o_proj)")
             features_in = module_shape(arch, slice_names[0])[0]
             outs = [module_shape(arch, m)[1] for m in slice_names]
             lora_a = torch.zeros(len(adapters), len(slice_names) * rank, features_in)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral and Qwen3-MoE experts)
+over a paged KV cache.
 
 Our own torch modules; every hot operation goes through `kernels`, which runs the
 OpenAI Triton kernels on CUDA tensors and the torch references on CPU. Projections are
@@ -44,6 +45,17 @@ class ModelArch:
     # Sliding-window attention span (Mistral v0.1, Qwen with use_sliding_window), or None.
     # The engine honours it only by never holding more tokens than the window.
     sliding_window: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): the layers in `moe_layers` route each token to
+    # `num_experts_per_tok` of `num_experts` SwiGLU experts of `moe_intermediate_size`; the
+    # others hold a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    # Mixtral scales the experts' outputs by float32 routing weights; Qwen3-MoE first rounds
+    # them to the activations' dtype.
+    router_weights_in_float32: bool = False
 
 
 @dataclass
@@ -186,22 +198,54 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x, lora: LoRABatch | None = None):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
-class LlamaDecoderLayer(nn.Module):
+class SparseMoeBlock(nn.Module):
+    """Top-k routed SwiGLU experts, computed as transformers computes Mixtral and Qwen3-MoE:
+    router softmax in float32, top-k, optionally renormalised; each expert runs once on all the
+    batch's tokens routed to it (a GEMM over those rows, through the projections' own kernels,
+    so experts pack and quantize as any projection); a token's outputs are summed in expert
+    order. A token's result depends only on its own row: batch-invariant wherever the GEMMs are."""
+
     def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.experts = nn.ModuleList(LlamaMLP(arch.hidden_size, arch.moe_intermediate_size, bias=False)
+                                     for _ in range(arch.num_experts))
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.router_weights_in_float32 = arch.router_weights_in_float32
+
+    def forward(self, x, lora: LoRABatch | None = None):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.router_weights_in_float32:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # ascending: each token sums in expert order
+            tokens, slot = torch.where(chosen == expert)
+            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = (SparseMoeBlock(arch) if index in arch.moe_layers
+                    else LlamaMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias))
 
     def forward(self, positions, hidden, residual, cos_sin_cache, k_cache, v_cache, meta):
         if residual is None:
@@ -219,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
             self.lm_head = None
@@ -296,7 +340,8 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _cpu_layer(layer: LlamaDecoderLayer):
         attn, mlp = layer.self_attn, layer.mlp
-
+        if isinstance(mlp, SparseMoeBlock):
+            return None  # routed experts: the modules run them
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.lora is not None and p.lora.packed is None for p in projections):
             return None  # adapters kept as plain tensors (not on the CPU): the modules run them

@@ -50,6 +50,10 @@ class _Family:
     sliding: str | None
     # Whether the checkpoint stores q|k|v and gate|up fused, as this model holds them (Phi-3).
     fused_checkpoint: bool = False
+    # Mixture of experts: "mixtral" (every layer; block_sparse_moe.experts.E.w1/w3/w2, top-k
+    # always renormalised), "qwen3_moe" (layers by decoder_sparse_step and mlp_only_layers;
+    # mlp.experts.E.gate/up/down_proj, renormalised when norm_topk_prob), or None.
+    moe: str | None = None
 
 
 SUPPORTED_ARCHITECTURES = {
@@ -58,6 +62,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": _Family(True, False, False, qk_norm=False, sliding="layer_types"),
     "Qwen3ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types"),
     "Phi3ForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", fused_checkpoint=True),
+    "MixtralForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", moe="mixtral"),
+    "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types",
+                                   moe="qwen3_moe"),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -184,8 +191,30 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         o_proj_bias=_flag(hf, family.o_proj_bias),
         mlp_bias=_flag(hf, family.mlp_bias),
         sliding_window=sliding_window,
+        **_moe_fields(hf, family, refuse),
     )
     return arch, hf
+
+
+def _moe_fields(hf, family: _Family, refuse) -> dict:
+    """The ModelArch fields of a mixture-of-experts family (none for a dense one)."""
+    if family.moe is None:
+        return {}
+    layers = hf.num_hidden_layers
+    if family.moe == "mixtral":
+        experts, moe_layers = hf.num_local_experts, tuple(range(layers))
+        intermediate, norm_topk_prob, float32_weights = hf.intermediate_size, True, True
+    else:
+        experts, intermediate, norm_topk_prob = hf.num_experts, hf.moe_intermediate_size, bool(hf.norm_topk_prob)
+        skipped = set(getattr(hf, "mlp_only_layers", None) or ())
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        moe_layers = tuple(i for i in range(layers) if i not in skipped and experts > 0 and (i + 1) % step == 0)
+        float32_weights = False
+    top_k = hf.num_experts_per_tok
+    if not 0 < top_k <= experts:
+        raise refuse("num_experts_per_tok", top_k, f"must be 1 to the number of experts ({experts})")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=intermediate,
+                moe_layers=moe_layers, norm_topk_prob=norm_topk_prob, router_weights_in_float32=float32_weights)
 
 
 def packed_quantization_config(hf) -> dict | None:
@@ -282,24 +311,30 @@ def _weight_files(model_path: str) -> list[str]:
 
 # Our fused parameters and the checkpoint tensors stacked into each (along dim 0), in order.
 _FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
+# Mixtral's names for its experts' parts and the block that holds them.
+_MIXTRAL_NAMES = ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                  (".down_proj.", ".w2."))
 
 
-def _checkpoint_names(param_name: str, fused_checkpoint: bool) -> list[str]:
+def _checkpoint_names(param_name: str, family: _Family) -> list[str]:
     """Checkpoint tensor names that make up one of our parameters."""
     if param_name.startswith("lm_head."):
         return [param_name]
-    full = "model." + param_name
-    if fused_checkpoint:
-        return [full]
-    for fused, parts in _FUSED.items():
-        marker = f".{fused}."
-        if marker in full:
-            head, tail = full.split(marker)
-            return [f"{head}.{part}.{tail}" for part in parts]
-    return [full]
+    names = ["model." + param_name]
+    if not family.fused_checkpoint:
+        for fused, parts in _FUSED.items():
+            marker = f".{fused}."
+            if marker in names[0]:
+                head, tail = names[0].split(marker)
+                names = [f"{head}.{part}.{tail}" for part in parts]
+                break
+    if family.moe == "mixtral":  # every layer's MLP is its experts
+        for ours, theirs in _MIXTRAL_NAMES:
+            names = [n.replace(ours, theirs) for n in names]
+    return names
 
 
 def _part_shapes(arch: ModelArch, param_name: str, shape: torch.Size, fused_checkpoint: bool) -> list[tuple[int, ...]]:
@@ -309,7 +344,7 @@ def _part_shapes(arch: ModelArch, param_name: str, shape: torch.Size, fused_chec
     if ".qkv_proj." in param_name:
         rows = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
     elif ".gate_up_proj." in param_name:
-        rows = [arch.intermediate_size] * 2
+        rows = [shape[0] // 2] * 2
     else:
         return [tuple(shape)]
     return [(r, *shape[1:]) for r in rows]
@@ -449,7 +484,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
         raise CheckpointError(f"quantization={quantization!r} asks to quantize {model_path}, which is already "
                               f"quantized ({already}); set quantization to none")
     files = [gguf_path] if gguf_path else _weight_files(model_path)
-    fused_checkpoint = SUPPORTED_ARCHITECTURES[arch.architecture].fused_checkpoint
+    family = SUPPORTED_ARCHITECTURES[arch.architecture]
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
 
@@ -457,9 +492,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     expected: dict[str, tuple[str, int, tuple[int, ...]]] = {}
     parts_of: dict[str, list[str]] = {}
     for param_name, param in model.named_parameters():
-        names = _checkpoint_names(param_name, fused_checkpoint)
+        names = _checkpoint_names(param_name, family)
         parts_of[param_name] = names
-        for i, (ckpt, shape) in enumerate(zip(names, _part_shapes(arch, param_name, param.shape, fused_checkpoint))):
+        for i, (ckpt, shape) in enumerate(zip(names, _part_shapes(arch, param_name, param.shape,
+                                                                 family.fused_checkpoint))):
             expected[ckpt] = (param_name, i, shape)
     skipped = {"lm_head.weight"} if arch.tie_word_embeddings else set()
 

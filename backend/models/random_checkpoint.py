@@ -43,6 +43,11 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False, use_sliding_window=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16, use_sliding_window=False)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(tie_word_embeddings=False, head_dim=16, use_sliding_window=False, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(tie_word_embeddings=False, sliding_window=None,
                                                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }

@@ -22,13 +22,14 @@ from safetensors.torch import load_file, save_file
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.lora import LoRAError
 from backend.models.llama import AttentionMetadata
 from backend.models.loader import CheckpointError, checkpoint_dtype, load_arch, load_model
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
 
 PROMPTS = [
     "The capital of France is",
@@ -77,6 +78,12 @@ CASES = {
     "phi3-tied-mha-hd32": ("phi3", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
                                         head_dim=32), {}),
     "qwen3-tied-qk-norm-hd16": ("qwen3", {}, {}),
+    # Mixture of experts: top-2 of 4 (Mixtral, renormalised) and of 8 (Qwen3-MoE, with and
+    # without renormalising; a dense first layer beside expert layers).
+    "mixtral-top2-of-4": ("mixtral", {}, dict(max_num_batched_tokens=24)),
+    "qwen3-moe-top2-of-8": ("qwen3_moe", {}, {}),
+    "qwen3-moe-dense-layer0-unnormalised": ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False,
+                                                              tie_word_embeddings=True), {}),
     "qwen3-untied-bias-hd64-gqa4": ("qwen3", dict(head_dim=64, num_key_value_heads=1, attention_bias=True,
                                                   tie_word_embeddings=False), {}),
 }
@@ -160,9 +167,14 @@ GEMM_PATHS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_ext.isa() < isa, re
                            id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16)]
 
 
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+DENSE_CASES = [case for case, (family, _, _) in CASES.items() if family not in MOE_FAMILIES]
+MOE_CASES = [case for case in CASES if case not in DENSE_CASES]
+
+
 @pytest.mark.parametrize("isa", GEMM_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", DENSE_CASES)
 def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, dtype, isa):
     """Each layer as one C++ call (kernels.cpu_decoder_layer) runs the modules' kernels in their
     order, so hidden states and KV writes are the same bits: every family, both dtypes, every
@@ -203,6 +215,53 @@ def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, 
     (fused, fused_kv), (modules, modules_kv) = forward(True), forward(False)
     assert torch.equal(fused, modules)
     assert all(torch.equal(a, b) for pair, other in zip(fused_kv, modules_kv) for a, b in zip(pair, other))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(ckpt_root, case, dtype):
+    """Routed experts batch their tokens per expert, so which rows an expert's GEMM sees depends
+    on the batch: with batch_invariant a probe's logprobs must still be bitwise its own."""
+    path = case_checkpoint(ckpt_root, case)
+    ids = prompt_ids(path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def probe_logprobs(others: list[list[int]]) -> list[float]:
+        engine = make_engine(path, dtype="float32" if dtype == torch.float32 else "bfloat16", batch_invariant=True,
+                             max_num_batched_tokens=40, long_prefill_token_threshold=16)
+        assert engine.model.cpu_layers is None  # the experts run as modules
+        for i, prompt in enumerate(others):
+            engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        engine.add_request("probe", ids[1], params)
+        logprobs: list[float] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "probe":
+                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
+        return logprobs
+
+    alone = probe_logprobs([])
+    assert len(alone) == 8
+    assert probe_logprobs([p * 3 for p in ids] + ids) == alone
+
+
+def test_moe_model_with_a_lora_adapter_on_its_attention_matches_peft(ckpt_root, tmp_path):
+    """LoRA on the attention projections of a mixture-of-experts model: transformers + PEFT's
+    greedy tokens; an adapter on its experts' MLP is refused at load, naming the targets."""
+    path = case_checkpoint(ckpt_root, "qwen3-moe-top2-of-8")
+    attention = make_random_adapter(str(tmp_path / "attn"), path, rank=8, seed=4,
+                                    target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    ids = prompt_ids(path)
+    expected = hf_greedy(path, ids, MAX_TOKENS, adapter_dir=attention)
+    assert expected != hf_greedy(path, ids, MAX_TOKENS)  # the adapter changes the output
+    engine = make_engine(path, lora_modules={"attn": attention}, max_lora_rank=8)
+    got = [r.output_token_ids for r in engine.generate(ids, [GREEDY.model_copy(update={"lora_name": "attn"})] * len(ids))]
+    assert got == expected
+    # A dense Qwen3 of the same attention shape gives an adapter with an MLP target.
+    dense = case_checkpoint(ckpt_root, "qwen3-tied-qk-norm-hd16")
+    mlp = make_random_adapter(str(tmp_path / "mlp"), dense, rank=8, seed=5, target_modules=("down_proj",))
+    with pytest.raises(LoRAError, match="down_proj of layer 0, which routes its MLP to experts"):
+        make_engine(path, lora_modules={"mlp": mlp}, max_lora_rank=8)
 
 
 @pytest.mark.parametrize("case, rope_type, theta", [
@@ -340,6 +399,7 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
         "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM", {}),
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM", {}),
         "phi3": (transformers.Phi3Config, "Phi3ForCausalLM", {}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM", {}),
     }[family]
     shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

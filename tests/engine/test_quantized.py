@@ -200,6 +200,23 @@ def test_a_tied_output_head_is_quantized_int8_per_channel_and_looked_up_from_the
     _scenarios(tied, _oracle(reference), quantization="int4", quantization_group_size=32)
 
 
+def test_the_experts_of_a_mixture_of_experts_model_quantize_at_load(tmp_path_factory):
+    """Each expert is a projection like any other: held int4 and packed, while the router stays
+    float; greedy tokens are transformers' on the de-quantized experts."""
+    root = tmp_path_factory.mktemp("moe")
+    moe = make_tiny_checkpoint(str(root / "m"), family="qwen3_moe")
+    engine = LLMEngine(EngineConfig(model_path=moe, device="cpu", dtype="float32", num_kv_blocks=64,
+                                    quantization="int4", quantization_group_size=32))
+    block = engine.model.layers[0].mlp
+    assert all(e.gate_up_proj.quantized.bits == 4 and e.down_proj.quantized.bits == 4 for e in block.experts)
+    assert block.gate.quantized is None
+    reference = _dequantized_checkpoint(moe, str(root / "deq"), 4, 32)
+    oracle = _oracle(reference)
+    outputs = engine.generate([list(p) for p in oracle], SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                                          ignore_eos=True))
+    assert [r.output_token_ids for r in outputs] == list(oracle.values())
+
+
 def test_quantization_shrinks_the_resident_weights(tiny_checkpoint):
     sizes = {}
     for mode in ("none", "int8", "int4"):

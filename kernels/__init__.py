@@ -31,6 +31,8 @@ whole engine through the CUDA path's kernels on a machine without a GPU.
         in place: y += each segment's adapter delta (multi-LoRA, SGMV; see lora.py)
     cpu_decoder_layer(...) -> layer | None; cpu_step_meta(...) (CPU only: a Llama decoder layer's
         kernels above in one C++ call, the same bits; see decoder_layer.py)
+    cpu_moe_experts(router, gate_up, down, top_k, renormalize, float32_weights) -> block | None
+        (CPU only: a mixture-of-experts MLP in one C++ call, the modules' bits)
     cumsum_rows(x, out) -> out (CPU only: the sampler's running sums, torch.cumsum's bits;
         see sampling.py)
     keep_nucleus_(probs, top_p) -> probs, with the probabilities outside each row's top-p
@@ -44,7 +46,7 @@ import contextlib
 import torch
 
 from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
-from .decoder_layer import cpu_decoder_layer, cpu_step_meta
+from .decoder_layer import cpu_decoder_layer, cpu_moe_experts, cpu_step_meta
 from .kv_store import store_kv_reference, store_kv_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .lora import lora_delta_cpu, lora_delta_reference, lora_delta_triton
@@ -75,7 +77,7 @@ __all__ = [
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
-    "cpu_decoder_layer", "cpu_step_meta", "paged_attention_cpu_kernel_only",
+    "cpu_decoder_layer", "cpu_moe_experts", "cpu_step_meta", "paged_attention_cpu_kernel_only",
     "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu", "triton_kernels_on_cpu",
     "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu",
 ]

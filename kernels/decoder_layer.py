@@ -79,3 +79,19 @@ def cpu_step_meta(positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_map
     adapters, its segments (kernels/lora.py)."""
     return cpu_ext.load().StepMeta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
                                    seg_indptr, seg_adapter)
+
+
+def cpu_moe_experts(router: PackedWeight | None, gate_up: list[PackedWeight | None], down: list[PackedWeight | None],
+                    top_k: int, renormalize: bool, float32_weights: bool):
+    """A mixture-of-experts MLP as one C++ call (kernels/cpu/decoder_layer.cpp's MoeExperts:
+    `forward(x)`), the modules' bits without their Python per expert; None where any weight is
+    not in a panel GEMM's layout or there are no C++ kernels."""
+    module = cpu_ext.load()
+    if module is None:
+        return None
+    projections = [_projection(module, packed, None) for packed in (router, *gate_up, *down)]
+    if any(p is None for p in projections):
+        return None
+    experts = len(gate_up)
+    return module.MoeExperts(projections[0], projections[1:1 + experts], projections[1 + experts:], top_k, renormalize,
+                             float32_weights)

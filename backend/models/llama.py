@@ -222,8 +222,17 @@ class SparseMoeBlock(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.router_weights_in_float32 = arch.router_weights_in_float32
+        # CPU: the block as one C++ call (kernels.cpu_moe_experts), set by build_cpu_layers.
+        self.cpu_block = None
+
+    def build_cpu_block(self) -> None:
+        self.cpu_block = kernels.cpu_moe_experts(
+            self.gate.packed, [e.gate_up_proj.packed for e in self.experts], [e.down_proj.packed for e in self.experts],
+            self.top_k, self.norm_topk_prob, self.router_weights_in_float32)
 
     def forward(self, x, lora: LoRABatch | None = None):
+        if self.cpu_block is not None:
+            return self.cpu_block.forward(x)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -334,6 +343,9 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens.weight.device.type != "cpu":
             self.cpu_layers = None
             return
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.build_cpu_block()
         layers = [self._cpu_layer(layer) for layer in self.layers]
         self.cpu_layers = layers if all(layer is not None for layer in layers) else None
 

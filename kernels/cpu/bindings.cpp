@@ -64,4 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, int64_t, double, std::optional<at::Tensor>, std::optional<at::Tensor>, bool,
                           int64_t, std::vector<std::optional<LoraProjection>>>())
       .def("forward", &DecoderLayer::forward, kNoGil);
+  pybind11::class_<MoeExperts>(m, "MoeExperts", "A mixture-of-experts MLP in one call")
+      .def(pybind11::init<Projection, std::vector<Projection>, std::vector<Projection>, int64_t, bool, bool>(),
+           pybind11::arg("router"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("top_k"),
+           pybind11::arg("renormalize"), pybind11::arg("float32_weights"))
+      .def("forward", &MoeExperts::forward, kNoGil);
 }

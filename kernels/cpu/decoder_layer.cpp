@@ -13,6 +13,8 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -138,4 +140,45 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayer::forward(at::Tensor hidden, std:
   const at::Tensor o = project(o_, lora_[1], attention.reshape({tokens, q_size}), meta);
   std::tie(normed, sum) = add_rms_norm(o, sum, post_norm_, eps_);
   return {project(down_, lora_[3], silu_and_mul(project(gate_up_, lora_[2], normed, meta)), meta), sum};
+}
+
+MoeExperts::MoeExperts(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down,
+                       int64_t top_k, bool renormalize, bool float32_weights)
+    : router_(std::move(router)),
+      gate_up_(std::move(gate_up)),
+      down_(std::move(down)),
+      top_k_(top_k),
+      renormalize_(renormalize),
+      float32_weights_(float32_weights) {
+  TORCH_CHECK(gate_up_.size() == down_.size() && !gate_up_.empty(), "MoeExperts: one gate_up and one down per expert");
+  TORCH_CHECK(top_k_ >= 1 && top_k_ <= static_cast<int64_t>(gate_up_.size()), "MoeExperts: top_k ", top_k_,
+              " outside 1..", gate_up_.size());
+}
+
+at::Tensor MoeExperts::forward(at::Tensor x) const {
+  const int64_t tokens = x.size(0), experts = static_cast<int64_t>(gate_up_.size());
+  const at::Tensor probs = at::softmax(project(router_, x).to(at::kFloat), -1);
+  auto [weights, chosen] = at::topk(probs, top_k_, -1);
+  if (renormalize_) weights = weights / weights.sum(-1, true);
+  if (!float32_weights_) weights = weights.to(x.scalar_type());
+  at::Tensor out = at::zeros_like(x);
+  // Each expert's rows in token order, as torch.where(chosen == expert) lists them (a token is
+  // routed to an expert at most once, so the order changes no row's sum).
+  const at::Tensor chosen_cpu = chosen.contiguous();
+  const int64_t* ids = chosen_cpu.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(experts), slots(experts);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t s = 0; s < top_k_; ++s) {
+      rows[ids[t * top_k_ + s]].push_back(t);
+      slots[ids[t * top_k_ + s]].push_back(s);
+    }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows[e].empty()) continue;
+    const at::Tensor token_ids = at::tensor(rows[e], at::kLong);
+    const at::Tensor slot_ids = at::tensor(slots[e], at::kLong);
+    const at::Tensor y = project(down_[e], silu_and_mul(project(gate_up_[e], x.index_select(0, token_ids))));
+    const at::Tensor scaled = y * weights.index({token_ids, slot_ids}).unsqueeze(1);
+    out.index_add_(0, token_ids, scaled.to(out.scalar_type()));
+  }
+  return out;
 }

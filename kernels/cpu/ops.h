@@ -112,6 +112,24 @@ class DecoderLayer {
   int64_t lanes_;
 };
 
+// A mixture-of-experts MLP in one call (backend/models/llama.py's SparseMoeBlock, the same ATen
+// and panel GEMM calls in the same order, so the same bits): the router's float32 softmax and
+// top-k, optionally renormalised, the weights rounded to x's dtype unless `float32_weights`;
+// then per expert, in ascending order, one GEMM over the rows routed to it, SiLU-and-mul, the
+// down GEMM, scaled by the rows' weights and added into each row's sum.
+class MoeExperts {
+ public:
+  MoeExperts(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down, int64_t top_k,
+             bool renormalize, bool float32_weights);
+  at::Tensor forward(at::Tensor x) const;
+
+ private:
+  Projection router_;
+  std::vector<Projection> gate_up_, down_;
+  int64_t top_k_;
+  bool renormalize_, float32_weights_;
+};
+
 // sampling.cpp: out = x's running sums along each row, torch.cumsum's bits (x and out
 // [rows, n] float32, contiguous).
 at::Tensor cumsum_rows(at::Tensor x, at::Tensor out);

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.lora import LoRAError
-from backend.models.llama import AttentionMetadata
+from backend.models.llama import AttentionMetadata, SparseMoeBlock
 from backend.models.loader import CheckpointError, checkpoint_dtype, load_arch, load_model
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import SamplingParams
@@ -215,6 +215,27 @@ def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, 
     (fused, fused_kv), (modules, modules_kv) = forward(True), forward(False)
     assert torch.equal(fused, modules)
     assert all(torch.equal(a, b) for pair, other in zip(fused_kv, modules_kv) for a, b in zip(pair, other))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_the_cpu_moe_block_gives_the_modules_bits(ckpt_root, case, dtype, quantization):
+    """The experts as one C++ call (kernels.cpu_moe_experts) run the modules' kernels in their
+    order: the same bits, float and int4 experts, for a batch where experts get 0 to many rows."""
+    model, _ = load_model(case_checkpoint(ckpt_root, case), dtype, torch.device("cpu"), 64,
+                          quantization=quantization, quantization_group_size=32)
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(block.cpu_block is not None for block in blocks)
+    x = torch.randn(37, model.arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for block in blocks:
+        fused = block(x)
+        block.cpu_block, cpu_block = None, block.cpu_block
+        try:
+            modules = block(x)
+        finally:
+            block.cpu_block = cpu_block
+        assert torch.equal(fused, modules)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

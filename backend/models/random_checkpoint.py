@@ -116,8 +116,16 @@ SMOLLM2_135M_SHAPE = dict(
     rms_norm_eps=9.999999747378752e-06, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1,
     eos_token_id=2,
 )
+# A Qwen3-MoE-shaped model for 2-core CPUs (with --family qwen3_moe): SmolLM2-135M's attention
+# and vocabulary, 16 experts a layer and 2 of them a token, as Qwen3-30B-A3B routes 8 of 128;
+# ~230M parameters, ~60M of them read per token.
+QWEN3_MOE_SMALL_SHAPE = dict(
+    SMOLLM2_135M_SHAPE, num_hidden_layers=12, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+    intermediate_size=1536, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
 SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "smollm2-135m": SMOLLM2_135M_SHAPE, "llama3-1b": LLAMA3_1B_SHAPE,
-          "llama3-8b": LLAMA3_8B_SHAPE}
+          "llama3-8b": LLAMA3_8B_SHAPE, "qwen3-moe-small": QWEN3_MOE_SMALL_SHAPE}
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

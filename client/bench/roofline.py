@@ -34,7 +34,12 @@ from client.bench.records import git_commit, machine, write_report
 def weight_bytes_read(arch, element_size: int) -> int:
     """Bytes of weights a decode step reads: every layer's projections and norms, the final
     norm and the output head (the embedding table is read only at the batch's rows, so it
-    counts once, as the head, when the two are tied, and not at all when they are not)."""
+    counts once, as the head, when the two are tied, and not at all when they are not).
+    A mixture-of-experts model's step reads only the experts its batch routes to, which the
+    architecture alone does not tell: refused."""
+    if arch.num_experts:
+        raise ValueError(f"{arch.architecture}: a step reads the experts its batch routes to, not a fixed set of "
+                         "weights; the roofline is for dense models (client/bench/moe_block.py times MoE layers)")
     qkv = arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads)
     attention = arch.hidden_size * (qkv + arch.num_heads * arch.head_dim)
     attention += qkv * arch.attention_bias + arch.hidden_size * arch.o_proj_bias + 2 * arch.head_dim * arch.qk_norm

@@ -36,3 +36,9 @@ def test_a_decode_step_reads_every_weight_but_an_untied_embedding(family, overri
 def test_the_default_checkpoints_weights():
     arch, _ = load_arch(str(DEFAULT_CHECKPOINT))
     assert roofline.weight_bytes_read(arch, 4) == _tensor_bytes(str(DEFAULT_CHECKPOINT))
+
+
+def test_a_mixture_of_experts_model_is_refused(tmp_path):
+    arch, _ = load_arch(make_tiny_checkpoint(str(tmp_path / "moe"), family="qwen3_moe"))
+    with pytest.raises(ValueError, match="reads the experts its batch routes to"):
+        roofline.weight_bytes_read(arch, 4)

@@ -152,6 +152,21 @@ def assert_matches_oracle(oracle, streamed, prompts, max_tokens):
     assert not mismatches, "\n".join(mismatches)
 
 
+def probe_logprobs(engine: LLMEngine, probe: list[int], params: SamplingParams,
+                   others: list[tuple[list[int], SamplingParams]] = ()) -> list[float]:
+    """The probe's sampled-token logprobs, run to its end beside `others` (added before it): what
+    the batch-invariance tests compare alone and in a busy batch."""
+    for i, (prompt, other_params) in enumerate(others):
+        engine.add_request(f"other-{i}", prompt, other_params)
+    engine.add_request("probe", probe, params)
+    logprobs: list[float] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "probe":
+                logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
+    return logprobs
+
+
 def spread_arrivals(n: int, every: int = 2) -> list[int]:
     return [(i // 3) * every for i in range(n)]
 

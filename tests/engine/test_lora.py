@@ -25,7 +25,7 @@ from backend.models.loader import load_arch
 from backend.paths import DEFAULT_CHECKPOINT
 from backend.request import RequestError, SamplingParams
 from tests.checkpoints import hf_greedy, make_random_adapter
-from tests.engine.test_engine_equivalence import run_engine, spread_arrivals
+from tests.engine.test_engine_equivalence import probe_logprobs, run_engine, spread_arrivals
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -334,23 +334,16 @@ def test_batch_invariant_logprobs_with_adapters(tiny_checkpoint, adapters, dtype
     """With batch_invariant on, a request's logprobs under an adapter are bitwise the same
     alone and in a batch where its adapter's segment also holds other requests' tokens and
     other adapters' segments surround it."""
-    def probe_logprobs(others):
+    def logprobs_beside(others):
         engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype=dtype, lora_modules=adapters,
                                         batch_invariant=True, **CONFIG))
-        for k, (name, prompt) in enumerate(others):
-            engine.add_request(f"o{k}", prompt, SamplingParams(temperature=0.0, max_tokens=3 + k % 5, ignore_eos=True,
-                                                               lora_name=name))
-        engine.add_request("probe", PROMPTS[10], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                                logprobs=0, lora_name="all-r8"))
-        logprobs = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == "probe":
-                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
-        return logprobs
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, lora_name="all-r8")
+        return probe_logprobs(engine, PROMPTS[10], params, [
+            (prompt, SamplingParams(temperature=0.0, max_tokens=3 + k % 5, ignore_eos=True, lora_name=name))
+            for k, (name, prompt) in enumerate(others)])
 
-    alone = probe_logprobs([])
-    mixed = probe_logprobs([(NAMES[k % 4], PROMPTS[k]) for k in range(9)])
+    alone = logprobs_beside([])
+    mixed = logprobs_beside([(NAMES[k % 4], PROMPTS[k]) for k in range(9)])
     assert len(alone) == 8 and alone == mixed
 
 

@@ -30,6 +30,7 @@ from backend.request import SamplingParams
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
 from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
+from tests.engine.test_engine_equivalence import probe_logprobs
 
 PROMPTS = [
     "The capital of France is",
@@ -247,23 +248,16 @@ def test_moe_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(ckpt_root, cas
     ids = prompt_ids(path)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
-    def probe_logprobs(others: list[list[int]]) -> list[float]:
+    def logprobs_beside(others: list[list[int]]) -> list[float]:
         engine = make_engine(path, dtype="float32" if dtype == torch.float32 else "bfloat16", batch_invariant=True,
                              max_num_batched_tokens=40, long_prefill_token_threshold=16)
         assert engine.model.cpu_layers is None  # the experts run as modules
-        for i, prompt in enumerate(others):
-            engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-        engine.add_request("probe", ids[1], params)
-        logprobs: list[float] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == "probe":
-                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
-        return logprobs
+        return probe_logprobs(engine, ids[1], params,
+                              [(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p in others])
 
-    alone = probe_logprobs([])
+    alone = logprobs_beside([])
     assert len(alone) == 8
-    assert probe_logprobs([p * 3 for p in ids] + ids) == alone
+    assert logprobs_beside([p * 3 for p in ids] + ids) == alone
 
 
 def test_moe_model_with_a_lora_adapter_on_its_attention_matches_peft(ckpt_root, tmp_path):

@@ -34,6 +34,7 @@ from tests.engine.test_engine_equivalence import (
     SHARED_PROMPTS,
     assert_matches_oracle,
     hf_greedy,
+    probe_logprobs,
     run_engine,
     spread_arrivals,
 )
@@ -244,23 +245,16 @@ def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
     probe = SHARED_PROMPTS[0]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
-    def probe_logprobs(others: list[list[int]]) -> list[float]:
+    def logprobs_beside(others: list[list[int]]) -> list[float]:
         engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=256,
                                         quantization="int4", quantization_group_size=32, batch_invariant=True,
                                         max_num_batched_tokens=64, long_prefill_token_threshold=16))
-        for i, prompt in enumerate(others):
-            engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        engine.add_request("probe", probe, params)
-        logprobs: list[float] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == "probe":
-                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
-        return logprobs
+        return probe_logprobs(engine, probe, params,
+                              [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in others])
 
-    alone = probe_logprobs([])
+    alone = logprobs_beside([])
     assert len(alone) == 12
-    assert probe_logprobs(PROMPTS[:9]) == alone
+    assert logprobs_beside(PROMPTS[:9]) == alone
 
 
 # --------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ whole engine through the CUDA path's kernels on a machine without a GPU.
         kernels above in one C++ call, the same bits; see decoder_layer.py)
     cpu_moe_experts(router, gate_up, down, top_k, renormalize, float32_weights) -> block | None
         (CPU only: a mixture-of-experts MLP in one C++ call, the modules' bits)
+    moe_experts(x, chosen, weights, gate_up, down) -> out (the routed experts of stacked weights,
+        summed per token: the grouped Triton kernel, or the per-expert reference; see moe.py)
     cumsum_rows(x, out) -> out (CPU only: the sampler's running sums, torch.cumsum's bits;
         see sampling.py)
     keep_nucleus_(probs, top_p) -> probs, with the probabilities outside each row's top-p
@@ -50,6 +52,7 @@ from .decoder_layer import cpu_decoder_layer, cpu_moe_experts, cpu_step_meta
 from .kv_store import store_kv_reference, store_kv_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .lora import lora_delta_cpu, lora_delta_reference, lora_delta_triton
+from .moe import moe_experts_reference, moe_experts_triton
 from .paged_attention import (
     paged_attention_cpu,
     paged_attention_cpu_kernel_only,
@@ -77,7 +80,8 @@ __all__ = [
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",
     "silu_and_mul_reference", "silu_and_mul_triton", "silu_and_mul_cpu",
     "lora_delta", "lora_delta_reference", "lora_delta_triton", "lora_delta_cpu",
-    "cpu_decoder_layer", "cpu_moe_experts", "cpu_step_meta", "paged_attention_cpu_kernel_only",
+    "cpu_decoder_layer", "cpu_moe_experts", "cpu_step_meta", "moe_experts", "moe_experts_reference",
+    "moe_experts_triton", "paged_attention_cpu_kernel_only",
     "cumsum_rows", "cumsum_rows_reference", "cumsum_rows_cpu", "triton_kernels_on_cpu",
     "keep_nucleus_", "keep_nucleus_reference", "keep_nucleus_cpu",
 ]
@@ -153,6 +157,14 @@ def rotary_store_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(x) if _triton(x) else silu_and_mul_cpu(x)
+
+
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """The routed experts' outputs summed per token (moe.py): the grouped Triton kernel on GPUs."""
+    if _triton(x):
+        return moe_experts_triton(x, chosen, weights, gate_up, down)
+    return moe_experts_reference(x, chosen, weights, gate_up, down)
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b, slice_offsets, seg_indptr: torch.Tensor,

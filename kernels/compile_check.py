@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from .kv_store import _store_kv_kernel
     from .linear_quant import _linear_quant_kernel, _sum_splits_kernel, linear_quant_config
     from .lora import _lora_expand_kernel, _lora_shrink_kernel
+    from .moe import BLOCK_K as MOE_BLOCK_K, BLOCK_M as MOE_BLOCK_M, BLOCK_N as MOE_BLOCK_N, _grouped_gemm_kernel
     from .paged_attention import _paged_attention_kernel, attention_config
     from .rms_norm import _rms_norm_kernel
     from .rotary import _rotary_kernel
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
              {"buf_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "indptr_ptr": "*i32", "adapter_ptr": "*i32"},
              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION=dot_precision(element_size))),
         ]
+        jobs.append(("moe grouped_gemm", _grouped_gemm_kernel,
+                     {"x_ptr": p, "w_ptr": p, "out_ptr": p, "rows_ptr": "*i64", "tile_expert_ptr": "*i32"},
+                     dict(BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K,
+                          DOT_PRECISION=dot_precision(element_size))))
         jobs = [job + ({"num_warps": 4},) for job in jobs]
         # (bits, group size, mins, rows): decode and prefill tiles, a group per tile or per weight
         quant = [(4, 128, True, 1), (8, 4096, False, 512)] if args.quick else [

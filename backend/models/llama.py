@@ -224,6 +224,21 @@ class SparseMoeBlock(nn.Module):
         self.router_weights_in_float32 = arch.router_weights_in_float32
         # CPU: the block as one C++ call (kernels.cpu_moe_experts), set by build_cpu_layers.
         self.cpu_block = None
+        # GPU: every expert's gate|up and down weights stacked [E, ...] for the grouped kernel
+        # (kernels.moe_experts), set by stack_experts; the experts' own weights are views of them.
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def stack_experts(self) -> None:
+        """Stack float experts' weights once, for the grouped kernel (quantized ones keep the loop)."""
+        projections = [p for e in self.experts for p in (e.gate_up_proj, e.down_proj)]
+        if any(p.quantized is not None or p.packed is not None or p.bias is not None for p in projections):
+            return
+        gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
+        down = torch.stack([e.down_proj.weight.detach() for e in self.experts])
+        for i, expert in enumerate(self.experts):
+            expert.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self.stacked = (gate_up, down)
 
     def build_cpu_block(self) -> None:
         self.cpu_block = kernels.cpu_moe_experts(
@@ -239,6 +254,8 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.router_weights_in_float32:
             weights = weights.to(x.dtype)
+        if self.stacked is not None:
+            return kernels.moe_experts(x, chosen, weights, *self.stacked)
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending: each token sums in expert order
             tokens, slot = torch.where(chosen == expert)
@@ -293,11 +310,15 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def pack_weights(self) -> None:
-        """Pack every projection for the CPU's GEMM library (a no-op on CUDA); call once,
-        after the weights are loaded."""
+        """Pack every projection for the CPU's GEMM library (on CUDA: stack the experts of a
+        mixture of experts for the grouped kernel); call once, after the weights are loaded."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        if self.embed_tokens.weight.device.type == "cuda":
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    layer.mlp.stack_experts()
         if self.lm_head is None:
             embed = self.embed_tokens
             self.tied_lm_head_packed = (kernels.pack_linear_weight(embed.weight) if embed.quantized is None else

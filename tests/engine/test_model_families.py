@@ -20,6 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import kernels
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.lora import LoRAError
@@ -237,6 +238,24 @@ def test_the_cpu_moe_block_gives_the_modules_bits(ckpt_root, case, dtype, quanti
         finally:
             block.cpu_block = cpu_block
         assert torch.equal(fused, modules)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_the_grouped_triton_moe_kernel_in_the_block(ckpt_root, case):
+    """The GPU's path through SparseMoeBlock (experts stacked once, kernels.moe_experts' grouped
+    Triton kernel), run in Triton's interpreter: the per-expert loop's result in float32, with
+    the experts' own weights views of the stacked ones."""
+    model, _ = load_model(case_checkpoint(ckpt_root, case), torch.float32, torch.device("cpu"), 64,
+                          pack_weights=False)
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    x = torch.randn(21, model.arch.hidden_size, generator=torch.Generator().manual_seed(6))
+    loop = block(x)
+    block.stack_experts()
+    gate_up, _ = block.stacked
+    assert block.experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
+    with kernels.triton_kernels_on_cpu():
+        grouped = block(x)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -296,3 +296,28 @@ def test_linear_quant_batch_invariant_on_cuda(dtype):
     for t in (0, 5, 131, 299):
         alone = linear_quant_triton(x[t:t + 1], packed, batch_invariant=True)
         assert torch.equal(alone[0], whole[t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_moe_kernel_on_the_gpu(dtype):
+    """kernels/moe.py on the GPU: the per-expert float32 reference within the dtype's rounding,
+    and every token's result the same bits alone and in a busy, skewed batch."""
+    from kernels.moe import moe_experts_reference, moe_experts_triton
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens, top_k = 8, 256, 192, 300, 2
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.05).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, 1] += 3.0
+    weights, chosen = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    want = moe_experts_reference(x.float(), chosen, weights.float(), gate_up.float(), down.float())
+    got = moe_experts_triton(x.to(CUDA), chosen.to(CUDA), weights.to(CUDA), gate_up.to(CUDA), down.to(CUDA))
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float().cpu(), want, **tolerance)
+    for t in (0, 151, tokens - 1):
+        alone = moe_experts_triton(x[t:t + 1].to(CUDA), chosen[t:t + 1].to(CUDA), weights[t:t + 1].to(CUDA),
+                                   gate_up.to(CUDA), down.to(CUDA))
+        assert torch.equal(alone[0], got[t])

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral and Qwen3-MoE experts)
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen3-MoE and OLMoE experts)
 over a paged KV cache.
 
 Our own torch modules; every hot operation goes through `kernels`, which runs the
@@ -53,6 +53,8 @@ class ModelArch:
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    # OLMoE: one RMSNorm over all of q's heads and one over all of k's, before the split into heads.
+    qk_norm_over_heads: bool = False
     # Mixtral scales the experts' outputs by float32 routing weights; Qwen3-MoE first rounds
     # them to the activations' dtype.
     router_weights_in_float32: bool = False
@@ -173,7 +175,11 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
-        if arch.qk_norm:
+        self.qk_norm_over_heads = arch.qk_norm_over_heads
+        if arch.qk_norm_over_heads:
+            self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps)
+        elif arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         else:
@@ -183,10 +189,12 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden, meta.lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_over_heads:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_over_heads:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
@@ -373,8 +381,8 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _cpu_layer(layer: LlamaDecoderLayer):
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(mlp, SparseMoeBlock):
-            return None  # routed experts: the modules run them
+        if isinstance(mlp, SparseMoeBlock) or attn.qk_norm_over_heads:
+            return None  # routed experts, or q/k norms over all heads: the modules run them
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.lora is not None and p.lora.packed is None for p in projections):
             return None  # adapters kept as plain tensors (not on the CPU): the modules run them

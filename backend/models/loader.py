@@ -54,6 +54,8 @@ class _Family:
     # always renormalised), "qwen3_moe" (layers by decoder_sparse_step and mlp_only_layers;
     # mlp.experts.E.gate/up/down_proj, renormalised when norm_topk_prob), or None.
     moe: str | None = None
+    # OLMoE: q and k normed over all their heads at once (qk_norm per head otherwise).
+    qk_norm_over_heads: bool = False
 
 
 SUPPORTED_ARCHITECTURES = {
@@ -65,6 +67,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", moe="mixtral"),
     "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types",
                                    moe="qwen3_moe"),
+    "OlmoeForCausalLM": _Family(False, False, False, qk_norm=False, sliding=None, moe="olmoe", qk_norm_over_heads=True),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -188,6 +191,7 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=_flag(hf, family.qkv_bias),
         qk_norm=family.qk_norm,
+        qk_norm_over_heads=family.qk_norm_over_heads,
         o_proj_bias=_flag(hf, family.o_proj_bias),
         mlp_bias=_flag(hf, family.mlp_bias),
         sliding_window=sliding_window,
@@ -204,6 +208,11 @@ def _moe_fields(hf, family: _Family, refuse) -> dict:
     if family.moe == "mixtral":
         experts, moe_layers = hf.num_local_experts, tuple(range(layers))
         intermediate, norm_topk_prob, float32_weights = hf.intermediate_size, True, True
+    elif family.moe == "olmoe":
+        if getattr(hf, "clip_qkv", None) is not None:
+            raise refuse("clip_qkv", hf.clip_qkv, "q, k and v are served unclipped")
+        experts, moe_layers = hf.num_experts, tuple(range(layers))
+        intermediate, norm_topk_prob, float32_weights = hf.intermediate_size, bool(hf.norm_topk_prob), False
     else:
         experts, intermediate, norm_topk_prob = hf.num_experts, hf.moe_intermediate_size, bool(hf.norm_topk_prob)
         skipped = set(getattr(hf, "mlp_only_layers", None) or ())

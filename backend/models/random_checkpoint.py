@@ -48,6 +48,8 @@ FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(tie_word_embeddings=False, head_dim=16, use_sliding_window=False, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+              dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, pad_token_id=0)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(tie_word_embeddings=False, sliding_window=None,
                                                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }

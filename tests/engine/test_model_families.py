@@ -84,6 +84,8 @@ CASES = {
     # without renormalising; a dense first layer beside expert layers).
     "mixtral-top2-of-4": ("mixtral", {}, dict(max_num_batched_tokens=24)),
     "qwen3-moe-top2-of-8": ("qwen3_moe", {}, {}),
+    # OLMoE: top-2 of 8, unnormalised, q and k normed over all their heads.
+    "olmoe-top2-of-8-gqa": ("olmoe", {}, {}),
     "qwen3-moe-dense-layer0-unnormalised": ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False,
                                                               tie_word_embeddings=True), {}),
     "qwen3-untied-bias-hd64-gqa4": ("qwen3", dict(head_dim=64, num_key_value_heads=1, attention_bias=True,
@@ -169,7 +171,7 @@ GEMM_PATHS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_ext.isa() < isa, re
                            id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16)]
 
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 DENSE_CASES = [case for case, (family, _, _) in CASES.items() if family not in MOE_FAMILIES]
 MOE_CASES = [case for case in CASES if case not in DENSE_CASES]
 
@@ -434,6 +436,7 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM", {}),
         "phi3": (transformers.Phi3Config, "Phi3ForCausalLM", {}),
         "qwen3_moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM", {}),
+        "olmoe": (transformers.OlmoeConfig, "OlmoeForCausalLM", {}),
     }[family]
     shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -449,6 +452,7 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
      r"rope_scaling\.rope_type='longrope'"),
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)), r"rope_scaling\.rope_type='dynamic'"),
     ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu'"),
+    ("olmoe", dict(clip_qkv=8.0), r"clip_qkv=8\.0"),
     ("qwen3", dict(hidden_act="relu"), r"hidden_act='relu'"),
     ("llama", dict(num_attention_heads=4, num_key_value_heads=3), r"num_key_value_heads=3"),
 ])

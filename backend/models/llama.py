@@ -55,6 +55,8 @@ class ModelArch:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     # OLMoE: one RMSNorm over all of q's heads and one over all of k's, before the split into heads.
     qk_norm_over_heads: bool = False
+    # Qwen2-MoE: beside the routed experts, one expert every token takes, scaled by a sigmoid gate.
+    shared_expert_intermediate_size: int = 0
     # Mixtral scales the experts' outputs by float32 routing weights; Qwen3-MoE first rounds
     # them to the activations' dtype.
     router_weights_in_float32: bool = False
@@ -227,6 +229,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = nn.ModuleList(LlamaMLP(arch.hidden_size, arch.moe_intermediate_size, bias=False)
                                      for _ in range(arch.num_experts))
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(arch.hidden_size, arch.shared_expert_intermediate_size, bias=False)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.top_k = arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.router_weights_in_float32 = arch.router_weights_in_float32
@@ -254,8 +261,12 @@ class SparseMoeBlock(nn.Module):
             self.top_k, self.norm_topk_prob, self.router_weights_in_float32)
 
     def forward(self, x, lora: LoRABatch | None = None):
-        if self.cpu_block is not None:
-            return self.cpu_block.forward(x)
+        routed = self.cpu_block.forward(x) if self.cpu_block is not None else self._routed(x)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _routed(self, x):
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

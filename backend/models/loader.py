@@ -52,7 +52,8 @@ class _Family:
     fused_checkpoint: bool = False
     # Mixture of experts: "mixtral" (every layer; block_sparse_moe.experts.E.w1/w3/w2, top-k
     # always renormalised), "qwen3_moe" (layers by decoder_sparse_step and mlp_only_layers;
-    # mlp.experts.E.gate/up/down_proj, renormalised when norm_topk_prob), or None.
+    # mlp.experts.E.gate/up/down_proj, renormalised when norm_topk_prob), "qwen2_moe" (as
+    # qwen3_moe, with a gated shared expert), "olmoe" (every layer), or None.
     moe: str | None = None
     # OLMoE: q and k normed over all their heads at once (qk_norm per head otherwise).
     qk_norm_over_heads: bool = False
@@ -67,6 +68,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", moe="mixtral"),
     "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types",
                                    moe="qwen3_moe"),
+    "Qwen2MoeForCausalLM": _Family(True, False, False, qk_norm=False, sliding="layer_types", moe="qwen2_moe"),
     "OlmoeForCausalLM": _Family(False, False, False, qk_norm=False, sliding=None, moe="olmoe", qk_norm_over_heads=True),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
@@ -204,7 +206,7 @@ def _moe_fields(hf, family: _Family, refuse) -> dict:
     """The ModelArch fields of a mixture-of-experts family (none for a dense one)."""
     if family.moe is None:
         return {}
-    layers = hf.num_hidden_layers
+    layers, shared = hf.num_hidden_layers, {}
     if family.moe == "mixtral":
         experts, moe_layers = hf.num_local_experts, tuple(range(layers))
         intermediate, norm_topk_prob, float32_weights = hf.intermediate_size, True, True
@@ -219,11 +221,14 @@ def _moe_fields(hf, family: _Family, refuse) -> dict:
         step = getattr(hf, "decoder_sparse_step", 1) or 1
         moe_layers = tuple(i for i in range(layers) if i not in skipped and experts > 0 and (i + 1) % step == 0)
         float32_weights = False
+        if family.moe == "qwen2_moe":
+            shared = dict(shared_expert_intermediate_size=hf.shared_expert_intermediate_size)
     top_k = hf.num_experts_per_tok
     if not 0 < top_k <= experts:
         raise refuse("num_experts_per_tok", top_k, f"must be 1 to the number of experts ({experts})")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=intermediate,
-                moe_layers=moe_layers, norm_topk_prob=norm_topk_prob, router_weights_in_float32=float32_weights)
+                moe_layers=moe_layers, norm_topk_prob=norm_topk_prob, router_weights_in_float32=float32_weights,
+                **shared)
 
 
 def packed_quantization_config(hf) -> dict | None:

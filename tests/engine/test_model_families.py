@@ -84,6 +84,8 @@ CASES = {
     # without renormalising; a dense first layer beside expert layers).
     "mixtral-top2-of-4": ("mixtral", {}, dict(max_num_batched_tokens=24)),
     "qwen3-moe-top2-of-8": ("qwen3_moe", {}, {}),
+    # Qwen2-MoE: a gated shared expert beside top-2 of 8, q/k/v biases, chunked prefill.
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}, dict(max_num_batched_tokens=24)),
     # OLMoE: top-2 of 8, unnormalised, q and k normed over all their heads.
     "olmoe-top2-of-8-gqa": ("olmoe", {}, {}),
     "qwen3-moe-dense-layer0-unnormalised": ("qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False,
@@ -171,7 +173,7 @@ GEMM_PATHS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_ext.isa() < isa, re
                            id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16)]
 
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 DENSE_CASES = [case for case, (family, _, _) in CASES.items() if family not in MOE_FAMILIES]
 MOE_CASES = [case for case in CASES if case not in DENSE_CASES]
 

@@ -2,8 +2,9 @@
 
 `cos_sin_cache[p]` = [cos(p * inv_freq), sin(p * inv_freq)] (rotary_dim / 2 each), built
 once by `build_cos_sin_cache` exactly as HF `LlamaRotaryEmbedding` computes its cos/sin
-(float32, `position.float() * inv_freq`), including HF's "llama3", "linear" and "yarn"
-scaling (YaRN's attention factor scales cos and sin, as HF does).
+(float32, `position.float() * inv_freq`), including HF's "llama3", "linear", "yarn" and
+"longrope" (within the pretraining context) scaling; YaRN's and LongRoPE's attention factor
+scales cos and sin, as HF does.
 Neox style (`is_neox=True`, HF Llama's `rotate_half`) rotates pairs (i, i + rotary_dim/2);
 GPT-J style rotates pairs (2i, 2i + 1). Dimensions past rotary_dim pass through.
 """
@@ -48,7 +49,24 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> tuple[to
         return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
     if rope_type == "yarn":
         return _yarn(dim, base, scaling)
-    raise NotImplementedError(f"rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
+    if rope_type == "longrope":
+        return _longrope_short(dim, base, scaling)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} (supported: default, linear, llama3, yarn, longrope)")
+
+
+def _longrope_short(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's "su"/"longrope") within the pretraining context: the short factors,
+    which transformers uses until a sequence passes original_max_position_embeddings (the loader
+    keeps max_model_len within it), and the attention factor of the extended context. Same
+    operations, in the same order, as transformers' _compute_longrope_parameters."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * base**inv_freq_shape), attention_factor
 
 
 def _yarn(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:

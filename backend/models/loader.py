@@ -72,7 +72,7 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": _Family(False, False, False, qk_norm=False, sliding=None, moe="olmoe", qk_norm_over_heads=True),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
 # Buffers some exporters save that we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -157,9 +157,12 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise refuse("rope_scaling.rope_type", rope_type, f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "yarn":
+    if rope_type in ("yarn", "longrope"):
         if not rope.get("original_max_position_embeddings"):
-            raise refuse("rope_scaling.original_max_position_embeddings", None, "YaRN needs the pretraining context")
+            rope["original_max_position_embeddings"] = getattr(hf, "original_max_position_embeddings", None)
+        if not rope.get("original_max_position_embeddings"):
+            raise refuse("rope_scaling.original_max_position_embeddings", None,
+                         f"{rope_type} needs the pretraining context")
         if rope.get("factor") is None:  # transformers' reading: the context's growth over pretraining
             rope["factor"] = hf.max_position_embeddings / rope["original_max_position_embeddings"]
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
@@ -491,6 +494,13 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
             f"{arch.architecture} in {model_path} uses sliding-window attention (sliding_window="
             f"{arch.sliding_window}), which this engine implements only for contexts within the window: "
             f"set max_model_len <= {arch.sliding_window} (it is {max_positions})"
+        )
+    rope = arch.rope_scaling or {}
+    if rope.get("rope_type") == "longrope" and max_positions > rope["original_max_position_embeddings"]:
+        raise CheckpointError(
+            f"{arch.architecture} in {model_path} uses LongRoPE, which this engine implements within the pretraining "
+            f"context only (transformers switches to the long factors past it): set max_model_len <= "
+            f"{rope['original_max_position_embeddings']} (it is {max_positions})"
         )
     gguf_path = resolve_gguf_path(model_path)
     already = "GGUF" if gguf_path else (packed_quantization_config(hf_config) or {}).get("quant_method")

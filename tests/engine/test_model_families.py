@@ -77,6 +77,11 @@ CASES = {
                                           head_dim=64), {}),
     # Phi-3/Phi-4: q|k|v and gate|up stored fused; a sliding window as Phi-3-mini's (2047).
     "phi3-fused-untied-gqa": ("phi3", dict(sliding_window=2047), dict(max_num_batched_tokens=24)),
+    # Phi-3-mini-128k's LongRoPE (short factors within the pretraining context, the extended
+    # context's attention factor), its pretraining context shrunk to max_model_len.
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=256, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], long_factor=[4.0] * 8)), {}),
     "phi3-tied-mha-hd32": ("phi3", dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
                                         head_dim=32), {}),
     "qwen3-tied-qk-norm-hd16": ("qwen3", {}, {}),
@@ -304,7 +309,7 @@ def test_moe_model_with_a_lora_adapter_on_its_attention_matches_peft(ckpt_root, 
 
 @pytest.mark.parametrize("case, rope_type, theta", [
     ("llama3-rope-scaling-hd128", "llama3", 500000.0), ("llama2-linear-rope-untied-gqa4", "linear", 10000.0),
-    ("qwen2-yarn-rope-scaling", "yarn", 1000000.0),
+    ("qwen2-yarn-rope-scaling", "yarn", 1000000.0), ("phi3-longrope", "longrope", 10000.0),
 ])
 def test_rope_scaling_is_applied(ckpt_root, tmp_path, case, rope_type, theta):
     """The scaled cases would pass vacuously if the scaling did not change the logits."""
@@ -449,9 +454,6 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
 
 
 @pytest.mark.parametrize("family, overrides, message", [
-    ("llama", dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
-                                        long_factor=[2.0] * 8, original_max_position_embeddings=256)),
-     r"rope_scaling\.rope_type='longrope'"),
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)), r"rope_scaling\.rope_type='dynamic'"),
     ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     ("olmoe", dict(clip_qkv=8.0), r"clip_qkv=8\.0"),
@@ -483,6 +485,13 @@ def test_sliding_window_beyond_max_model_len_is_refused(tmp_path, family, overri
     assert load_arch(path)[0].sliding_window == 64
     with pytest.raises(CheckpointError, match=r"sliding_window=64.*max_model_len <= 64"):
         load_model(path, torch.float32, torch.device("cpu"), 256)
+
+
+def test_longrope_past_the_pretraining_context_is_refused(ckpt_root):
+    rope = load_arch(case_checkpoint(ckpt_root, "phi3-longrope"))[0].rope_scaling
+    assert rope["factor"] == 4.0  # 1024 / 256: the attention factor is not 1
+    with pytest.raises(CheckpointError, match=r"LongRoPE.*set max_model_len <= 256 \(it is 512\)"):
+        load_model(case_checkpoint(ckpt_root, "phi3-longrope"), torch.float32, torch.device("cpu"), 512)
 
 
 def test_sliding_window_never_reached_is_full_attention(tmp_path):

@@ -378,3 +378,27 @@ def test_rms_norm_cpu_gives_a_row_the_same_bits_in_any_batch(dtype):
         alone, alone_summed = rms_norm_cpu(x[row:row + 1], weight, 1e-5, residual[row:row + 1])
         assert torch.equal(alone[0], out[row]) and torch.equal(alone_summed[0], summed[row])
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_longrope_within_the_pretraining_context_matches_hf_phi3(dtype):
+    """Phi-3's LongRoPE at positions within original_max_position_embeddings (where transformers
+    keeps the short factors, and the loader keeps max_model_len): cos and sin to the bit,
+    the extended context's attention factor included."""
+    pytest.importorskip("transformers")
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    head_dim, original = 64, 4096
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": original,
+              "short_factor": [1.0 + 0.05 * i for i in range(head_dim // 2)], "long_factor": [8.0] * (head_dim // 2)}
+    config = Phi3Config(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=131072,
+                        original_max_position_embeddings=original, rope_parameters=dict(params))
+    hf = Phi3RotaryEmbedding(config)
+    cache = build_cos_sin_cache(head_dim, original, params["rope_theta"], {**params, "factor": 131072 / original})
+    positions = torch.cat([torch.tensor([0, 1, original - 1]),
+                           torch.randint(0, original, (37,), generator=torch.Generator().manual_seed(2))])
+    cos, sin = hf(torch.zeros(1, dtype=dtype), positions[None])
+    assert torch.equal(cos[0, :, :head_dim // 2], cache[positions, :head_dim // 2].to(dtype))
+    assert torch.equal(sin[0, :, :head_dim // 2], cache[positions, head_dim // 2:].to(dtype))
+    assert not torch.equal(cache, build_cos_sin_cache(head_dim, original, params["rope_theta"]))

@@ -50,7 +50,7 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
     # A quantized model's bytes are its integers and scales as packed.
     weights = (engine.model.step_weight_bytes() if engine.model.is_quantized()
                else weight_bytes_read(engine.arch, element_size))
-    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype)
+    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype, engine.config.kv_cache_dtype)
     rows = []
     for batch in batches:
         for context in contexts:

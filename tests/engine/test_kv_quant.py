@@ -19,6 +19,7 @@ from backend.metrics import cache_config_labels
 from backend.model_runner import kv_block_bytes
 from backend.request import SamplingParams
 from kernels import QuantizedKV
+from tests.checkpoints import make_random_adapter
 from tests.engine.test_batch_invariance import GREEDY, LONG_PROBE, PROBE, SEEDED, crowd, run
 from tests.engine.test_parallel_sampling import OTHER, PROMPT, Run, make_engine, sampled, single_runs
 
@@ -124,3 +125,32 @@ def test_other_kv_cache_dtypes_are_refused_by_name(value):
 
 def test_kv_cache_dtype_parses_from_config_pbtxt():
     assert EngineConfig.from_parameters({"kv_cache_dtype": "int8"}, "/m").kv_cache_dtype == "int8"
+
+
+def test_lora_logprobs_are_batch_invariant_on_int8_kv(tiny_checkpoint, tmp_path):
+    """KV computed under an adapter is quantized as any other: a probe's logprobs under an
+    adapter are bitwise the same alone and beside other adapters' and the base's requests,
+    and the adapter changes them."""
+    adapters = {"all-r8": make_random_adapter(str(tmp_path / "all-r8"), tiny_checkpoint, rank=8, seed=1),
+                "qv-r8": make_random_adapter(str(tmp_path / "qv-r8"), tiny_checkpoint, rank=8, seed=2,
+                                             target_modules=("q_proj", "v_proj"))}
+    names = [None, "all-r8", "qv-r8"]
+
+    def probe_logprobs(others, lora_name="all-r8"):
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32",
+                                        lora_modules=adapters, max_loras=3, num_kv_blocks=128, **INT8))
+        for k, prompt in enumerate(others):
+            engine.add_request(f"o{k}", prompt, SamplingParams(temperature=0.0, max_tokens=3 + k % 5, ignore_eos=True,
+                                                               lora_name=names[k % 3]))
+        engine.add_request("probe", PROBE, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
+                                                          lora_name=lora_name))
+        logprobs = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "probe":
+                    logprobs.extend(next(iter(e.values()))["logprob"] for e in out.logprobs_delta or [])
+        return logprobs
+
+    alone = probe_logprobs([])
+    assert len(alone) == 8 and alone == probe_logprobs([p for _, p in crowd(5, 6)])
+    assert alone != probe_logprobs([], lora_name=None)

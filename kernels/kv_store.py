@@ -107,18 +107,6 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 
 @triton.jit
-def _quantize_rows(x):
-    """Rows of x (float32 [H, D]) as int8 values (in float32) and their scales, as
-    `quantize_kv_rows` (round half to even, spelled out: the interpreter has no rint)."""
-    scale = tl.max(tl.abs(x), 1) / 127.0
-    y = x / tl.where(scale > 0.0, scale, 1.0)[:, None]
-    r = tl.floor(y + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
-    return tl.minimum(tl.maximum(r, -127.0), 127.0), scale
-
-
-@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -144,9 +132,24 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     if QUANTIZED:
+        # Each row over its largest magnitude, as `quantize_kv_rows`: round half to even spelled
+        # out (the interpreter has no rint). Written out for K and V: a jit helper of this module
+        # would not run in the interpreter that a CPU launch wraps the kernel in.
+        k = k.to(tl.float32)
+        k_scale = tl.max(tl.abs(k), 1) / 127.0
+        k = k / tl.where(k_scale > 0.0, k_scale, 1.0)[:, None]
+        k_round = tl.floor(k + 0.5)
+        k_odd = (k_round - 2.0 * tl.floor(k_round * 0.5)) != 0.0
+        k = tl.where(((k_round - k) == 0.5) & k_odd, k_round - 1.0, k_round)
+        k = tl.minimum(tl.maximum(k, -127.0), 127.0)
+        v = v.to(tl.float32)
+        v_scale = tl.max(tl.abs(v), 1) / 127.0
+        v = v / tl.where(v_scale > 0.0, v_scale, 1.0)[:, None]
+        v_round = tl.floor(v + 0.5)
+        v_odd = (v_round - 2.0 * tl.floor(v_round * 0.5)) != 0.0
+        v = tl.where(((v_round - v) == 0.5) & v_odd, v_round - 1.0, v_round)
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
         hs = tl.arange(0, BLOCK_H)
-        k, k_scale = _quantize_rows(k.to(tl.float32))
-        v, v_scale = _quantize_rows(v.to(tl.float32))
         tl.store(k_scale_ptr + blk * stride_ksb + off * stride_kss + hs, k_scale, mask=hs < heads)
         tl.store(v_scale_ptr + blk * stride_vsb + off * stride_vss + hs, v_scale, mask=hs < heads)
     tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,

@@ -154,3 +154,19 @@ def test_lora_logprobs_are_batch_invariant_on_int8_kv(tiny_checkpoint, tmp_path)
     alone = probe_logprobs([])
     assert len(alone) == 8 and alone == probe_logprobs([p for _, p in crowd(5, 6)])
     assert alone != probe_logprobs([], lora_name=None)
+
+
+def test_the_triton_path_gives_the_cpu_paths_greedy_tokens(tiny_checkpoint):
+    """The engine through the CUDA path's kernels (the Triton store and attention on
+    QuantizedKV, in the interpreter) against the C++ path, both on int8 KV, under continuous
+    arrivals and chunked prefill."""
+    from tests.engine.test_engine_equivalence import run_engine, spread_arrivals
+
+    prompts = [PROMPT, OTHER, PROBE[:30], LONG_PROBE[:50]]
+    max_tokens = [6, 5, 6, 4]
+    config = dict(num_kv_blocks=64, long_prefill_token_threshold=24, **INT8)
+    _, cpu, _ = run_engine(tiny_checkpoint, prompts, max_tokens, spread_arrivals(len(prompts)), **config)
+    engine, triton, _ = run_engine(tiny_checkpoint, prompts, max_tokens, spread_arrivals(len(prompts)),
+                                   device="triton-on-cpu", **config)
+    assert isinstance(engine.runner.kv_caches[0][0], QuantizedKV)
+    assert triton == cpu

@@ -170,3 +170,24 @@ def test_the_triton_path_gives_the_cpu_paths_greedy_tokens(tiny_checkpoint):
                                    device="triton-on-cpu", **config)
     assert isinstance(engine.runner.kv_caches[0][0], QuantizedKV)
     assert triton == cpu
+
+
+def test_the_benchmarks_take_the_kv_dtype(tiny_checkpoint, tmp_path):
+    """The greedy-continuation comparison and G1's roofline, which counts int8 KV's bytes."""
+    import json
+
+    from client.bench import kv_quant, roofline
+
+    path = tmp_path / "greedy.json"
+    assert kv_quant.main(["--model", tiny_checkpoint, "--prompts", "2", "--prompt-tokens", "16", "--max-tokens", "3",
+                          "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["kv_cache_dtype"] == "int8" and len(report["first_differences"]) == 2
+    assert 0 <= report["identical_share"] <= 1 and report["command"].startswith("python -m client.bench.kv_quant")
+    path = tmp_path / "roofline.json"
+    assert roofline.main(["--model", tiny_checkpoint, "--device", "cpu", "--batch", "2", "--context", "40",
+                          "--kv-cache-dtype", "int8", "--seconds", "0.01", "--windows", "1", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    engine = make_engine(tiny_checkpoint, num_kv_blocks=8)
+    assert report["kv_cache_dtype"] == "int8"
+    assert report["results"][0]["kv_bytes"] == 2 * 40 * kv_block_bytes(engine.arch, 1, None, "int8")

@@ -32,6 +32,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_MODES = ("none", "int8", "int4")
+# kv_cache_dtype: "auto" keeps KV in the model's dtype; "int8" stores each (token, KV head)
+# row as int8 with a float32 scale (kernels/kv_store.py's QuantizedKV).
+KV_CACHE_DTYPES = ("auto", "int8")
 GROUP_SIZES = (32, 64, 128)
 # A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
 # printable, since it becomes a metric label.
@@ -122,6 +125,8 @@ class EngineConfig:
     # quantized checkpoint, GGUF/AWQ/GPTQ/compressed-tensors, is always served as stored).
     quantization: str = "none"
     quantization_group_size: int = 128
+    # The KV pool's element type (KV_CACHE_DTYPES); the pool's size in blocks follows from it.
+    kv_cache_dtype: str = "auto"
     # The folder of the tokenizer, when not model_path's own (vLLM's --tokenizer): a GGUF
     # file's vocabulary takes transformers ~15 s to convert.
     tokenizer: str = ""
@@ -173,6 +178,8 @@ class EngineConfig:
         check(not (modules and self.enable_lora is False), "lora_modules given but enable_lora=false")
         check(self.quantization in QUANTIZATION_MODES,
               f"quantization={self.quantization!r}, expected one of {QUANTIZATION_MODES}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES}")
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)

@@ -101,7 +101,7 @@ class LLMEngine:
             log.info("LoRA adapter %r: r=%d on %s (%s)", adapter.name, adapter.rank,
                      "/".join(adapter.target_modules), adapter.path)
 
-        block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)
         if num_blocks < 1:
             raise ValueError(f"KV pool too small: {num_blocks} blocks of {block_bytes} bytes")
@@ -146,10 +146,10 @@ class LLMEngine:
         # Why the device can no longer run a step (`is_device_fault`), once it cannot.
         self.device_fault: str | None = None
         log.info(
-            "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, "
+            "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB, kv_cache_dtype %s), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
             self.arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            num_blocks * block_bytes / 2**20, self.max_model_len, self.runner.batch_invariant,
+            num_blocks * block_bytes / 2**20, config.kv_cache_dtype, self.max_model_len, self.runner.batch_invariant,
             cpu_ext.isa().name.lower() if self.device.type == "cpu" else "-",
         )
 

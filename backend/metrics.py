@@ -284,7 +284,7 @@ def cache_config_labels(engine) -> dict[str, str]:
     return {
         "block_size": str(config.block_size),
         "num_gpu_blocks": str(engine.stats.num_kv_blocks),
-        "cache_dtype": "auto",
+        "cache_dtype": config.kv_cache_dtype,
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "engine": "0",

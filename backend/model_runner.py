@@ -2,7 +2,8 @@
 
 Per-step metadata is built with numpy in one go (no per-token Python). The runner owns
 the KV tensors: per layer K and V of shape [num_blocks, block_size, num_kv_heads, head_dim],
-plus, in swap mode, a host pool of the same block shape.
+in the model's dtype or, with kv_cache_dtype int8, `QuantizedKV`s (int8 rows and their scales
+in each block's bytes), plus, in swap mode, a host pool of the same block layout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
+from kernels.kv_store import QuantizedKV, kv_storage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +63,24 @@ def resolve_batch_invariance(requested: bool | None, device: torch.device) -> bo
     return False
 
 
-def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block of every layer's K and V (an int8 block's scales included)."""
+    if kv_cache_dtype == "int8":
+        return 2 * arch.num_layers * QuantizedKV.block_bytes(block_size, arch.num_kv_heads, arch.head_dim)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element
+
+
+def make_kv_cache(num_blocks: int, block_size: int, arch: ModelArch, dtype: torch.dtype, kv_cache_dtype: str,
+                  device: torch.device | str, pin_memory: bool = False) -> torch.Tensor | QuantizedKV:
+    """One layer's K (or V) pool, zeroed."""
+    if kv_cache_dtype == "int8":
+        if arch.head_dim % 4:
+            raise ValueError(f"invalid engine parameter: kv_cache_dtype=int8 needs a head size that is a multiple "
+                             f"of 4 (the model's: {arch.head_dim})")
+        return QuantizedKV.zeros(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, device, pin_memory)
+    return torch.zeros((num_blocks, block_size, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device,
+                       pin_memory=pin_memory)
 
 
 @dataclass
@@ -89,17 +106,19 @@ class ModelRunner:
         self.has_lora = bool(config.lora_modules)
         if device.type == "cpu":
             cpu_ext.load()  # at startup, not in the first request's forward pass
-        shape = (num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)
-        ]
-        host_shape = (num_host_blocks,) + shape[1:]
+        kv_dtype = config.kv_cache_dtype
+
+        def pool(blocks: int, where: torch.device | str, pin: bool = False):
+            return make_kv_cache(blocks, config.block_size, arch, dtype, kv_dtype, where, pin)
+
+        self.kv_caches = [(pool(num_blocks, device), pool(num_blocks, device)) for _ in range(arch.num_layers)]
         pin = device.type == "cuda"
-        self.host_caches = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(arch.num_layers)
-        ] if num_host_blocks else []
+        self.host_caches = [(pool(num_host_blocks, "cpu", pin), pool(num_host_blocks, "cpu", pin))
+                            for _ in range(arch.num_layers)] if num_host_blocks else []
+        # Each layer's K and V as tensors whose rows are whole blocks (scales and all): what
+        # swapping, copy-on-write and zeroing move, whatever the KV dtype.
+        self.kv_blocks = [(kv_storage(k), kv_storage(v)) for k, v in self.kv_caches]
+        self.host_blocks = [(kv_storage(k), kv_storage(v)) for k, v in self.host_caches]
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         scheduled = plan.scheduled
@@ -256,7 +275,7 @@ class ModelRunner:
             for lora in (False, True) if self.has_lora else (False,):
                 logits = self.forward_logits(self.synthetic_inputs(q_lens, lora=lora))
             used = sum(-(-q // bs) for q in q_lens)
-            for k, v in self.kv_caches:
+            for k, v in self.kv_blocks:
                 k[:used].zero_()
                 v[:used].zero_()
         return logits
@@ -267,19 +286,19 @@ class ModelRunner:
         if plan.swap_out:
             device_ids = torch.tensor([d for d, _ in plan.swap_out], device=self.device)
             host_ids = torch.tensor([h for _, h in plan.swap_out])
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            for (k, v), (hk, hv) in zip(self.kv_blocks, self.host_blocks):
                 hk[host_ids] = k[device_ids].to("cpu")
                 hv[host_ids] = v[device_ids].to("cpu")
         if plan.block_copies:
             destinations = torch.tensor(list(plan.block_copies), device=self.device)
             sources = torch.tensor(list(plan.block_copies.values()), device=self.device)
-            for k, v in self.kv_caches:
+            for k, v in self.kv_blocks:
                 k[destinations] = k[sources]
                 v[destinations] = v[sources]
         if plan.swap_in:
             host_ids = torch.tensor([h for h, _ in plan.swap_in])
             device_ids = torch.tensor([d for _, d in plan.swap_in], device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            for (k, v), (hk, hv) in zip(self.kv_blocks, self.host_blocks):
                 k[device_ids] = hk[host_ids].to(self.device)
                 v[device_ids] = hv[host_ids].to(self.device)
 

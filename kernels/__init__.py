@@ -13,6 +13,8 @@ the dispatchers send CPU tensors to the Triton kernels too, which lets a test dr
 whole engine through the CUDA path's kernels on a machine without a GPU.
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
+        (a cache is a tensor in the model's dtype or a QuantizedKV, int8 rows and their scales,
+        which every store quantizes and every attention path de-quantizes; see kv_store.py)
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                     max_seqlen_q=None, max_seqlen_k=None) -> out
     rms_norm(x, weight, eps, residual=None) -> out | (out, x + residual)
@@ -49,7 +51,7 @@ import torch
 
 from .activation import silu_and_mul_cpu, silu_and_mul_reference, silu_and_mul_triton
 from .decoder_layer import cpu_decoder_layer, cpu_moe_experts, cpu_step_meta
-from .kv_store import store_kv_reference, store_kv_triton
+from .kv_store import QuantizedKV, kv_storage, store_kv_reference, store_kv_triton
 from .linear import PackedWeight, linear, pack_linear_weight
 from .lora import lora_delta_cpu, lora_delta_reference, lora_delta_triton
 from .moe import moe_experts_reference, moe_experts_triton
@@ -74,7 +76,7 @@ from .sampling import (
 __all__ = [
     "store_kv", "paged_attention", "rms_norm", "rotary_embedding", "rotary_store_kv", "silu_and_mul",
     "build_cos_sin_cache", "linear", "pack_linear_weight", "PackedWeight", "QuantizedWeight", "quantize",
-    "store_kv_reference", "store_kv_triton",
+    "store_kv_reference", "store_kv_triton", "QuantizedKV", "kv_storage",
     "paged_attention_reference", "paged_attention_triton", "paged_attention_cpu",
     "rms_norm_reference", "rms_norm_triton", "rms_norm_cpu",
     "rotary_embedding_reference", "rotary_embedding_triton", "rotary_store_kv_cpu",

@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         p = "*" + dt
         element_size = 4 if dt == "fp32" else 2
         jobs = [
-            ("store_kv", _store_kv_kernel,
-             {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
-             dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
+            *((f"store_kv{' int8' if quantized else ''}", _store_kv_kernel,
+               {"key_ptr": p, "value_ptr": p, "k_cache_ptr": "*i8" if quantized else p,
+                "v_cache_ptr": "*i8" if quantized else p, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                "slot_ptr": "*i64"},
+               dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANTIZED=quantized)) for quantized in (False, True)),
             ("rms_norm+residual", _rms_norm_kernel,
              {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "residual_out_ptr": p, "eps": "fp32"},
              dict(HAS_RESIDUAL=True, BLOCK_N=4096)),
@@ -108,14 +110,19 @@ def main(argv: list[str] | None = None) -> int:
                               **config), options))
         jobs.append(("linear_quant sum_splits", _sum_splits_kernel,
                      {"part_ptr": "*fp32", "bias_ptr": p, "out_ptr": p}, dict(HAS_BIAS=True, BLOCK=1024), {"num_warps": 4}))
-        for hd, qpk, bs, max_q in attention:
+        # int8 KV (kv_cache_dtype int8): the decode and the prefill tiles of the first head size
+        quantized_kv = [a for a in attention if a[0] == attention[0][0] and a[1] == attention[0][1]]
+        for (hd, qpk, bs, max_q), quantized in [(a, False) for a in attention] + [(a, True) for a in quantized_kv]:
             config = attention_config(qpk, hd, element_size, max_q)
             num_warps = config.pop("num_warps")
-            jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']}",
+            kv = "*i8" if quantized else p
+            jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']}"
+                         f"{' int8 KV' if quantized else ''}",
                          _paged_attention_kernel,
-                         {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "out_ptr": p, "block_tables_ptr": "*i32",
+                         {"q_ptr": p, "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
+                          "v_scale_ptr": "*fp32", "out_ptr": p, "block_tables_ptr": "*i32",
                           "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32"},
-                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, **config), {"num_warps": num_warps}))
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=quantized, **config), {"num_warps": num_warps}))
         for name, fn, types, constexprs, options in jobs:
             t0 = time.perf_counter()
             try:

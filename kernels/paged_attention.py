@@ -4,7 +4,9 @@ Inputs (shared by the Triton kernel and the torch reference):
   query         [num_tokens, num_q_heads, head_dim]: the new tokens of every sequence,
                 concatenated; sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1].
   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]: the paged KV cache,
-                already holding the K/V of the new tokens (written by `store_kv`).
+                already holding the K/V of the new tokens (written by `store_kv`): tensors
+                in the query's dtype, or `QuantizedKV` (int8 rows and their scales,
+                de-quantized to float32 as they are read).
   block_tables  int32 [num_seqs, max_blocks]: logical block i of sequence s lives in
                 physical block block_tables[s, i]; entries past the end are arbitrary.
   seq_lens      int32 [num_seqs]: context length including the new tokens.
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import cpu_ext
+from .kv_store import QuantizedKV
 from .triton_utils import dot_precision, launch, next_power_of_2
 
 # ---------------------------------------------------------------------------------------
@@ -73,9 +76,14 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
 
-    def kernel(q, tables, lens, cu):
-        return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
-                                      lens.to(torch.int32), cu.to(torch.int32), scale, lanes).to(query.dtype)
+    if isinstance(k_cache, QuantizedKV):
+        def kernel(q, tables, lens, cu):
+            return module.paged_attention(q, k_cache.data, v_cache.data, tables.to(torch.int32), lens.to(torch.int32),
+                                          cu.to(torch.int32), scale, lanes, k_cache.scale, v_cache.scale)
+    else:
+        def kernel(q, tables, lens, cu):
+            return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
+                                          lens.to(torch.int32), cu.to(torch.int32), scale, lanes).to(query.dtype)
 
     if paged_attention_cpu_kernel_only(max_seqlen_q, max_seqlen_k, batch_invariant):
         return kernel(query, block_tables, seq_lens, cu_seqlens_q)  # the usual step: no host-side look at the batch
@@ -155,8 +163,12 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_blocks = -(-seq_len // block_size)
     idx = block_table[:num_blocks]
-    k = k_cache.index_select(0, idx).view(-1, num_kv_heads, head_dim)[:seq_len]
-    v = v_cache.index_select(0, idx).view(-1, num_kv_heads, head_dim)[:seq_len]
+    if isinstance(k_cache, QuantizedKV):
+        k, v = k_cache.dequantize(idx), v_cache.dequantize(idx)
+    else:
+        k, v = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
+    k = k.view(-1, num_kv_heads, head_dim)[:seq_len]
+    v = v.view(-1, num_kv_heads, head_dim)[:seq_len]
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
     # [1, heads, tokens, head_dim] views, no copies; SDPA handles GQA natively.
@@ -216,6 +228,12 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Entries past a sequence's last block are arbitrary: clamp them to some real block
     # (what it holds is masked out below).
     tables = block_tables[:, :num_blocks].clamp(0, k_cache.shape[0] - 1)
+    if isinstance(k_cache, QuantizedKV):
+        # The group's blocks de-quantized once into float32 caches of their own, which the
+        # float path below reads through a table of their new places.
+        idx = tables.reshape(-1).to(torch.int64)
+        k_cache, v_cache = k_cache.dequantize(idx), v_cache.dequantize(idx)
+        tables = torch.arange(idx.numel(), device=q.device).view(batch, num_blocks)
     # q.k runs in the cache's dtype (bfloat16 there is what HF's eager attention does, and
     # spares a float copy of K); scores and softmax are float32.
     q = q.to(k_cache.dtype)
@@ -294,12 +312,13 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # server would compile while requests wait (LLMEngine.warm_up compiles the rest at load).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_ksb, stride_kss, stride_vsb, stride_vss,
     stride_bt,
     QUERIES_PER_KV: tl.constexpr,   # query heads sharing one KV head
     BLOCK_SIZE: tl.constexpr,       # KV cache block size (any value; 16 and 32 in practice)
@@ -309,6 +328,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,          # query tokens per program
     TILE_N: tl.constexpr,           # keys per inner iteration
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (exact), "tf32" otherwise (ignored for 16-bit)
+    QUANTIZED: tl.constexpr,        # int8 K/V rows times their scales (kv_store.QuantizedKV)
 ):
     """One program = BLOCK_Q consecutive query tokens of one sequence x one KV head.
 
@@ -365,7 +385,10 @@ def _paged_attention_kernel(
         blk = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
         k_off = blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + kv_head * stride_kh + d[:, None]
-        kt = tl.load(k_cache_ptr + k_off, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
+        kt = tl.load(k_cache_ptr + k_off, mask=d_valid[:, None] & k_valid[None, :], other=0)
+        if QUANTIZED:
+            k_scale = tl.load(k_scale_ptr + blk * stride_ksb + in_blk * stride_kss + kv_head, mask=k_valid, other=0.0)
+            kt = (kt.to(tl.float32) * k_scale[None, :]).to(q.dtype)
 
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale          # [BLOCK_M, TILE_N]
         # Causal (which also bounds by kv_len for real rows); key 0 is visible to every row,
@@ -378,7 +401,10 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_off = blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=k_valid[:, None] & d_valid[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=k_valid[:, None] & d_valid[None, :], other=0)
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + blk * stride_vsb + in_blk * stride_vss + kv_head, mask=k_valid, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -416,7 +442,13 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
     assert kv_head_dim == head_dim and v_cache.shape == k_cache.shape
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized:
+        k_scale, v_scale = k_cache.scale, v_cache.scale
+        k_cache, v_cache = k_cache.data, v_cache.data
+    else:
+        assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
+        k_scale = v_scale = k_cache  # not read
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -431,12 +463,13 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     grid = (num_tokens // config["BLOCK_Q"] + num_seqs, num_kv_heads)
     launch(
         _paged_attention_kernel, grid,
-        query, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,
+        query, k_cache, v_cache, k_scale, v_scale, out, block_tables, seq_lens, cu_seqlens_q,
         float(scale), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **config,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, QUANTIZED=quantized, **config,
     )
     return out

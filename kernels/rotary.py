@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import cpu_ext
-from .kv_store import store_kv_reference
+from .kv_store import QuantizedKV, store_kv_reference
 from .triton_utils import launch, next_power_of_2
 
 
@@ -168,6 +168,9 @@ def rotary_store_kv_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch
         query, key = rotary_embedding_reference(positions, query, key, cos_sin_cache, is_neox)
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
         return query
+    if isinstance(k_cache, QuantizedKV):
+        return module.rotary_store_kv(positions.to(torch.int64), query, key, value, cos_sin_cache, k_cache.data,
+                                      v_cache.data, slot_mapping.to(torch.int64), is_neox, k_cache.scale, v_cache.scale)
     return module.rotary_store_kv(positions.to(torch.int64), query, key, value, cos_sin_cache, k_cache, v_cache,
                                   slot_mapping.to(torch.int64), is_neox)
 

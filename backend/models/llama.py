@@ -427,7 +427,11 @@ class LlamaForCausalLM(nn.Module):
             for layer, (k_cache, v_cache) in zip(self.cpu_layers, kv_caches):
                 if interrupt is not None and interrupt():
                     raise StepInterrupted()
-                hidden, residual = layer.forward(hidden, residual, k_cache, v_cache, step)
+                if isinstance(k_cache, kernels.QuantizedKV):
+                    hidden, residual = layer.forward(hidden, residual, k_cache.data, v_cache.data, step,
+                                                     k_cache.scale, v_cache.scale)
+                else:
+                    hidden, residual = layer.forward(hidden, residual, k_cache, v_cache, step)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 if interrupt is not None and interrupt():

@@ -54,6 +54,7 @@ class Configuration:
     model_path: str
     quantization: str = "none"
     group_size: int = 128
+    kv_cache_dtype: str = "auto"
 
     @property
     def is_gguf(self) -> bool:
@@ -67,6 +68,7 @@ def configurations(checkpoint: str, shipped_gguf: str) -> list[Configuration]:
         Configuration("int8", checkpoint, "int8"),
         Configuration("int4 g32", checkpoint, "int4", 32),
         Configuration("int4 g128", checkpoint, "int4", 128),
+        Configuration("float32 + int8 KV", checkpoint, kv_cache_dtype="int8"),
         Configuration("Q4_1", shipped_gguf),
         *quantized,
     ]
@@ -127,7 +129,7 @@ def load_runner(config: Configuration, n_ctx: int, device: str, dtype: torch.dty
     engine_config = EngineConfig(model_path=config.model_path, device=device, block_size=block_size,
                                  max_num_seqs=sequences, max_model_len=n_ctx, max_num_batched_tokens=sequences * n_ctx,
                                  num_kv_blocks=num_blocks, quantization=config.quantization,
-                                 quantization_group_size=config.group_size)
+                                 quantization_group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype)
     torch_device = resolve_device(device)
     model, _ = load_model(config.model_path, dtype, torch_device, n_ctx, quantization=config.quantization,
                           quantization_group_size=config.group_size)
@@ -166,6 +168,7 @@ def engine_row(config: Configuration, windows_: list[list[int]], n_ctx: int, dev
     runner = load_runner(config, n_ctx, device, torch.float32, sequences)
     nll, count = engine_nll(runner, windows_, sequences, progress=True)
     return {"quantization": config.quantization, "group_size": config.group_size if config.quantization == "int4" else None,
+            "kv_cache_dtype": config.kv_cache_dtype,
             "resident_weight_bytes": runner.model.resident_weight_bytes(),
             "ppl": math.exp(nll / count), "mean_nll": nll / count, "scored_tokens": count,
             "seconds": time.perf_counter() - start, "git_commit": git_commit(),

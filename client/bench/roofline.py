@@ -55,7 +55,7 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
     # A quantized model's bytes are its integers and scales as packed.
     weights = (engine.model.step_weight_bytes() if engine.model.is_quantized()
                else weight_bytes_read(engine.arch, element_size))
-    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype)
+    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype, engine.config.kv_cache_dtype)
     rows = []
     for batch in batches:
         for context in contexts:
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quantization", default="none", help="the engine's quantization: none, int8, int4")
     parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--json", help="write the report here")
@@ -90,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
                           max_num_seqs=max(batches), max_model_len=max(contexts),
                           num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1,
-                          quantization=args.quantization, quantization_group_size=args.group_size)
+                          quantization=args.quantization, quantization_group_size=args.group_size,
+                          kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(config)
     bandwidth = copy_bandwidth_gbps(engine.device)
     rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
 
     dtype = str(engine.dtype).removeprefix("torch.")
-    print(f"G1 decode roofline: {os.path.basename(os.path.normpath(args.model))}, {dtype} on {engine.device}; "
+    print(f"G1 decode roofline: {os.path.basename(os.path.normpath(args.model))}, {dtype} (KV {args.kv_cache_dtype}) "
+          f"on {engine.device}; "
           f"copy bandwidth {bandwidth:.1f} GB/s")
     print(f"{'batch':>6} {'context':>8} {'step ms':>10} {'roofline ms':>12} {'GB/s':>9} {'of roofline':>12}")
     for r in rows:
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantization": args.quantization if args.quantization != "none" else (
             "as stored" if engine.model.is_quantized() else "none"),
         "group_size": args.group_size if args.quantization == "int4" else None,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "copy_bandwidth_gbps": bandwidth,
         "results": rows,
     }

@@ -10,7 +10,11 @@
 const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, kNoGil, "Paged attention over a ragged batch of decodes and prefill chunks");
+  m.def("paged_attention", &paged_attention, kNoGil, pybind11::arg("query"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("cu_seqlens_q"), pybind11::arg("scale"), pybind11::arg("lanes"),
+        pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt,
+        "Paged attention over a ragged batch of decodes and prefill chunks");
   m.def("attention_lanes", &attention_lanes, "The widest vectors paged_attention is built for here (8 or 16)");
   m.def("rms_norm", &rms_norm, kNoGil, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, kNoGil, "RMSNorm of x + residual; returns (normed, x + residual)");
@@ -33,7 +37,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_openmp_team", &bind_openmp_team, "Pin thread i of the calling thread's OpenMP team to cpus[i]; the team's thread ids");
   m.def("cumsum_rows", &cumsum_rows, kNoGil, "Running sums along each float32 row into out, torch.cumsum's bits");
   m.def("keep_nucleus_", &keep_nucleus_, kNoGil, "Zero, in place, each row's probabilities outside its top-p nucleus");
-  m.def("rotary_store_kv", &rotary_store_kv, kNoGil, "RoPE on query and key, key and value into the paged cache");
+  m.def("rotary_store_kv", &rotary_store_kv, kNoGil, pybind11::arg("positions"), pybind11::arg("query"),
+        pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("cos_sin_cache"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("slot_mapping"), pybind11::arg("is_neox"),
+        pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt,
+        "RoPE on query and key, key and value into the paged cache (int8 caches: quantized, with scales)");
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
       .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
            pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"))
@@ -63,7 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
                           int64_t, int64_t, double, std::optional<at::Tensor>, std::optional<at::Tensor>, bool,
                           int64_t, std::vector<std::optional<LoraProjection>>>())
-      .def("forward", &DecoderLayer::forward, kNoGil);
+      .def("forward", &DecoderLayer::forward, kNoGil, pybind11::arg("hidden"), pybind11::arg("residual"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("meta"),
+           pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt);
   pybind11::class_<MoeExperts>(m, "MoeExperts", "A mixture-of-experts MLP in one call")
       .def(pybind11::init<Projection, std::vector<Projection>, std::vector<Projection>, int64_t, bool, bool>(),
            pybind11::arg("router"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("top_k"),

@@ -113,7 +113,8 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
 
 std::tuple<at::Tensor, at::Tensor> DecoderLayer::forward(at::Tensor hidden, std::optional<at::Tensor> residual,
                                                          at::Tensor k_cache, at::Tensor v_cache,
-                                                         const StepMeta& meta) const {
+                                                         const StepMeta& meta, std::optional<at::Tensor> k_scale,
+                                                         std::optional<at::Tensor> v_scale) const {
   const int64_t tokens = hidden.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   at::Tensor normed, sum;
   if (residual.has_value()) {
@@ -134,9 +135,10 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayer::forward(at::Tensor hidden, std:
     q = rms_norm(q, *q_norm_, eps_);
     k = rms_norm(k, *k_norm_, eps_);
   }
-  q = rotary_store_kv(meta.positions, q, k, v, meta.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox_);
-  const at::Tensor attention =
-      paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale_, lanes_);
+  q = rotary_store_kv(meta.positions, q, k, v, meta.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox_,
+                      k_scale, v_scale);
+  const at::Tensor attention = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                               meta.cu_seqlens_q, scale_, lanes_, k_scale, v_scale);
   const at::Tensor o = project(o_, lora_[1], attention.reshape({tokens, q_size}), meta);
   std::tie(normed, sum) = add_rms_norm(o, sum, post_norm_, eps_);
   return {project(down_, lora_[3], silu_and_mul(project(gate_up_, lora_[2], normed, meta)), meta), sum};

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "elementwise.h"
@@ -202,33 +203,62 @@ inline void rotate_head(const T* __restrict__ src, T* __restrict__ dst, const fl
   for (int64_t d = 2 * half; d < head_dim; ++d) dst[d] = src[d];
 }
 
-template <bool kNeox, typename T>
+// One (token, KV head) row into an int8 cache row and its scale, as kernels/kv_store.py's
+// quantize_kv_rows: scale = max|x| / 127, each value x / scale rounded half to even.
+inline void quantize_row(const float* x, int8_t* q, float* scale, int64_t n) {
+  float peak = 0.f;
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float s = peak / 127.f;
+  const float divisor = s > 0.f ? s : 1.f;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / divisor), -127.f, 127.f));
+  *scale = s;
+}
+
+// C: the cache's element, T or int8_t (then each row quantized, its scale at k_scale/v_scale
+// [block, offset, head]). Block strides in elements of the cache and of the scales.
+template <bool kNeox, typename T, typename C>
 void rotary_store(const int64_t* positions, const T* query, const T* key, const T* value, const float* cos_sin,
-                  T* k_cache, T* v_cache, const int64_t* slots, T* query_out, int64_t num_tokens,
-                  int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
-                  int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size) {
+                  C* k_cache, C* v_cache, float* k_scale, float* v_scale, const int64_t* slots, T* query_out,
+                  int64_t num_tokens, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+                  int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size,
+                  int64_t cache_block_stride, int64_t scale_block_stride) {
+  constexpr bool kQuantized = !std::is_same_v<C, T>;
   const int64_t half = rotary_dim / 2;
   const int64_t kv_width = num_kv_heads * head_dim;
   at::parallel_for(0, num_tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> cos(half), sin(half);
+    std::vector<float> cos(half), sin(half), row(kQuantized ? head_dim : 0);
+    std::vector<T> rotated(kQuantized ? head_dim : 0);
     for (int64_t t = begin; t < end; ++t) {
       // HF casts cos and sin to the activations' dtype before use.
-      const float* row = cos_sin + positions[t] * rotary_dim;
+      const float* cs = cos_sin + positions[t] * rotary_dim;
       for (int64_t i = 0; i < half; ++i) {
-        cos[i] = round_to<T>(row[i]);
-        sin[i] = round_to<T>(row[half + i]);
+        cos[i] = round_to<T>(cs[i]);
+        sin[i] = round_to<T>(cs[half + i]);
       }
       for (int64_t h = 0; h < num_q_heads; ++h)
         rotate_head<kNeox>(query + t * query_stride + h * head_dim, query_out + (t * num_q_heads + h) * head_dim,
                            cos.data(), sin.data(), half, head_dim);
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token: nothing to store
-      const int64_t offset = (slot / block_size) * block_size * kv_width + (slot % block_size) * kv_width;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        rotate_head<kNeox>(key + t * key_stride + h * head_dim, k_cache + offset + h * head_dim, cos.data(), sin.data(),
-                           half, head_dim);
+      const int64_t offset = (slot / block_size) * cache_block_stride + (slot % block_size) * kv_width;
       const T* v = value + t * value_stride;
-      std::copy(v, v + kv_width, v_cache + offset);
+      if constexpr (kQuantized) {
+        const int64_t scale_offset = (slot / block_size) * scale_block_stride + (slot % block_size) * num_kv_heads;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          // The rotated key in T first, as the reference rotates then quantizes.
+          rotate_head<kNeox>(key + t * key_stride + h * head_dim, rotated.data(), cos.data(), sin.data(), half,
+                             head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(rotated[d]);
+          quantize_row(row.data(), k_cache + offset + h * head_dim, k_scale + scale_offset + h, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[h * head_dim + d]);
+          quantize_row(row.data(), v_cache + offset + h * head_dim, v_scale + scale_offset + h, head_dim);
+        }
+      } else {
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          rotate_head<kNeox>(key + t * key_stride + h * head_dim, k_cache + offset + h * head_dim, cos.data(),
+                             sin.data(), half, head_dim);
+        std::copy(v, v + kv_width, v_cache + offset);
+      }
     }
   });
 }
@@ -243,22 +273,34 @@ void check_heads(const at::Tensor& x, const char* name) {
 
 // query [T, Hq, D], key and value [T, Hkv, D] (strided over tokens: views of qkv are fine),
 // positions and slot_mapping int64 [T] (slot -1: do not store), cos_sin_cache float32
-// [max_position, rotary_dim], caches [num_blocks, block_size, Hkv, D] contiguous. Stores the
-// rotated key and the value; returns the rotated query, [T, Hq, D] contiguous.
+// [max_position, rotary_dim], caches [num_blocks, block_size, Hkv, D] with each block contiguous,
+// in the activations' dtype or int8 with k_scale/v_scale float32 [num_blocks, block_size, Hkv]
+// (kernels/kv_store.py's QuantizedKV: each row quantized as it is stored). Stores the rotated
+// key and the value; returns the rotated query, [T, Hq, D] contiguous.
 at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
                            at::Tensor cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
-                           bool is_neox) {
+                           bool is_neox, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
   check_heads(query, "query");
   check_heads(key, "key");
   check_heads(value, "value");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(2) == query.size(2),
               "rotary_store_kv: query, key and value shapes disagree");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
-              "rotary_store_kv: caches must be contiguous [num_blocks, block_size, Hkv, D]");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2) && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "rotary_store_kv: caches must be [num_blocks, block_size, Hkv, D], each block contiguous");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
-                  k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type(),
-              "rotary_store_kv: activations and caches must share a dtype");
+                  (quantized || (k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type())) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "rotary_store_kv: activations and caches must share a dtype (or the caches be int8)");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "rotary_store_kv: int8 caches come with scales");
+  if (quantized)
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->dim() == 3 && k_scale->sizes() == v_scale->sizes() &&
+                    k_scale->strides() == v_scale->strides() && k_scale->size(0) == k_cache.size(0) &&
+                    k_scale->size(1) == k_cache.size(1) && k_scale->size(2) == k_cache.size(2) &&
+                    k_scale->stride(2) == 1 && k_scale->stride(1) == k_scale->size(2),
+                "rotary_store_kv: scales float32 [num_blocks, block_size, Hkv], each block contiguous");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
                   cos_sin_cache.size(1) <= query.size(2) && cos_sin_cache.size(1) % 2 == 0,
               "rotary_store_kv: cos_sin_cache float32 [max_position, rotary_dim <= head_dim]");
@@ -269,12 +311,20 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
   cos_sin_cache = cos_sin_cache.contiguous();
   auto query_out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_store_kv", [&] {
-    const auto store = is_neox ? rotary_store<true, scalar_t> : rotary_store<false, scalar_t>;
-    store(positions.data_ptr<int64_t>(), query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(),
-          value.data_ptr<scalar_t>(), cos_sin_cache.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
-          v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), query_out.data_ptr<scalar_t>(),
-          query.size(0), query.size(1), key.size(1), query.size(2), cos_sin_cache.size(1), query.stride(0),
-          key.stride(0), value.stride(0), k_cache.size(1));
+    const auto run = [&](auto* k, auto* v, float* ks, float* vs, int64_t scale_block_stride) {
+      using C = std::remove_pointer_t<decltype(k)>;
+      const auto store = is_neox ? rotary_store<true, scalar_t, C> : rotary_store<false, scalar_t, C>;
+      store(positions.data_ptr<int64_t>(), query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(),
+            value.data_ptr<scalar_t>(), cos_sin_cache.data_ptr<float>(), k, v, ks, vs,
+            slot_mapping.data_ptr<int64_t>(), query_out.data_ptr<scalar_t>(), query.size(0), query.size(1),
+            key.size(1), query.size(2), cos_sin_cache.size(1), query.stride(0), key.stride(0), value.stride(0),
+            k_cache.size(1), k_cache.stride(0), scale_block_stride);
+    };
+    if (quantized)
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
+          v_scale->data_ptr<float>(), k_scale->stride(0));
+    else
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr, nullptr, 0);
   });
   return query_out;
 }

@@ -9,8 +9,12 @@
 
 // lanes: the vector width, 8 (AVX2) or 16 (AVX-512, where attention_lanes() says it is built);
 // head sizes that are no multiple of it run the 8-lane (or the plain) loops.
+// k_scale/v_scale: with int8 caches (kernels/kv_store.py's QuantizedKV), each row's float32
+// scale [num_blocks, block_size, Hkv]; caches and scales may have any block stride.
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes);
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes,
+                           std::optional<at::Tensor> k_scale = std::nullopt,
+                           std::optional<at::Tensor> v_scale = std::nullopt);
 
 int64_t attention_lanes();
 
@@ -20,7 +24,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 
 at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
                            at::Tensor cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
-                           bool is_neox);
+                           bool is_neox, std::optional<at::Tensor> k_scale = std::nullopt,
+                           std::optional<at::Tensor> v_scale = std::nullopt);
 
 at::Tensor silu_and_mul(at::Tensor x);
 
@@ -98,7 +103,9 @@ class DecoderLayer {
                int64_t lanes, std::vector<std::optional<LoraProjection>> lora);
   // (hidden, residual) after the layer; residual absent on the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
-                                             at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta) const;
+                                             at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta,
+                                             std::optional<at::Tensor> k_scale = std::nullopt,
+                                             std::optional<at::Tensor> v_scale = std::nullopt) const;
 
  private:
   at::Tensor input_norm_, post_norm_;

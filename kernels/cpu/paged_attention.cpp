@@ -185,10 +185,17 @@ inline void softmax(float* s, int64_t len) {
 
 struct Shape {
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  // From one block to the next, in cache elements and in scales (int8 caches: a block's rows
+  // and their scales share its bytes, kernels/kv_store.py's QuantizedKV).
+  int64_t block_stride, scale_block_stride;
   int64_t group() const { return num_q_heads / num_kv_heads; }
   int64_t row_width() const { return num_kv_heads * head_dim; }  // one position: every KV head
-  int64_t block_stride() const { return block_size * row_width(); }
 };
+
+// The cache's rows as the compute loops read them: a float cache's own dtype, int8 rows
+// de-quantized to float32 (times their scale) as they are copied out of the cache.
+template <typename T, typename C>
+using RowOf = std::conditional_t<std::is_same_v<C, int8_t>, float, T>;
 
 // Query heads of one GQA group scored and summed together, so that each K and V row is
 // loaded (and, for bf16, widened) once for all of them: as many as the registers hold, the
@@ -279,24 +286,29 @@ struct Task {
 // in segments of whole blocks.
 constexpr int64_t kGatherBytes = 256 * 1024;
 
-template <typename T>
+template <typename C, typename R = C>
 struct Gatherer {
-  const T* cache;
+  const C* cache;
   const int32_t* table;
   int64_t block_stride, block_size, row_width, column, width;  // the task's columns of a row
-  T* local;
+  R* local;
+  // int8 caches: the rows' scales [block][row][KV head], and the head size they split rows by.
+  const float* scales = nullptr;
+  int64_t scale_block_stride = 0, head_dim = 0;
 
-  static void prefetch(const T* p, int64_t bytes) {
+  static void prefetch(const void* p, int64_t bytes) {
     const char* c = reinterpret_cast<const char*>(p);
     for (int64_t off = 0; off < bytes; off += 64) inflight_cpu::prefetch_l2(c + off);
   }
   void prefetch_block(int64_t b, int64_t rows) const {
-    const T* src = cache + table[b] * block_stride + column;
+    const C* src = cache + table[b] * block_stride + column;
     if (width == row_width) {
-      prefetch(src, rows * row_width * int64_t(sizeof(T)));
+      prefetch(src, rows * row_width * int64_t(sizeof(C)));
     } else {
-      for (int64_t r = 0; r < rows; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(T)));
+      for (int64_t r = 0; r < rows; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(C)));
     }
+    if constexpr (!std::is_same_v<C, R>)
+      prefetch(scales + table[b] * scale_block_stride, rows * (row_width / head_dim) * int64_t(sizeof(float)));
   }
   // Rows [b_begin * block_size, end_row) into local (row r at (r - b_begin * block_size) * width),
   // asking for the next block's lines (and, past the last, for `next_rows` rows of block `next`).
@@ -308,12 +320,23 @@ struct Gatherer {
         prefetch_block(b + 1, std::min(block_size, end_row - (b + 1) * block_size));
       else if (next >= 0)
         prefetch_block(next, next_rows);
-      const T* src = cache + table[b] * block_stride + column;
-      T* dst = local + (b - b_begin) * block_size * width;
-      if (width == row_width) {
-        std::memcpy(dst, src, rows * row_width * sizeof(T));
+      const C* src = cache + table[b] * block_stride + column;
+      R* dst = local + (b - b_begin) * block_size * width;
+      if constexpr (!std::is_same_v<C, R>) {
+        const int64_t heads = row_width / head_dim, first_head = column / head_dim;
+        const float* scale = scales + table[b] * scale_block_stride + first_head;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t h = 0; h < width / head_dim; ++h) {
+            const float s = scale[r * heads + h];
+            const C* from = src + r * row_width + h * head_dim;
+            R* to = dst + r * width + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) to[d] = static_cast<float>(from[d]) * s;
+          }
+      } else if (width == row_width) {
+        std::memcpy(dst, src, rows * row_width * sizeof(C));
       } else {
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * width, src + r * row_width, width * sizeof(T));
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * width, src + r * row_width, width * sizeof(C));
       }
     }
   }
@@ -330,11 +353,13 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 // heads as float32, [num_tokens][heads_in_task * group][head_dim]. Every token is computed as if
 // alone: its scores, softmax and value sums run in the order its context length sets, whatever
 // tokens and heads share the task.
-template <typename T, int L, int kVectors>
-void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, const Task& task,
-                            const Task* next, const int32_t* next_table, float* out, const Shape& shape, float scale,
-                            std::vector<float>& query,
-                            std::vector<float>& scores, std::vector<T>& local) {
+// C: the cache's element, T or int8_t (then k_scale and v_scale hold each row's scale).
+template <typename T, typename C, int L, int kVectors>
+void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                            const float* v_scale, const int32_t* table, const Task& task, const Task* next,
+                            const int32_t* next_table, float* out, const Shape& shape, float scale,
+                            std::vector<float>& query, std::vector<float>& scores, std::vector<RowOf<T, C>>& local) {
+  using R = RowOf<T, C>;
   constexpr int64_t kHeadDim = kVectors * L;
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
@@ -344,7 +369,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
   const int64_t num_blocks = (max_len + block_size - 1) / block_size;
   const int64_t scores_stride = (max_len + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t segment_blocks =
-      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(T))));
+      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(R))));
   const int64_t token_scores = num_heads * group * scores_stride;  // one token's rows of scores
 
   grow(query, task.num_tokens * heads_width);
@@ -352,7 +377,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
   grow(local, std::min(segment_blocks, num_blocks) * block_size * width);
   float* const query_data = query.data();
   float* const scores_data = scores.data();
-  T* const local_data = local.data();
+  R* const local_data = local.data();
   for (int64_t t = 0; t < task.num_tokens; ++t)
     for (int64_t g = 0; g < num_heads * group; ++g)
       for (int j = 0; j < kVectors; ++j)
@@ -361,10 +386,11 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
                                        g * kHeadDim + j * L) *
                             scale);
 
-  Gatherer<T> keys{k_cache, table, shape.block_stride(), block_size, row_width, task.head_begin * kHeadDim, width,
-                   local_data};
-  Gatherer<T> values = keys;
+  Gatherer<C, R> keys{k_cache, table, shape.block_stride, block_size, row_width, task.head_begin * kHeadDim, width,
+                      local_data, k_scale, shape.scale_block_stride, kHeadDim};
+  Gatherer<C, R> values = keys;
   values.cache = v_cache;
+  values.scales = v_scale;
   // With the whole context in one segment, the values' lines are asked for (to L2) while the
   // scores are computed, so that their copy finds them near.
   const bool one_segment = segment_blocks >= num_blocks;
@@ -375,23 +401,23 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
       if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
-      const T* block_rows = local_data + (b - s0) * block_size * width;
+      const R* block_rows = local_data + (b - s0) * block_size * width;
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = task.first_len + t;
         if (first >= len) continue;
         const int64_t count = std::min(block_size, len - first);
         for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-          const T* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+          const R* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
           for (int64_t i = 0; i < kTileRows; ++i) rows[i] = block_rows + std::min(r0 + i, count - 1) * width;
           const int64_t valid = std::min(kTileRows, count - r0);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const T* const head_rows[kTileRows] = {rows[0] + h * kHeadDim, rows[1] + h * kHeadDim,
+            const R* const head_rows[kTileRows] = {rows[0] + h * kHeadDim, rows[1] + h * kHeadDim,
                                                    rows[2] + h * kHeadDim, rows[3] + h * kHeadDim,
                                                    rows[4] + h * kHeadDim, rows[5] + h * kHeadDim,
                                                    rows[6] + h * kHeadDim, rows[7] + h * kHeadDim};
             for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
               const int64_t row = h * group + g;
-              score_tile<T, L, kVectors, decltype(heads)::value>(
+              score_tile<R, L, kVectors, decltype(heads)::value>(
                   head_rows, query_data + t * heads_width + row * kHeadDim,
                   scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
             });
@@ -407,7 +433,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
 
   // The core's next task's keys are asked for while this one's values are summed, spread over
   // its blocks, so that its copy starts from L2 rather than from memory.
-  Gatherer<T> next_keys = keys;
+  Gatherer<C, R> next_keys = keys;
   int64_t next_blocks = 0, next_len = 0;
   if (next != nullptr) {
     next_keys.table = next_table;
@@ -415,7 +441,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
     next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
     next_len = next->first_len + next->num_tokens - 1;
     next_blocks = std::min((next_len + block_size - 1) / block_size,
-                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(T)))));
+                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(R)))));
   }
 
   std::fill(out, out + task.num_tokens * heads_width, 0.f);
@@ -426,7 +452,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
       const int64_t first = b * block_size;
       for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
         next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
-      const T* block_rows = local_data + (b - s0) * block_size * width;
+      const R* block_rows = local_data + (b - s0) * block_size * width;
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = task.first_len + t;
         if (first >= len) continue;
@@ -434,7 +460,7 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
         for (int64_t h = 0; h < num_heads; ++h) {
           for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
             const int64_t row = h * group + g;
-            accumulate_values<T, L, kVectors, decltype(heads)::value>(
+            accumulate_values<R, L, kVectors, decltype(heads)::value>(
                 block_rows + h * kHeadDim, width, count, scores_data + t * token_scores + row * scores_stride + first,
                 scores_stride, out + t * heads_width + row * kHeadDim);
           });
@@ -445,16 +471,27 @@ void attend_task_vectorised(const T* q, const T* k_cache, const T* v_cache, cons
 }
 
 // Any head size: one token, every head, plain loops over the head dimension.
-template <typename T>
-void attend_token_scalar(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-                            float* out, const Shape& shape, float scale, float* scores, std::vector<float>& row) {
+template <typename T, typename C>
+void attend_token_scalar(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
+                         const int32_t* table, int64_t len, float* out, const Shape& shape, float scale, float* scores,
+                         std::vector<float>& row) {
   const int64_t head_dim = shape.head_dim, group = shape.group(), row_width = shape.row_width();
-  const int64_t block_size = shape.block_size, block_stride = shape.block_stride();
+  const int64_t block_size = shape.block_size, block_stride = shape.block_stride;
+  // Position pos's row of every KV head into `row`, as float32 (int8 rows times their scales).
+  const auto load_position = [&](const C* cache, const float* scales, int64_t pos) {
+    const C* src = cache + table[pos / block_size] * block_stride + (pos % block_size) * row_width;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const float* s = scales + table[pos / block_size] * shape.scale_block_stride + (pos % block_size) * shape.num_kv_heads;
+      for (int64_t i = 0; i < row_width; ++i) row[i] = static_cast<float>(src[i]) * s[i / head_dim];
+    } else {
+      load_row(src, row.data(), row_width);
+    }
+  };
   std::vector<float> query(shape.num_q_heads * head_dim);
   load_row(q, query.data(), query.size());
   for (float& x : query) x *= scale;
   for (int64_t pos = 0; pos < len; ++pos) {
-    load_row(k_cache + table[pos / block_size] * block_stride + (pos % block_size) * row_width, row.data(), row_width);
+    load_position(k_cache, k_scale, pos);
     for (int64_t h = 0; h < shape.num_q_heads; ++h) {
       const float* qh = query.data() + h * head_dim;
       const float* kh = row.data() + (h / group) * head_dim;
@@ -467,7 +504,7 @@ void attend_token_scalar(const T* q, const T* k_cache, const T* v_cache, const i
   for (int64_t h = 0; h < shape.num_q_heads; ++h) softmax(scores + h * len, len);
   std::fill(out, out + shape.num_q_heads * head_dim, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
-    load_row(v_cache + table[pos / block_size] * block_stride + (pos % block_size) * row_width, row.data(), row_width);
+    load_position(v_cache, v_scale, pos);
     for (int64_t h = 0; h < shape.num_q_heads; ++h) {
       const float p = scores[h * len + pos];
       const float* vh = row.data() + (h / group) * head_dim;
@@ -494,8 +531,9 @@ constexpr int64_t kRunTokens = 16;
 // A run's scores stay under this many bytes (runs are shorter at long contexts).
 constexpr int64_t kRunScoresBytes = 1 << 20;
 
-template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+template <typename T, typename C>
+void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
+            const int32_t* block_tables, const int32_t* seq_lens,
             const int32_t* cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, T* out, const Shape& shape,
             float scale, int64_t lanes) {
   const int64_t token_width = shape.num_q_heads * shape.head_dim, group = shape.group();
@@ -528,7 +566,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
       // Kept from call to call (a step calls once per layer): freed and allocated again, they
       // would take fresh pages from the kernel, page faults and all, every time.
       thread_local std::vector<float> query, scores, result;
-      thread_local std::vector<T> local;
+      thread_local std::vector<RowOf<T, C>> local;
       // Tasks are taken as cores come free, each core claiming its next task before it starts
       // one, so that it can ask for that task's first keys while it finishes this one.
       int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
@@ -538,7 +576,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
         const Task* next = following < num_tasks ? &tasks[following] : nullptr;
         const int64_t heads_width = (task.head_end - task.head_begin) * group * shape.head_dim;
         grow(result, task.num_tokens * heads_width);
-        kernel(q + task.first_token * token_width, k_cache, v_cache, table(task.seq), task, next,
+        kernel(q + task.first_token * token_width, k_cache, v_cache, k_scale, v_scale, table(task.seq), task, next,
                next != nullptr ? table(next->seq) : nullptr, result.data(), shape, scale, query, scores, local);
         for (int64_t t = 0; t < task.num_tokens; ++t)
           store_row(result.data() + t * heads_width,
@@ -550,7 +588,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
   };
 #define INFLIGHT_VECTORISED(LANES, VECTORS)                          \
   case VECTORS:                                                      \
-    run_vectorised(attend_task_vectorised<T, LANES, VECTORS>);       \
+    run_vectorised(attend_task_vectorised<T, C, LANES, VECTORS>);    \
     return;
 #if defined(__AVX512F__)
   if (lanes == 16 && shape.head_dim % 16 == 0) {
@@ -589,8 +627,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
         std::vector<float> scores(shape.num_q_heads * max_len), row(shape.row_width()), result(token_width);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t token = 0; token < num_tokens; ++token) {
-          attend_token_scalar(q + token * token_width, k_cache, v_cache, table(token_seq[token]), token_len[token],
-                              result.data(), shape, scale, scores.data(), row);
+          attend_token_scalar(q + token * token_width, k_cache, v_cache, k_scale, v_scale, table(token_seq[token]),
+                              token_len[token], result.data(), shape, scale, scores.data(), row);
           store_row(result.data(), out + token * token_width, token_width);
         }
       }
@@ -610,21 +648,38 @@ int64_t attention_lanes() {
 
 // query [T, Hq, D] in the cache's dtype, the new tokens of every sequence concatenated
 // (sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1]); caches [num_blocks,
-// block_size, Hkv, D] contiguous, already holding the new tokens' K and V; block_tables
+// block_size, Hkv, D], each block contiguous, already holding the new tokens' K and V: in the
+// query's dtype, or int8 with k_scale/v_scale float32 [num_blocks, block_size, Hkv] (each row
+// times its scale is the value; the query then float32, bfloat16 or float16); block_tables
 // int32 [S, max_blocks]; seq_lens int32 [S], context length including the new tokens;
 // cu_seqlens_q int32 [S + 1]. Returns [T, Hq, D] in the query's dtype.
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "query and caches must share a dtype");
+                           at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes,
+                           std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.strides() == k_cache.strides(),
+              "bad shapes");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (quantized || query.scalar_type() == k_cache.scalar_type()),
+              "query and caches must share a dtype (or the caches be int8)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   cu_seqlens_q.scalar_type() == at::kInt,
               "block_tables, seq_lens and cu_seqlens_q int32");
   TORCH_CHECK(cu_seqlens_q.numel() == seq_lens.numel() + 1 && block_tables.size(0) >= seq_lens.numel(),
               "one seq_lens entry and one block table row per sequence, one more cu_seqlens_q entry");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "each cache block must be contiguous");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "int8 caches come with scales, others without");
+  if (quantized) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->dim() == 3 && k_scale->sizes() == v_scale->sizes() &&
+                    k_scale->strides() == v_scale->strides() && k_scale->size(0) == k_cache.size(0) &&
+                    k_scale->size(1) == k_cache.size(1) && k_scale->size(2) == k_cache.size(2) &&
+                    k_scale->stride(2) == 1 && k_scale->stride(1) == k_scale->size(2),
+                "scales float32 [num_blocks, block_size, Hkv], each block contiguous");
+    TORCH_CHECK(query.scalar_type() != at::kDouble, "int8 caches take a float32, bfloat16 or float16 query");
+  }
   TORCH_CHECK(lanes == 8 || (lanes == 16 && attention_lanes() == 16), "paged_attention: lanes ", lanes,
               " is not built for this machine (best: ", attention_lanes(), ")");
   query = query.contiguous();
@@ -633,12 +688,23 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   cu_seqlens_q = cu_seqlens_q.contiguous();
   TORCH_CHECK(cu_seqlens_q[-1].item<int64_t>() == query.size(0), "cu_seqlens_q must end at the number of tokens");
   auto out = at::empty(query.sizes(), query.options());
-  const Shape shape{query.size(1), k_cache.size(2), query.size(2), k_cache.size(1), block_tables.size(1)};
+  const Shape shape{query.size(1),        k_cache.size(2),    query.size(2),
+                    k_cache.size(1),      block_tables.size(1), k_cache.stride(0),
+                    quantized ? k_scale->stride(0) : 0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), cu_seqlens_q.data_ptr<int32_t>(),
-                     seq_lens.numel(), query.size(0), out.data_ptr<scalar_t>(), shape, static_cast<float>(scale),
-                     lanes);
+    const auto run = [&](const auto* k, const auto* v, const float* ks, const float* vs) {
+      attend(query.data_ptr<scalar_t>(), k, v, ks, vs, block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+             cu_seqlens_q.data_ptr<int32_t>(), seq_lens.numel(), query.size(0), out.data_ptr<scalar_t>(), shape,
+             static_cast<float>(scale), lanes);
+    };
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (quantized) {
+        run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
+            v_scale->data_ptr<float>());
+        return;
+      }
+    }
+    run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr, nullptr);
   });
   return out;
 }

@@ -367,7 +367,8 @@ class Scheduler:
         appended as its tokens): their KV is computed; the rejected drafts' blocks are freed."""
         request.num_computed_tokens += num_accepted
         request.spec_token_ids = []
-        self.kv.truncate(request, request.num_tokens)
+        # A protected request keeps the blocks it reserved for its whole life.
+        self.kv.truncate(request, request.max_total_tokens if self.is_protected(request) else request.num_tokens)
         self.kv.cache_computed_blocks(request)
 
     def append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> None:

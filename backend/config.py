@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend import thread_binding
+from backend.spec_decode.config import SpeculativeConfig
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -130,6 +131,9 @@ class EngineConfig:
     # The folder of the tokenizer, when not model_path's own (vLLM's --tokenizer): a GGUF
     # file's vocabulary takes transformers ~15 s to convert.
     tokenizer: str = ""
+    # Speculative decoding (backend/spec_decode/), vLLM's object: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -182,6 +186,7 @@ class EngineConfig:
               f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES}")
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
+        SpeculativeConfig.parse(self.speculative_config)  # refuses a bad one, naming the key
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)
         check(bind_problem is None, str(bind_problem))
 

@@ -38,6 +38,9 @@ from backend.parallel_sampling import ParallelSampling
 from backend.request import FinishReason, Request, RequestError, SamplingParams, SequenceGroup
 from backend.sampler import Sampler, SampleResult
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop
+from backend.spec_decode import SpeculativeConfig
+from backend.spec_decode.ngram import propose_ngram
+from backend.spec_decode.verify import Verified, can_speculate, verify
 from backend.stats import EngineStats, StepStats, Totals, snapshot, step_stats
 from backend.structured_output import GrammarCompiler, GrammarState
 from backend.trace import RequestTrace, trace_plan, trace_step
@@ -57,6 +60,9 @@ class Executed:
     # The requests sampled, and their samples (row i is sample_requests[i]'s).
     sample_requests: list[Request] = field(default_factory=list)
     sampled: SampleResult | None = None
+    # Speculating requests and their verification outcomes (backend/spec_decode/verify.py).
+    verified_requests: list[Request] = field(default_factory=list)
+    verified: list[Verified] = field(default_factory=list)
     interrupted: bool = False
     error: Exception | None = None
     # perf_counter() times: the pass began, and its samples were taken (None: no pass completed).
@@ -115,6 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.swap_space)
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
         if self.device.type == "cuda":
             self.warm_up()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -358,6 +365,8 @@ class LLMEngine:
         by a later step, as after a preemption), so that an abort need not wait for a long
         prefill to finish. Its requests keep their blocks and places."""
         outputs = self._begin_step()
+        if self.speculative is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         self._after_schedule(plan)
         num_running, num_waiting = self.num_running, self.num_waiting
@@ -379,6 +388,18 @@ class LLMEngine:
                              timeout=GRAMMAR_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             outputs.extend(self._admit_compiled())
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for each running request that decodes and may speculate, at most as many
+        as its max_tokens leaves room for after the token its verification adds."""
+        spec = self.speculative
+        for request in self.scheduler.running:
+            k = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1)
+            if k > 0 and request.num_computed_tokens == request.num_tokens - 1 and can_speculate(request):
+                request.spec_token_ids = propose_ngram(request.token_ids, k, spec.prompt_lookup_min,
+                                                       spec.prompt_lookup_max)
+            elif request.spec_token_ids:
+                request.spec_token_ids = []
 
     def _after_schedule(self, plan: SchedulerOutput) -> None:
         if self._num_traced:
@@ -403,6 +424,8 @@ class LLMEngine:
             inputs = self.runner.prepare(plan)
             prepared = time.perf_counter()
             logits, sample_requests = self.runner.run(plan, inputs, interrupt)
+            if logits is not None and inputs.num_logit_rows is not None:
+                logits, sample_requests = self._verify(logits, sample_requests, inputs.num_logit_rows, executed)
             if logits is not None and self.scheduler.has_unforked_leaders:
                 logits, sample_requests = self.parallel.fork(logits, sample_requests)
             executed.sampled = self.sampler(logits, sample_requests) if logits is not None else None
@@ -416,6 +439,26 @@ class LLMEngine:
             executed.forwarded = time.perf_counter()
             executed.prepare_s, executed.forward_s = prepared - start, executed.forwarded - prepared
         return executed
+
+    def _verify(self, logits: torch.Tensor, requests: list[Request], num_rows: list[int],
+                executed: Executed) -> tuple[torch.Tensor | None, list[Request]]:
+        """Verify the drafts of the requests with more than one logits row (into `executed`);
+        the logits and requests of the others, one row each, to be sampled as usual."""
+        plain_rows, plain, spec_rows, spec, spec_counts = [], [], [], [], []
+        row = 0
+        for request, n in zip(requests, num_rows):
+            if n == 1:
+                plain_rows.append(row)
+                plain.append(request)
+            else:
+                spec_rows.extend(range(row, row + n))
+                spec.append(request)
+                spec_counts.append(n)
+            row += n
+        if spec:
+            executed.verified_requests = spec
+            executed.verified = verify(self.sampler, logits[spec_rows], spec, spec_counts)
+        return (logits[plain_rows] if plain else None), plain
 
     def _update(self, plan: SchedulerOutput, executed: Executed) -> list[RequestOutput]:
         """The executed step into its requests: the scheduled tokens are computed, and each
@@ -437,8 +480,10 @@ class LLMEngine:
         sampled = executed.sampled
         if self._num_traced:
             trace_step(plan, self._step_index, executed.forwarded - executed.started, now,
-                       executed.sample_requests)
+                       executed.sample_requests + executed.verified_requests)
         outputs = []
+        for request, verified in zip(executed.verified_requests, executed.verified):
+            outputs.append(self._take_verified(request, verified, plan, now, executed))
         for row, request in enumerate(executed.sample_requests):
             if request.is_finished:
                 continue  # ended by a sequence of its group earlier in this pass
@@ -452,8 +497,32 @@ class LLMEngine:
                     f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")))
                 continue
             outputs.append(self._take_token(request, token_id, sampled, row, now))
-        executed.num_generated = len(executed.sample_requests)
+        executed.num_generated += len(executed.sample_requests)
         return outputs
+
+    def _take_verified(self, request: Request, verified: Verified, plan: SchedulerOutput, now: float,
+                       executed: Executed) -> RequestOutput:
+        """A speculating request's accepted drafts and the token after them, each through the
+        stop check in turn (none is taken past a stop); then its rejected drafts' KV is dropped."""
+        if request.trace is not None:
+            request.trace.verified(drafts=verified.num_drafts, accepted=verified.num_accepted)
+        detok = self.detokenizers[request.request_id]
+        wants_logprobs = request.params.logprobs is not None
+        logprobs_delta = [] if wants_logprobs else None
+        for i, token_id in enumerate(verified.token_ids):
+            self.scheduler.append_token(request, token_id, now, plan)
+            stop = check_stop(request, token_id, detok.add_token)
+            lp = verified.logprobs[i]
+            if lp is not None:
+                request.cumulative_logprob += lp
+            if wants_logprobs:
+                logprobs_delta.append(logprob_entry(token_id, lp, verified.top_logprobs[i], self.shared_tokenizer.decoder()))
+            if stop is not None:
+                executed.num_generated += i + 1
+                return self.finish(request, *stop, token_ids=verified.token_ids[: i + 1], logprobs_delta=logprobs_delta)
+        executed.num_generated += len(verified.token_ids)
+        self.scheduler.accept_drafts(request, verified.num_accepted)
+        return RequestOutput.of(request, detok.take_delta(finished=False), verified.token_ids, logprobs_delta, now=now)
 
     def _take_token(self, request: Request, token_id: int, sampled: SampleResult, row: int, now: float) -> RequestOutput:
         """The stop check of `request`'s new token, and its output: the final one when the
@@ -487,7 +556,8 @@ class LLMEngine:
         update_s = time.perf_counter() - executed.forwarded if ran else 0.0
         step = step_stats(plan, ran=ran, num_running=num_running, num_waiting=num_waiting,
                           num_generated_tokens=executed.num_generated, prepare_time_s=executed.prepare_s,
-                          forward_time_s=executed.forward_s, update_time_s=update_s)
+                          forward_time_s=executed.forward_s, update_time_s=update_s,
+                          accepted_per_draft=[(v.num_drafts, v.num_accepted) for v in executed.verified])
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()

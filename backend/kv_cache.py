@@ -179,7 +179,8 @@ class BlockTable:
     is one fancy index. KVCacheManager, the only writer of `block_ids`, keeps the rows in
     step with the lists, which change little: while a request holds blocks its list only
     grows (`allocate` appends, a decode once every `block_size` steps; a prefix-cache hit
-    fills an empty list), and `free` empties it at once (finish, abort, preemption by
+    fills an empty list) but for the tail a rejected draft leaves (`truncate`, which
+    shortens the row with it), and `free` empties it at once (finish, abort, preemption by
     recompute or swap-out) and releases the row. So a list that is replaced, by a
     re-admission or a swap-in, is always written into a fresh row from its first block:
     no stale ids, whatever the new list's length or first block.
@@ -203,7 +204,7 @@ class BlockTable:
             row = self._take_row(request)
         start, end = int(self.lengths[row]), len(block_ids)
         if end < start:
-            raise RuntimeError(f"{request.request_id}: block list shrank without KVCacheManager.free")
+            raise RuntimeError(f"{request.request_id}: block list shrank without KVCacheManager.free or truncate")
         if end > self.ids.shape[1]:
             self._grow(self.ids.shape[0], max(end, 2 * self.ids.shape[1]))
         self.ids[row, start:end] = block_ids[start:]
@@ -212,6 +213,13 @@ class BlockTable:
     def replace(self, request: Request, index: int) -> None:
         """Rewrite entry `index` of the request's row (copy-on-write swapped that block)."""
         self.ids[self.row_of[request], index] = request.block_ids[index]
+
+    def truncate(self, request: Request) -> None:
+        """`request.block_ids` lost its tail (KVCacheManager.truncate): shorten its row."""
+        row = self.row_of[request]
+        end = len(request.block_ids)
+        self.ids[row, end : self.lengths[row]] = 0
+        self.lengths[row] = end
 
     def release(self, request: Request) -> None:
         row = self.row_of.pop(request, None)
@@ -399,6 +407,19 @@ class KVCacheManager:
         request.block_ids[index] = copy
         self.block_table.replace(request, index)
         return True
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those that hold its first `num_tokens` tokens (the
+        slots of rejected draft tokens). Those blocks were never full of computed tokens, so
+        never in the prefix cache."""
+        keep = max(1, self.blocks_needed(num_tokens))
+        if len(request.block_ids) <= keep:
+            return
+        assert request.num_registered_blocks <= keep
+        tail = request.block_ids[keep:]
+        del request.block_ids[keep:]
+        self.pool.free(list(reversed(tail)))
+        self.block_table.truncate(request)
 
     def free(self, request: Request) -> None:
         self.block_table.release(request)

@@ -100,6 +100,21 @@ class EngineMetrics:
         success = family("vllm:request_success_total", "Count of successfully processed requests.", MF.COUNTER)
         self.success = {reason: success.Metric(labels={**vllm, "finished_reason": reason})
                         for reason in ("stop", "length", "abort", "error")}
+        # Speculative decoding, as vLLM registers them: only where it is configured.
+        self.spec_counters: list[tuple[str, object]] = []
+        self.spec_per_position: list[object] = []
+        speculative = getattr(engine, "speculative", None)
+        if speculative is not None:
+            self.spec_counters = [
+                ("spec_drafts", counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", vllm)),
+                ("spec_draft_tokens", counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", vllm)),
+                ("spec_accepted_tokens", counter("vllm:spec_decode_num_accepted_tokens_total",
+                                                 "Number of accepted tokens.", vllm)),
+            ]
+            per_position = family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                  "Accepted tokens per draft position.", MF.COUNTER)
+            self.spec_per_position = [per_position.Metric(labels={**vllm, "position": str(position)})
+                                      for position in range(speculative.num_speculative_tokens)]
 
         # TensorRT-LLM backend
         requests = gauge_family("nv_trt_llm_request_metrics", "TRT LLM request metrics")
@@ -151,7 +166,9 @@ class EngineMetrics:
             "Jain's index of recent weighted service over the tenant labels with waiting requests (1: even).")
         self._weights = {label: engine.config.tenant_weights.get(label, 1.0) for label in tenant_labels}
         self._recent_service = dict.fromkeys(tenant_labels, 0.0)
-        self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0}
+        self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0,
+                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._last_per_position = [0] * len(self.spec_per_position)
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
         self._published: dict[int, float] = {}
@@ -193,11 +210,16 @@ class EngineMetrics:
             for label in self._recent_service:
                 self._recent_service[label] = self._recent_service[label] * FAIRNESS_DECAY + service.get(label, 0.0)
         for name, metric in (("prefilled_prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
-                             ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations)):
+                             ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations),
+                             *self.spec_counters):
             value = getattr(totals, name)
             if value > self._last[name]:
                 updates.append((metric.increment, value - self._last[name]))
                 self._last[name] = value
+        for position, value in enumerate(totals.spec_accepted_per_position[: len(self.spec_per_position)]):
+            if value > self._last_per_position[position]:
+                updates.append((self.spec_per_position[position].increment, value - self._last_per_position[position]))
+                self._last_per_position[position] = value
         running, waiting, usage = stats.num_running, stats.num_waiting, stats.kv_usage
         gauges = [
             (self.running, running), (self.vllm_running, running), (self.waiting, waiting),

@@ -91,6 +91,9 @@ class StepInputs:
     logits_indices: torch.Tensor
     # Requests whose scheduled tokens reach their end of input: each gets one sample.
     sample_requests: list[Request]
+    # With draft tokens scheduled (speculative decoding): the logits rows of each sampling
+    # request, consecutive (1 + its drafts granted); None: one each.
+    num_logit_rows: list[int] | None = None
 
 
 class ModelRunner:
@@ -143,6 +146,10 @@ class ModelRunner:
         num_new_list = [k for _, k in scheduled]
         start_list = [r.num_computed_tokens for r in requests]
         token_lists = [r.token_ids for r in requests]
+        num_drafts = plan.num_draft_tokens
+        if num_drafts:  # each request's input runs on into its drafts
+            real_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
+            token_lists = [t + r.spec_token_ids if r.spec_token_ids else t for r, t in zip(requests, token_lists)]
         total = sum(num_new_list)
         start = np.fromiter(start_list, dtype=np.int64, count=n)
         table = plan.block_table
@@ -168,9 +175,19 @@ class ModelRunner:
             )
         block_tables = table.gather(rows)
         slot_mapping = np.multiply(table.ids[token_rows, positions // bs], bs, dtype=np.int64) + positions % bs
+        num_logit_rows = None
+        if num_drafts:
+            # A request whose grant reaches its last token keeps that row and one per draft after it.
+            rows_per = np.maximum(seq_lens - real_lens + 1, 0)
+            ends_input = rows_per > 0
+            counts = rows_per[ends_input]
+            firsts = np.repeat(cu[1:][ends_input] - counts, counts)
+            logits_indices = firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            sample_requests = [r for r, ends in zip(requests, ends_input.tolist()) if ends]
+            num_logit_rows = counts.tolist()
         # A step never schedules past a request's last token, so the scheduled tokens of
         # all of them end their input exactly when the totals agree: then all sample.
-        if sum(map(len, token_lists)) == sum(start_list) + total:
+        elif sum(map(len, token_lists)) == sum(start_list) + total:
             logits_indices = cu[1:] - 1
             sample_requests = requests
         else:
@@ -212,6 +229,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=to_device(logits_indices, np.int64),
             sample_requests=sample_requests,
+            num_logit_rows=num_logit_rows,
         )
 
     def synthetic_inputs(self, q_lens: list[int], seq_lens: list[int] | None = None,

@@ -160,6 +160,8 @@ class SamplingParams(BaseModel):
     # cumulative logprob are returned (all of them when best_of is not given).
     n: int = Field(1, ge=1, le=MAX_SEQUENCES)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_SEQUENCES)
+    # False: this request never speculates, even where the model has a speculative_config.
+    speculative: bool = True
     # Tokens a streamed response gathers after the first (vLLM's field; the engine ignores
     # it): raises the model's `stream_interval`, never lowers it (backend/protocol.py).
     stream_interval: Optional[int] = Field(None, ge=1, le=2**31 - 1)
@@ -324,6 +326,9 @@ class Request:
     # Parallel sampling: the request's group, and this sequence's index in it (0: the leader).
     group: SequenceGroup | None = None
     seq_index: int = 0
+    # Draft tokens a proposer made for this step (backend/spec_decode/): scheduled after the
+    # last token and verified by the step; never part of `token_ids` until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -196,6 +196,15 @@ class Sampler:
         return buffer[: rows * vocab].view(rows, vocab)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.target_probs(logits, requests)
+        # The running sums overwrite the scaled logits, spent once the softmax is taken.
+        uniforms = self.uniforms(requests).to(logits.device, non_blocking=True)
+        return sample_from_probs(probs, uniforms, out=self._buffer(0, logits))
+
+    def target_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """What each (sampled) row draws from: temperature, top-k, softmax, top-p, min-p; not
+        renormalised (a draw scales by the row's total). In a workspace buffer, valid until
+        the next call."""
         params = [r.params for r in requests]
         temperatures = [p.temperature for p in params]
         if any(t != 1.0 for t in temperatures):  # x / 1.0 is x, bit for bit: no pass over the rows
@@ -211,9 +220,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
             torch.where(probs < min_p * probs.amax(dim=-1, keepdim=True), ZERO, probs, out=probs)
-        # The running sums overwrite the scaled logits, spent once the softmax is taken.
-        uniforms = self._uniforms(requests).to(logits.device, non_blocking=True)
-        return sample_from_probs(probs, uniforms, out=self._buffer(0, logits))
+        return probs
 
     def _mask_top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """`logits` with -inf below each row's k-th largest (top_k 0, or at least the
@@ -231,7 +238,7 @@ class Sampler:
         masked[rows] = torch.where(subset < kth, NEGATIVE_INFINITY, subset)
         return masked
 
-    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+    def uniforms(self, requests: list[Request]) -> torch.Tensor:
         """One float32 uniform in [0, 1) per row: a seeded request's from its own generator,
         the unseeded rows' from the engine's, in one draw."""
         u = torch.empty(len(requests), dtype=torch.float32)

@@ -55,6 +55,8 @@ class SchedulerOutput:
     # block ids (their rows change only when blocks are allocated or freed).
     block_table: BlockTable | None = None
     schedule_time_s: float = 0.0
+    # Draft tokens granted this step (after their requests' last tokens; speculative decoding).
+    num_draft_tokens: int = 0
     # Prefix-cache lookups of the requests admitted this step (first admissions only): prompt
     # tokens looked up, and of those, tokens found cached.
     prefix_query_tokens: int = 0
@@ -164,7 +166,8 @@ class Scheduler:
         """Charge `request`'s tenant for a grant of `num_new` tokens (`sign` -1: take it back).
         A grant that reaches the end of the request's tokens samples one output token; its
         last token, when it was sampled, is that output's own input and not charged twice."""
-        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        # Draft tokens (speculative decoding) come after the last token: computed input.
+        reaches_end = request.num_computed_tokens + num_new >= request.num_tokens
         fed_back = reaches_end and request.num_tokens > request.num_prompt_tokens
         cfg = self.config
         service = sign * (cfg.tenant_input_token_cost * (num_new - fed_back) + cfg.tenant_output_token_cost * reaches_end)
@@ -212,6 +215,7 @@ class Scheduler:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.policy.push_front(victim)
         plan.preempted.append(victim)
@@ -240,7 +244,8 @@ class Scheduler:
             if request.status is not running_status:
                 continue  # preempted earlier in this loop
             num_computed = request.num_computed_tokens
-            num_new = len(request.token_ids) - num_computed
+            # A speculating request's drafts follow its last token (trimmed by the limits below).
+            num_new = len(request.token_ids) + len(request.spec_token_ids) - num_computed
             if num_new > chunk_limit or num_new > budget:
                 num_new = min(num_new, chunk_limit, budget)
             if num_new <= 0:
@@ -250,6 +255,10 @@ class Scheduler:
             # sequence may also need its own copy of a block it shares before writing to it.
             while ((num_computed + num_new > len(request.block_ids) * block_size and not allocate(request, num_new))
                    or (request.group is not None and not self.kv.copy_on_write(request, plan.block_copies))):
+                if request.spec_token_ids:  # drafts are worth no other request's preemption
+                    request.spec_token_ids = []
+                    num_new = min(num_new, len(request.token_ids) - num_computed)
+                    continue
                 victim = self._pick_victim()
                 # Protected requests reserved their whole life's blocks, so an allocation
                 # that fails belongs to an unprotected request: a victim always exists.
@@ -262,6 +271,8 @@ class Scheduler:
             if request.status is running_status:
                 granted[request] = num_new
                 budget -= num_new
+                if request.spec_token_ids:
+                    plan.num_draft_tokens += max(0, num_computed + num_new - len(request.token_ids))
                 # Charged at once, so that this step's admission sees this step's service.
                 self._charge(request, num_new, plan)
 
@@ -347,8 +358,18 @@ class Scheduler:
         """The plan's forward pass has run: its tokens are computed, and the full blocks
         they fill join the prefix cache."""
         for request, num_new in plan.scheduled:
-            request.num_computed_tokens += num_new
+            # Drafts are computed only once accepted (`accept_drafts`).
+            request.num_computed_tokens = min(request.num_computed_tokens + num_new, request.num_tokens)
             self.kv.cache_computed_blocks(request)
+
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """`request`'s verification step accepted its first `num_accepted` drafts (already
+        appended as its tokens): their KV is computed; the rejected drafts' blocks are freed."""
+        request.num_computed_tokens += num_accepted
+        request.spec_token_ids = []
+        # A protected request keeps the blocks it reserved for its whole life.
+        self.kv.truncate(request, request.max_total_tokens if self.is_protected(request) else request.num_tokens)
+        self.kv.cache_computed_blocks(request)
 
     def append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> None:
         """Append a sampled token to `request` and time it (into `plan`, for the step's

@@ -54,6 +54,18 @@ class StepStats:
     prepare_time_s: float = 0.0
     forward_time_s: float = 0.0
     update_time_s: float = 0.0
+    # Speculative decoding: requests that verified drafts this step, the draft tokens
+    # verified and accepted, and the accepted ones per draft position (vLLM's spec_decode_*).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+
+def _add_per_position(a: tuple[int, ...], b: tuple[int, ...], sign: int = 1) -> tuple[int, ...]:
+    longest = max(len(a), len(b))
+    a, b = a + (0,) * (longest - len(a)), b + (0,) * (longest - len(b))
+    return tuple(x + sign * y for x, y in zip(a, b))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +89,10 @@ class Totals:
     sum_prepare_time_s: float = 0.0
     sum_forward_time_s: float = 0.0
     sum_update_time_s: float = 0.0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -96,12 +112,19 @@ class Totals:
                 prefilled_prompt_tokens=step.prefilled_prompt_tokens, sum_running=step.num_running,
                 sum_scheduled_tokens=step.num_scheduled_tokens, sum_schedule_time_s=step.schedule_time_s,
                 sum_prepare_time_s=step.prepare_time_s, sum_forward_time_s=step.forward_time_s,
-                sum_update_time_s=step.update_time_s,
+                sum_update_time_s=step.update_time_s, spec_drafts=step.num_drafts,
+                spec_draft_tokens=step.num_draft_tokens, spec_accepted_tokens=step.num_accepted_tokens,
             )
-        return self.plus(**increments)
+        totals = self.plus(**increments)
+        if step.accepted_per_position:
+            totals = dataclasses.replace(totals, spec_accepted_per_position=_add_per_position(
+                self.spec_accepted_per_position, step.accepted_per_position))
+        return totals
 
     def since(self, earlier: Totals) -> Totals:
-        return Totals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)})
+        return Totals(**{f.name: _add_per_position(getattr(self, f.name), getattr(earlier, f.name), -1)
+                         if f.name == "spec_accepted_per_position" else getattr(self, f.name) - getattr(earlier, f.name)
+                         for f in dataclasses.fields(self)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +159,8 @@ class EngineStats:
 
 
 def step_stats(plan: SchedulerOutput, *, ran: bool, num_running: int, num_waiting: int, num_generated_tokens: int,
-               prepare_time_s: float, forward_time_s: float, update_time_s: float) -> StepStats:
+               prepare_time_s: float, forward_time_s: float, update_time_s: float,
+               accepted_per_draft: list[tuple[int, int]] = ()) -> StepStats:
     """The StepStats of the step that ran `plan` (and filled in its token timings)."""
     return StepStats(
         ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -147,8 +171,20 @@ def step_stats(plan: SchedulerOutput, *, ran: bool, num_running: int, num_waitin
         inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
         service_by_tenant=tuple(plan.service_by_tenant.items()),
         schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_time_s, forward_time_s=forward_time_s,
-        update_time_s=update_time_s,
+        update_time_s=update_time_s, **_speculation(accepted_per_draft),
     )
+
+
+def _speculation(accepted_per_draft: list[tuple[int, int]]) -> dict:
+    """The spec_decode fields from (drafts verified, accepted) per speculating request."""
+    if not accepted_per_draft:
+        return {}
+    per_position = [0] * max(drafts for drafts, _ in accepted_per_draft)
+    for _, accepted in accepted_per_draft:
+        for position in range(accepted):
+            per_position[position] += 1
+    return dict(num_drafts=len(accepted_per_draft), num_draft_tokens=sum(d for d, _ in accepted_per_draft),
+                num_accepted_tokens=sum(a for _, a in accepted_per_draft), accepted_per_position=tuple(per_position))
 
 
 def snapshot(scheduler: Scheduler, step: StepStats, totals: Totals, *, num_waiting: int,

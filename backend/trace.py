@@ -65,6 +65,9 @@ class RequestTrace:
     scheduled_before: bool = False
     first_token_seen: bool = False
     returns: int = 0  # readmissions after preemption recorded so far
+    # Speculative decoding: draft tokens verified for this request, and of those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def _ms(self, now: float | None = None) -> float:
         return round(((now if now is not None else time.monotonic()) - self.arrival_time) * 1000.0, 3)
@@ -96,6 +99,10 @@ class RequestTrace:
         self.decode_batch_tokens.add(batch_tokens)
         self.decode_step_ms.add(step_ms)
 
+    def verified(self, *, drafts: int, accepted: int) -> None:
+        self.draft_tokens += drafts
+        self.accepted_draft_tokens += accepted
+
     def first_scheduled(self, step: int, now: float, *, waiting_steps: int) -> None:
         self.scheduled_before = True
         self._add("first_scheduled", step, now, waiting_steps=waiting_steps)
@@ -124,6 +131,8 @@ class RequestTrace:
                 "batch_tokens": self.decode_batch_tokens.summary(),
                 "step_ms": self.decode_step_ms.summary(3),
             }
+            if self.draft_tokens:
+                decode.update(draft_tokens=self.draft_tokens, accepted_draft_tokens=self.accepted_draft_tokens)
         return {"events": self.events, "decode": decode, "dropped": self.dropped or None,
                 "max_events": MAX_EVENTS}
 
@@ -159,7 +168,8 @@ def trace_step(plan: SchedulerOutput, step: int, step_s: float, now: float, samp
         trace = request.trace
         if trace is None or request.is_finished:
             continue
-        computed_before = request.num_computed_tokens - num_new
+        # A speculating request (drafts after its last token) computed one token of its own.
+        computed_before = request.num_computed_tokens - (1 if request.spec_token_ids else num_new)
         trace.scheduled(step, now, tokens=num_new, prefill=computed_before < request.num_prompt_tokens,
                         prompt_done=min(request.num_computed_tokens, request.num_prompt_tokens),
                         prompt_tokens=request.num_prompt_tokens, batch_requests=batch_requests,

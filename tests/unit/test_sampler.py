@@ -351,7 +351,7 @@ def test_masked_or_underflowed_tokens_are_never_drawn_at_the_uniforms_extremes(m
     """u = 0 must give the first token with probability, u just below 1 the last, whatever
     lies masked before or after them in the vocabulary."""
     sampler = Sampler()
-    monkeypatch.setattr(sampler, "_uniforms", lambda requests: torch.full((len(requests),), uniform))
+    monkeypatch.setattr(sampler, "uniforms", lambda requests: torch.full((len(requests),), uniform))
     got = sampler(EDGE_LOGITS.expand(len(EDGE_CASES), -1).contiguous(), edge_requests()).token_ids
     assert got == [min(kept) if uniform == 0.0 else max(kept) for _, kept in EDGE_CASES.values()]
 

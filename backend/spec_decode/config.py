@@ -1,0 +1,61 @@
+"""`speculative_config` (config.pbtxt, a JSON object in vLLM's shape), checked at load."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 8
+# Longest n-gram matched against the request's own tokens: each step searches every length
+# from prompt_lookup_max down to prompt_lookup_min over the whole context.
+MAX_PROMPT_LOOKUP = 16
+KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}
+
+
+def _refuse(message: str) -> None:
+    raise ValueError(f"invalid engine parameter: speculative_config: {message}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig | None":
+        """The config from config.pbtxt's object (or its JSON text); None (off) when empty.
+        ValueError naming the key for an unknown method or key or a value out of range."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                _refuse(f"not valid JSON: {exc}")
+        if not isinstance(value, dict):
+            _refuse(f"must be a JSON object, got {type(value).__name__}")
+        method = value.get("method")
+        if method not in METHODS:
+            _refuse(f"method={method!r}, expected one of {list(METHODS)}")
+        unknown = sorted(set(value) - set(KEYS[method]))
+        if unknown:
+            _refuse(f"unknown key(s) {unknown} for method {method!r}; known keys: {list(KEYS[method])}")
+        if "num_speculative_tokens" not in value:
+            _refuse(f"num_speculative_tokens is required (1 to {MAX_SPECULATIVE_TOKENS})")
+
+        def integer(key: str, low: int, high: int, default: int) -> int:
+            raw = value.get(key, default)
+            if isinstance(raw, bool) or not isinstance(raw, int) or not low <= raw <= high:
+                _refuse(f"{key}={raw!r} must be an integer in [{low}, {high}]")
+            return raw
+
+        k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, 0)
+        lookup_min = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP, 1)
+        lookup_max = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, max(lookup_min, 4))
+        if lookup_min > lookup_max:
+            _refuse(f"prompt_lookup_min={lookup_min} must be <= prompt_lookup_max={lookup_max}")
+        return cls(method, k, lookup_min, lookup_max)

@@ -1,0 +1,267 @@
+"""Speculative decoding (backend/spec_decode/) inside the continuous batch.
+
+Greedy output with n-gram speculation must be token-identical to transformers and to the
+same engine without speculation, whatever shares the batch (arrivals, chunked prefill,
+preemption by recompute and by swap); with batch_invariant every logprob bitwise the same;
+a seeded sampled request repeats exactly; stops are honoured on every accepted token; the
+KV manager's invariants hold after every step and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from tests.checkpoints import hf_greedy
+from tests.engine.test_engine_equivalence import assert_matches_oracle, run_engine, spread_arrivals
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 49152
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _repetitive_prompt(rng: random.Random, segment: int, repeats: int, tail: int) -> list[int]:
+    """A text that repeats itself (as a prompt that quotes what is to be rewritten), so that
+    the n-gram proposer finds matches in the prompt as well as in the output."""
+    piece = [rng.randrange(3, VOCAB) for _ in range(segment)]
+    return piece * repeats + [rng.randrange(3, VOCAB) for _ in range(tail)]
+
+
+_rng = random.Random(4321)
+PROMPTS = [_repetitive_prompt(_rng, s, r, t) for s, r, t in
+           [(5, 3, 2), (9, 2, 0), (3, 6, 1), (17, 2, 5), (1, 1, 0), (12, 3, 3), (7, 4, 7), (20, 2, 1)]]
+MAX_TOKENS = [24, 17, 30, 9, 21, 26, 13, 30]
+MAX_NEW = max(MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_checkpoint) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): out for p, out in zip(PROMPTS, hf_greedy(tiny_checkpoint, PROMPTS, MAX_NEW))}
+
+
+def check_every_step(engine: LLMEngine) -> None:
+    """The scheduler's and the KV manager's invariants after every step: no leaked or
+    doubly-held block, block tables in step with the requests' lists."""
+    step = engine.step
+
+    def checked(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        engine.scheduler.check_invariants()
+        for request in engine.scheduler.running:
+            # Only verified tokens are computed; rejected drafts leave no block behind (a
+            # protected request holds the blocks of its whole life).
+            assert request.num_computed_tokens <= request.num_tokens
+            assert engine.scheduler.is_protected(request) or len(request.block_ids) <= max(1, engine.kv.blocks_needed(
+                request.num_tokens + len(request.spec_token_ids)))
+        return outputs
+
+    engine.step = checked
+
+
+def assert_speculated(engine: LLMEngine) -> None:
+    totals = engine.stats.totals
+    assert totals.spec_draft_tokens > 0, "nothing was drafted"
+    assert 0 < totals.spec_accepted_tokens < totals.spec_draft_tokens, "acceptance and rejection both needed"
+    assert sum(totals.spec_accepted_per_position) == totals.spec_accepted_tokens
+    assert list(totals.spec_accepted_per_position) == sorted(totals.spec_accepted_per_position, reverse=True)
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "recompute", "swap"])
+def test_greedy_speculation_matches_transformers_and_plain_decoding(tiny_checkpoint, oracle, scenario):
+    """Continuous arrivals into 4 seats with prefill chunks of 7 beside verifications;
+    then a pool so small that requests are preempted, by recompute and by swap."""
+    config = dict(max_num_seqs=4, long_prefill_token_threshold=7, max_num_batched_tokens=40, num_kv_blocks=64)
+    if scenario != "chunked":
+        config.update(num_kv_blocks=9, preemption_mode=scenario, swap_space_mb=64)
+    arrivals = spread_arrivals(len(PROMPTS))
+    plain, plain_out, prompts = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, **config)
+    spec, spec_out, _ = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=check_every_step,
+                                   speculative_config=NGRAM, **config)
+    assert spec_out == plain_out
+    assert_matches_oracle(oracle, spec_out, prompts, MAX_TOKENS)
+    assert_speculated(spec)
+    if scenario != "chunked":
+        assert spec.stats.totals.preemptions > 0, "no preemption happened"
+
+
+def propose_from(continuation: list[int]):
+    """An engine hook: drafts from `continuation` (what the request will produce), the one at
+    position (output tokens mod (k + 1)) corrupted, so that every acceptance length happens
+    on a random-weight model, whose own output seldom repeats its context."""
+    def install(engine: LLMEngine) -> None:
+        def propose():
+            for request in engine.scheduler.running:
+                request.spec_token_ids = []
+                room = min(NGRAM["num_speculative_tokens"], request.max_tokens - request.num_output_tokens - 1)
+                if room <= 0 or request.num_computed_tokens != request.num_tokens - 1 or request.request_id != "q0":
+                    continue
+                drafts = continuation[request.num_output_tokens:][:room]
+                wrong = request.num_output_tokens % (room + 1)
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % VOCAB
+                request.spec_token_ids = drafts
+        engine._propose = propose
+    return install
+
+
+def _run(model_path: str, requests: list[tuple[list[int], SamplingParams]], on_engine=None, **config) -> dict[str, dict]:
+    """Each request's tokens, logprob entries and final output, all arriving at once."""
+    engine = LLMEngine(EngineConfig(model_path=model_path, device="cpu", dtype="float32", num_kv_blocks=64, **config))
+    if on_engine is not None:
+        on_engine(engine)
+    check_every_step(engine)
+    got: dict[str, dict] = collections.defaultdict(lambda: {"tokens": [], "logprobs": []})
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"q{i}", prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id]["tokens"] += out.token_ids_delta
+            got[out.request_id]["logprobs"] += out.logprobs_delta or []
+            if out.finished:
+                got[out.request_id]["final"] = out
+    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    got["engine"] = engine
+    return got
+
+
+def test_logprobs_bitwise_identical_with_batch_invariance(tiny_checkpoint):
+    """The verification rows reduce as decode rows do: every token's logprob and top-5 the
+    same bits with and without speculation, alone and beside other requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
+    others = [(p, SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)) for p in PROMPTS[3:6]]
+    alone = _run(tiny_checkpoint, [(PROMPTS[0], params)], batch_invariant=True)
+    drafts = propose_from(alone["q0"]["tokens"])
+    spec_alone = _run(tiny_checkpoint, [(PROMPTS[0], params)], on_engine=drafts, batch_invariant=True,
+                      speculative_config=NGRAM)
+    spec_busy = _run(tiny_checkpoint, [(PROMPTS[0], params)] + others, on_engine=drafts, batch_invariant=True,
+                     speculative_config=NGRAM, long_prefill_token_threshold=5)
+    assert_speculated(spec_alone["engine"])
+    for run in (spec_alone, spec_busy):
+        assert run["q0"]["tokens"] == alone["q0"]["tokens"]
+        assert run["q0"]["logprobs"] == alone["q0"]["logprobs"]
+        assert run["q0"]["final"].cumulative_logprob == alone["q0"]["final"].cumulative_logprob
+
+
+def test_seeded_sampled_request_repeats_exactly(tiny_checkpoint):
+    """A seeded request draws every acceptance and every token from its own generator: the
+    same tokens whatever else runs, with acceptance and rejection both happening."""
+    params = SamplingParams(temperature=0.6, top_k=40, seed=1234, max_tokens=30, ignore_eos=True)
+    first = _run(tiny_checkpoint, [(PROMPTS[2], params)], speculative_config=NGRAM)
+    busy = _run(tiny_checkpoint, [(PROMPTS[2], params)] +
+                [(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)) for p in PROMPTS[4:7]],
+                speculative_config=NGRAM)
+    assert first["q0"]["tokens"] == busy["q0"]["tokens"]
+    assert len(first["q0"]["tokens"]) == 30
+    assert first["engine"].stats.totals.spec_draft_tokens > 0
+
+
+def test_stops_inside_an_accepted_run(tiny_checkpoint):
+    """A stop token or max_tokens that falls among the tokens one verification accepts ends
+    the request there: nothing is emitted past it, exactly as without speculation."""
+    base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = _run(tiny_checkpoint, [(PROMPTS[2], base)])["q0"]["tokens"]
+    for stop_at in (3, 7, 11):
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[plain[stop_at]])
+        want = plain[: plain.index(plain[stop_at]) + 1]
+        for config in ({}, {"speculative_config": NGRAM}):
+            got = _run(tiny_checkpoint, [(PROMPTS[2], params)], **config)["q0"]
+            assert got["tokens"] == want
+            assert got["final"].finish_reason == "stop"
+    for max_tokens in (2, 5, 6, 13):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        got = _run(tiny_checkpoint, [(PROMPTS[2], params)], speculative_config=NGRAM)["q0"]
+        assert got["tokens"] == plain[:max_tokens] and got["final"].finish_reason == "length"
+
+
+def test_a_request_may_turn_speculation_off(tiny_checkpoint):
+    off = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False)
+    run = _run(tiny_checkpoint, [(PROMPTS[2], off)], speculative_config=NGRAM)
+    assert run["engine"].stats.totals.spec_drafts == 0
+    on = _run(tiny_checkpoint, [(PROMPTS[2], off.model_copy(update={"speculative": True}))], speculative_config=NGRAM)
+    assert on["engine"].stats.totals.spec_drafts > 0
+    assert on["q0"]["tokens"] == run["q0"]["tokens"]
+
+
+def test_trace_counts_drafts(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
+                                    speculative_config=NGRAM))
+    engine.add_request("t", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), trace=True)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out if out.finished else final
+    decode = final.trace["decode"]
+    totals = engine.stats.totals
+    assert decode["draft_tokens"] == totals.spec_draft_tokens > 0
+    assert decode["accepted_draft_tokens"] == totals.spec_accepted_tokens
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_drafts_arrivals_and_preemptions_keep_the_kv_manager_consistent(tiny_checkpoint, oracle, data):
+    """Drafts made from the oracle's own continuation, corrupted at a random position (so any
+    acceptance length happens), random arrivals and max_tokens into a pool small enough to
+    preempt: after every step the KV manager's invariants hold, and the output is the oracle's."""
+    block_size = data.draw(st.sampled_from([8, 16]), label="block_size")
+    num_blocks = data.draw(st.integers(12, 40), label="num_kv_blocks")
+    mode = data.draw(st.sampled_from(["recompute", "swap"]), label="preemption_mode")
+    chosen = data.draw(st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=6), label="prompts")
+    prompts = [PROMPTS[i] for i in chosen]
+    max_tokens = [data.draw(st.integers(1, MAX_NEW), label="max_tokens") for _ in chosen]
+    arrivals = sorted(data.draw(st.integers(0, 8), label="arrival") for _ in chosen)
+    rng = random.Random(data.draw(st.integers(0, 2**16), label="draft seed"))
+    k = data.draw(st.integers(1, 8), label="num_speculative_tokens")
+
+    def propose_from_oracle(engine):
+        def propose():
+            for request in engine.scheduler.running:
+                request.spec_token_ids = []
+                room = min(k, request.max_tokens - request.num_output_tokens - 1)
+                if room <= 0 or request.num_computed_tokens != request.num_tokens - 1:
+                    continue
+                want = oracle[tuple(request.prompt_token_ids)][request.num_output_tokens:][:room]
+                drafts = list(want)
+                wrong = rng.randrange(len(drafts) + 1)
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1 + rng.randrange(VOCAB - 1)) % VOCAB
+                request.spec_token_ids = drafts
+        engine._propose = propose
+        check_every_step(engine)
+
+    engine, streamed, by_id = run_engine(
+        tiny_checkpoint, prompts, max_tokens, arrivals, on_engine=propose_from_oracle, block_size=block_size,
+        num_kv_blocks=num_blocks, preemption_mode=mode, swap_space_mb=64, max_num_seqs=4,
+        long_prefill_token_threshold=11, speculative_config={**NGRAM, "num_speculative_tokens": k})
+    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+    engine.scheduler.check_invariants()
+
+
+def test_vllm_spec_decode_counters_follow_the_totals(tiny_checkpoint):
+    from backend.metrics import EngineMetrics
+    from tests.engine.test_metrics import FakeMetricFamily, FakePbUtils, value
+
+    FakeMetricFamily.registry = {}
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
+                                    speculative_config=NGRAM))
+    metrics = EngineMetrics(FakePbUtils, {"model": "llm", "version": "1"}, engine)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    propose_from(_run(tiny_checkpoint, [(PROMPTS[2], params)])["q0"]["tokens"])(engine)
+    engine.add_request("q0", PROMPTS[2], params)
+    while engine.has_unfinished():
+        engine.step()
+        metrics.on_step()
+    totals = engine.stats.totals
+    assert value("vllm:spec_decode_num_drafts_total").value == totals.spec_drafts > 0
+    assert value("vllm:spec_decode_num_draft_tokens_total").value == totals.spec_draft_tokens
+    assert value("vllm:spec_decode_num_accepted_tokens_total").value == totals.spec_accepted_tokens > 0
+    per_position = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)).value
+                    for p in range(NGRAM["num_speculative_tokens"])]
+    assert per_position == list(totals.spec_accepted_per_position) + [0] * (4 - len(totals.spec_accepted_per_position))
+    assert value("vllm:spec_decode_num_drafts_total").labels["model_name"] == "llm"

@@ -53,6 +53,8 @@ TRITON_DIR = Path(os.environ.get("INFLIGHT_TRITON_DIR", REPO_ROOT / ".triton"))
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_SECS = 15
 GROUP_EXIT_TIMEOUT_SECS = 10
+# The Python backend's shared-memory region prefix, as tritonserver_command sets it and stop() reads it back.
+SHM_PREFIX_FLAG = "--backend-config=python,shm-region-prefix-name="
 
 
 def venv_dir() -> Path:
@@ -118,7 +120,7 @@ def tritonserver_command(
         f"--model-repository={Path(model_repository).resolve()}",
         f"--backend-directory={triton_dir / 'backends'}",
         f"--cache-directory={triton_dir / 'caches'}",
-        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"{SHM_PREFIX_FLAG}{shm_prefix}",
         f"--http-address={host}",
         f"--http-port={http_port}",
         f"--grpc-address={host}",
@@ -358,8 +360,8 @@ def _wait_until_group_exits(pgid: int, timeout: float) -> None:
 def _remove_shared_memory_regions(args) -> None:
     """A killed tritonserver never unlinks its Python backend stubs' shared-memory regions,
     and /dev/shm is memory: remove what is left under the prefix this module gave it."""
-    flag = "--backend-config=python,shm-region-prefix-name="
-    prefixes = [a[len(flag):] for a in (args if isinstance(args, (list, tuple)) else []) if str(a).startswith(flag)]
+    prefixes = [a[len(SHM_PREFIX_FLAG):] for a in (args if isinstance(args, (list, tuple)) else [])
+                if str(a).startswith(SHM_PREFIX_FLAG)]
     for prefix in prefixes:
         for region in Path("/dev/shm").glob(f"{prefix}*"):
             region.unlink(missing_ok=True)

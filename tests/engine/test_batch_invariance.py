@@ -63,17 +63,20 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=PROBE_TO
 _alone: dict = {}
 
 
-def alone(model: str, dtype: str, probe: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
-    key = (dtype, tuple(probe), params.model_dump_json())
+def alone(model: str, dtype: str, probe: list[int], params: SamplingParams, **config) -> tuple[list[int], list[float]]:
+    key = (model, dtype, tuple(probe), params.model_dump_json(), tuple(sorted(config.items())))
     if key not in _alone:
-        tokens, logprobs, _ = run(model, dtype, probe, params, [])
+        tokens, logprobs, _ = run(model, dtype, probe, params, [], **config)
         _alone[key] = tokens, logprobs
     return _alone[key]
 
 
-def assert_same_as_alone(model, dtype, probe, params, others, **kwargs) -> LLMEngine:
-    want_tokens, want_logprobs = alone(model, dtype, probe, params)
-    tokens, logprobs, engine = run(model, dtype, probe, params, others, **kwargs)
+def assert_same_as_alone(model, dtype, probe, params, others, shared: dict | None = None, **kwargs) -> LLMEngine:
+    """The probe beside `others` under `kwargs` gives its tokens and logprobs alone, bitwise;
+    `shared` configures both runs (e.g. the KV dtype)."""
+    shared = shared or {}
+    want_tokens, want_logprobs = alone(model, dtype, probe, params, **shared)
+    tokens, logprobs, engine = run(model, dtype, probe, params, others, **shared, **kwargs)
     different = [i for i, (a, b) in enumerate(zip(want_logprobs, logprobs)) if a != b]
     assert not different, f"logprobs at {different} differ: {[(want_logprobs[i], logprobs[i]) for i in different][:4]}"
     assert tokens == want_tokens

@@ -20,25 +20,26 @@ from backend.model_runner import kv_block_bytes
 from backend.request import SamplingParams
 from kernels import QuantizedKV
 from tests.checkpoints import make_random_adapter
-from tests.engine.test_batch_invariance import GREEDY, LONG_PROBE, PROBE, SEEDED, crowd, run
+from tests.engine.test_batch_invariance import (
+    GREEDY,
+    LONG_PROBE,
+    PROBE,
+    SEEDED,
+    assert_same_as_alone as same_as_alone,
+    crowd,
+    run,
+)
 from tests.engine.test_parallel_sampling import OTHER, PROMPT, Run, make_engine, sampled, single_runs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 INT8 = dict(kv_cache_dtype="int8")
-_alone: dict = {}
 
 
 def assert_same_as_alone(model, dtype, probe, params, others, **kwargs) -> LLMEngine:
-    key = (dtype, tuple(probe), params.model_dump_json())
-    if key not in _alone:
-        _alone[key] = run(model, dtype, probe, params, [], **INT8)[:2]
-    want_tokens, want_logprobs = _alone[key]
-    tokens, logprobs, engine = run(model, dtype, probe, params, others, **INT8, **kwargs)
+    """test_batch_invariance's check with int8 KV in both runs."""
+    engine = same_as_alone(model, dtype, probe, params, others, shared=INT8, **kwargs)
     assert isinstance(engine.runner.kv_caches[0][0], QuantizedKV)
-    different = [i for i, (a, b) in enumerate(zip(want_logprobs, logprobs)) if a != b]
-    assert not different, f"logprobs at {different} differ: {[(want_logprobs[i], logprobs[i]) for i in different][:4]}"
-    assert tokens == want_tokens
     return engine
 
 

@@ -181,7 +181,7 @@ def test_stop_leaves_no_process_of_the_group_and_no_shared_memory_region(tmp_pat
     # The "server" starts a child that ignores SIGTERM, as a busy stub would, then is killed alone.
     script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
              "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); time.sleep(600)"
-    args = [sys.executable, "-c", script, f"--backend-config=python,shm-region-prefix-name={prefix}"]
+    args = [sys.executable, "-c", script, f"{launch.SHM_PREFIX_FLAG}{prefix}"]
     proc = launch._popen(args, dict(os.environ), None, None)
     try:
         time.sleep(1.0)

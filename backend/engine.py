@@ -39,7 +39,7 @@ from backend.request import FinishReason, Request, RequestError, SamplingParams,
 from backend.sampler import Sampler, SampleResult
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop
 from backend.spec_decode import SpeculativeConfig
-from backend.spec_decode.ngram import propose_ngram
+from backend.spec_decode.proposers import make_proposer
 from backend.spec_decode.verify import Verified, can_speculate, verify
 from backend.stats import EngineStats, StepStats, Totals, snapshot, step_stats
 from backend.structured_output import GrammarCompiler, GrammarState
@@ -122,6 +122,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
         if self.device.type == "cuda":
             self.warm_up()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -309,6 +310,8 @@ class LLMEngine:
         was_compiling = self._awaiting_grammar.pop(request.request_id, None) is request
         request.grammar = None  # a finished request keeps no matcher
         if self.scheduler.finish_request(request, reason, stop_reason) or was_compiling:
+            if self.proposer is not None and error is None:
+                self.proposer.request_finished(request)
             detok = self.detokenizers.pop(request.request_id)
             if error is None:
                 text = detok.take_delta(finished=True)
@@ -396,8 +399,7 @@ class LLMEngine:
         for request in self.scheduler.running:
             k = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1)
             if k > 0 and request.num_computed_tokens == request.num_tokens - 1 and can_speculate(request):
-                request.spec_token_ids = propose_ngram(request.token_ids, k, spec.prompt_lookup_min,
-                                                       spec.prompt_lookup_max)
+                request.spec_token_ids = self.proposer.propose(request, k)
             elif request.spec_token_ids:
                 request.spec_token_ids = []
 

@@ -1,6 +1,6 @@
 """Speculative decoding inside the continuous batch.
 
-A proposer (`ngram.py`) drafts up to `num_speculative_tokens` tokens for each decoding
+A proposer (`ngram.py`, `suffix.py`) drafts up to `num_speculative_tokens` tokens for each decoding
 request from what the request already holds; the scheduler grants the request 1 + k query
 tokens (its last token and the drafts) in the same ragged step as prefill chunks and plain
 decodes, a short query run like a prefill chunk's, whose logits are all kept; `verify.py`

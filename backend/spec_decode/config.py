@@ -6,12 +6,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 8
 # Longest n-gram matched against the request's own tokens: each step searches every length
 # from prompt_lookup_max down to prompt_lookup_min over the whole context.
 MAX_PROMPT_LOOKUP = 16
-KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}
+# The most tokens of a request's context that suffix decoding may match (vLLM's default: 24).
+MAX_SUFFIX_TREE_DEPTH = 64
+MAX_SUFFIX_CACHED_REQUESTS = 1_000_000
+KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("method", "num_speculative_tokens", "suffix_decoding_max_tree_depth",
+               "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob"),
+}
 
 
 def _refuse(message: str) -> None:
@@ -24,6 +32,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -44,7 +56,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(KEYS[method]))
         if unknown:
             _refuse(f"unknown key(s) {unknown} for method {method!r}; known keys: {list(KEYS[method])}")
-        if "num_speculative_tokens" not in value:
+        if method == "ngram" and "num_speculative_tokens" not in value:
             _refuse(f"num_speculative_tokens is required (1 to {MAX_SPECULATIVE_TOKENS})")
 
         def integer(key: str, low: int, high: int, default: int) -> int:
@@ -53,7 +65,22 @@ class SpeculativeConfig:
                 _refuse(f"{key}={raw!r} must be an integer in [{low}, {high}]")
             return raw
 
-        k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, 0)
+        def number(key: str, low: float, high: float, default: float) -> float:
+            raw = value.get(key, default)
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not low <= raw <= high:
+                _refuse(f"{key}={raw!r} must be a number in [{low}, {high}]")
+            return float(raw)
+
+        # Suffix decoding drafts only as far as its matches reach, so it may be given the most.
+        k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+        if method == "suffix":
+            return cls(method, k,
+                       suffix_decoding_max_tree_depth=integer("suffix_decoding_max_tree_depth", 1,
+                                                              MAX_SUFFIX_TREE_DEPTH, 24),
+                       suffix_decoding_max_cached_requests=integer("suffix_decoding_max_cached_requests", 0,
+                                                                   MAX_SUFFIX_CACHED_REQUESTS, 10_000),
+                       suffix_decoding_max_spec_factor=number("suffix_decoding_max_spec_factor", 0.0, 64.0, 1.0),
+                       suffix_decoding_min_token_prob=number("suffix_decoding_min_token_prob", 0.0, 1.0, 0.1))
         lookup_min = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP, 1)
         lookup_max = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, max(lookup_min, 4))
         if lookup_min > lookup_max:

@@ -5,8 +5,13 @@ prompt and output alike. Costs no model: it pays where the output repeats its co
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from backend.request import Request
 
 
 def propose_ngram(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -25,3 +30,14 @@ def propose_ngram(token_ids: list[int], k: int, lookup_min: int, lookup_max: int
             start = int(matches[-1]) + n
             return token_ids[start : start + k]
     return []
+
+
+class NgramProposer:
+    def __init__(self, lookup_min: int, lookup_max: int) -> None:
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        return propose_ngram(request.token_ids, k, self.lookup_min, self.lookup_max)
+
+    def request_finished(self, request: Request) -> None:
+        pass  # drafts come from the request's own tokens only

@@ -91,6 +91,50 @@ def test_greedy_speculation_matches_transformers_and_plain_decoding(tiny_checkpo
         assert spec.stats.totals.preemptions > 0, "no preemption happened"
 
 
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "recompute"])
+def test_suffix_decoding_drafts_from_earlier_outputs_and_stays_exact(tiny_checkpoint, oracle, scenario):
+    """The prompts once, then again after the first wave has ended: the second wave's greedy
+    outputs are the first's, which suffix decoding has cached, so most of their tokens come as
+    accepted drafts; every output is still transformers' token for token, beside prefill
+    chunks and, with a small pool, preemptions."""
+    config = dict(max_num_seqs=4, long_prefill_token_threshold=7, max_num_batched_tokens=40, num_kv_blocks=64)
+    if scenario == "recompute":
+        config.update(num_kv_blocks=9, preemption_mode="recompute")
+    arrivals = spread_arrivals(len(PROMPTS))
+    second_wave = 400
+    prompts, max_tokens = PROMPTS * 2, MAX_TOKENS * 2
+    arrivals = arrivals + [second_wave + a for a in arrivals]
+    accepted_at_second_wave = []
+
+    def watch(engine: LLMEngine) -> None:
+        check_every_step(engine)
+        step = engine.step
+        steps = iter(range(10**6))
+
+        def counted(*args, **kwargs):
+            outputs = step(*args, **kwargs)
+            if next(steps) == second_wave - 1:
+                assert not engine.has_unfinished(), "the first wave was still running"
+                accepted_at_second_wave.append(engine.stats.totals.spec_accepted_tokens)
+            return outputs
+        engine.step = counted
+
+    spec, spec_out, by_id = run_engine(tiny_checkpoint, prompts, max_tokens, arrivals, on_engine=watch,
+                                       speculative_config=SUFFIX, **config)
+    assert_matches_oracle(oracle, spec_out, by_id, max_tokens)
+    assert_speculated(spec)
+    assert spec.proposer.num_cached_requests == 2 * len(PROMPTS)
+    second_wave_accepted = spec.stats.totals.spec_accepted_tokens - accepted_at_second_wave[0]
+    # Each repeated output's tokens after its first two (the first bigram the cache can match).
+    repeatable = sum(max(0, n - 2) for n in MAX_TOKENS)
+    assert second_wave_accepted >= 0.6 * repeatable, (second_wave_accepted, repeatable)
+    if scenario == "recompute":
+        assert spec.stats.totals.preemptions > 0, "no preemption happened"
+
+
 def propose_from(continuation: list[int]):
     """An engine hook: drafts from `continuation` (what the request will produce), the one at
     position (output tokens mod (k + 1)) corrupted, so that every acceptance length happens

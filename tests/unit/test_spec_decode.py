@@ -3,8 +3,12 @@ proposer, the rejection rule's distribution, and the KV manager's tail truncatio
 
 from __future__ import annotations
 
+import collections
+import random
+
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from backend.config import EngineConfig
 from backend.kv_cache import KVCacheManager
@@ -12,6 +16,7 @@ from backend.request import Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.spec_decode import SpeculativeConfig
 from backend.spec_decode.ngram import propose_ngram
+from backend.spec_decode.suffix import SuffixProposer
 from backend.spec_decode.verify import verify
 from backend.validation import parse_sampling_params
 
@@ -126,3 +131,146 @@ def test_truncate_frees_the_tail_and_keeps_the_table_in_step():
     kv.free(request)
     kv.check_invariants()
     assert kv.pool.num_free == 8
+
+
+SUFFIX = {"method": "suffix"}
+
+
+def test_suffix_config_takes_vllms_keys_and_defaults():
+    assert SpeculativeConfig.parse(SUFFIX) == SpeculativeConfig(
+        "suffix", 8, suffix_decoding_max_tree_depth=24, suffix_decoding_max_cached_requests=10_000,
+        suffix_decoding_max_spec_factor=1.0, suffix_decoding_min_token_prob=0.1)
+    parsed = SpeculativeConfig.parse({**SUFFIX, "num_speculative_tokens": 5, "suffix_decoding_max_tree_depth": 32,
+                                      "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2,
+                                      "suffix_decoding_min_token_prob": 0.5})
+    assert (parsed.num_speculative_tokens, parsed.suffix_decoding_max_tree_depth) == (5, 32)
+    assert (parsed.suffix_decoding_max_cached_requests, parsed.suffix_decoding_max_spec_factor) == (0, 2.0)
+    assert parsed.suffix_decoding_min_token_prob == 0.5
+
+
+@pytest.mark.parametrize("value, names", [
+    ({**SUFFIX, "prompt_lookup_max": 3}, "['prompt_lookup_max']"),
+    ({**SUFFIX, "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth=0 must be an integer in [1, 64]"),
+    ({**SUFFIX, "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests=-1"),
+    ({**SUFFIX, "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob=1.5 must be a number in [0.0, 1.0]"),
+    ({**SUFFIX, "suffix_decoding_max_spec_factor": "1"}, "suffix_decoding_max_spec_factor='1'"),
+])
+def test_bad_suffix_configs_refused_naming_the_key(value, names):
+    with pytest.raises(ValueError, match="speculative_config") as info:
+        EngineConfig(model_path="m", speculative_config=value)
+    assert names in str(info.value)
+
+
+def _with_tokens(tokens: list[int], prompt_len: int | None = None, tenant: str = "default", lora: str | None = None) -> Request:
+    prompt_len = len(tokens) if prompt_len is None else prompt_len
+    request = Request("r", tokens[:prompt_len], SamplingParams(max_tokens=64, tenant=tenant), max_tokens=64,
+                      arrival_time=0.0, arrival_seq=0)
+    for token in tokens[prompt_len:]:
+        request.append_output_token(token)
+    request.lora_name = lora
+    return request
+
+
+def _proposer(**overrides) -> SuffixProposer:
+    options = dict(max_tree_depth=24, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
+    return SuffixProposer(**{**options, **overrides})
+
+
+def test_suffix_follows_the_longest_match_in_the_requests_own_tokens():
+    # "5 6 7" occurs once before, followed by 8 9; the 1-token match "7" alone also follows 7 -> 3.
+    proposer = _proposer()
+    assert proposer.propose(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8, 9, 1]
+    # max_spec_factor caps the drafts at the match's length times the factor.
+    assert _proposer(max_spec_factor=0.5).propose(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8]
+    assert proposer.propose(_with_tokens([1, 2, 3, 4]), 4) == []
+
+
+def test_suffix_votes_by_frequency_and_stops_below_min_token_prob():
+    proposer = _proposer(min_token_prob=0.5)
+    for output in ([1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 3, 4, 10], [9, 2, 3, 5]):
+        proposer.request_finished(_with_tokens([100] + output, prompt_len=1))
+    # After "2 3": 4 three times in four, then 10 in two of those three: 3/4 * 2/3 = 0.5, then
+    # each occurrence ends (a vote to stop).
+    assert proposer.propose(_with_tokens([50, 2, 3]), 8) == [4, 10]
+    assert _proposer(min_token_prob=0.6).propose(_with_tokens([50, 2, 3]), 8) == []
+    strict = _proposer(min_token_prob=0.6)
+    for output in ([1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 3, 4, 10], [9, 2, 3, 5]):
+        strict.request_finished(_with_tokens([100] + output, prompt_len=1))
+    assert strict.propose(_with_tokens([50, 2, 3]), 8) == [4]
+
+
+def test_suffix_cache_is_scoped_by_tenant_and_adapter_and_evicts_oldest_first():
+    proposer = _proposer(max_cached_requests=2)
+    proposer.request_finished(_with_tokens([0, 1, 2, 3, 4, 5], prompt_len=1, tenant="a"))
+    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a"), 3) == [3, 4]
+    assert proposer.propose(_with_tokens([9, 1, 2], tenant="b"), 3) == []
+    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a", lora="sql"), 3) == []
+    proposer.request_finished(_with_tokens([0, 6, 7, 8], prompt_len=1, tenant="b"))
+    proposer.request_finished(_with_tokens([0, 6, 7, 9], prompt_len=1, tenant="b"))
+    assert proposer.num_cached_requests == 2
+    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a"), 3) == []  # evicted
+    assert proposer.propose(_with_tokens([9, 6, 7], tenant="b"), 3) == [8]  # the lowest id of equals
+    assert _proposer(max_cached_requests=0).request_finished(_with_tokens([0, 1, 2, 3], prompt_len=1)) is None
+
+
+def _reference_drafts(outputs: list[list[int]], context: list[int], k: int, depth: int, factor: float,
+                      min_prob: float) -> list[int]:
+    """The suffix-tree walk spelled out on lists: occurrences of the longest matching suffix in
+    the context itself (ending before its last token; any length) and in the cached outputs
+    (two tokens or more), each source's greedy walk, the better score wins."""
+    def occurrences(texts: list[list[int]], m: int, own: bool) -> list[tuple[int, int]]:
+        suffix = context[len(context) - m:]
+        return [(t, e) for t, text in enumerate(texts) for e in range(m - 1, len(text) - (1 if own else 0))
+                if text[e - m + 1: e + 1] == suffix]
+
+    def walk(texts: list[list[int]], own: bool, shortest: int) -> tuple[list[int], float]:
+        for m in range(min(depth, len(context)), shortest - 1, -1):
+            found = occurrences(texts, m, own)
+            if found:
+                break
+        else:
+            return [], 0.0
+        drafts, probability, score = [], 1.0, 0.0
+        limit = min(k, int(m * factor))
+        while len(drafts) < limit and found:
+            following = [texts[t][e + 1] for t, e in found if e + 1 < len(texts[t])]
+            if not following:
+                break
+            counts = collections.Counter(following)
+            token = min(counts, key=lambda tok: (-counts[tok], tok))
+            probability *= counts[token] / len(found)
+            if probability < min_prob:
+                break
+            drafts.append(token)
+            score += probability
+            found = [(t, e + 1) for t, e in found if e + 1 < len(texts[t]) and texts[t][e + 1] == token]
+        return drafts, score
+
+    own, own_score = walk([context], True, 1)
+    cached, cached_score = walk(outputs, False, 2) if outputs else ([], 0.0)
+    return cached if cached_score > own_score else own
+
+
+@settings(max_examples=150, deadline=None)
+@given(outputs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), max_size=12),
+       context=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+       k=st.integers(1, 8), depth=st.integers(1, 10), keep=st.integers(1, 6),
+       factor=st.sampled_from([0.5, 1.0, 3.0]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+def test_suffix_drafts_equal_the_suffix_tree_walk(outputs, context, k, depth, keep, factor, min_prob):
+    proposer = _proposer(max_tree_depth=depth, max_cached_requests=keep, max_spec_factor=factor,
+                         min_token_prob=min_prob)
+    for output in outputs:
+        proposer.request_finished(_with_tokens([99] + output, prompt_len=1))
+    live = outputs[len(outputs) - keep:] if len(outputs) > keep else outputs
+    assert proposer.propose(_with_tokens(context), k) == _reference_drafts(live, context, k, depth, factor, min_prob)
+
+
+def test_suffix_cache_memory_follows_what_it_keeps():
+    proposer = _proposer(max_cached_requests=4)
+    rng = random.Random(7)
+    for _ in range(2000):
+        proposer.request_finished(_with_tokens([0] + [rng.randrange(50_000) for _ in range(40)], prompt_len=1))
+    (cache,) = proposer._scopes.values()
+    assert len(cache) == 4
+    assert cache._tokens.size <= 4 * 2 * 41 * 2  # the live outputs, at most doubled twice
+    assert sum(map(len, cache._bigram_ends.values())) <= 2 * 4 * 40  # no dead position kept long

@@ -1,0 +1,25 @@
+"""The proposers behind one interface, chosen by `speculative_config`'s method."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from backend.request import Request
+from backend.spec_decode.config import SpeculativeConfig
+from backend.spec_decode.ngram import NgramProposer
+from backend.spec_decode.suffix import SuffixProposer
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to `k` draft tokens to follow the request's tokens."""
+
+    def request_finished(self, request: Request) -> None:
+        """The request ended (its final tokens are in it): forget it, or learn from it."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

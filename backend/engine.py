@@ -39,6 +39,7 @@ from backend.request import FinishReason, Request, RequestError, SamplingParams,
 from backend.sampler import Sampler, SampleResult
 from backend.scheduler import Scheduler, SchedulerOutput, check_stop
 from backend.spec_decode import SpeculativeConfig
+from backend.spec_decode.adaptive import DraftBudget
 from backend.spec_decode.proposers import make_proposer
 from backend.spec_decode.verify import Verified, can_speculate, verify
 from backend.stats import EngineStats, StepStats, Totals, snapshot, step_stats
@@ -123,6 +124,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
+        self.draft_budget = (DraftBudget(self.speculative.num_speculative_tokens)
+                             if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
             self.warm_up()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -394,14 +397,30 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for each running request that decodes and may speculate, at most as many
-        as its max_tokens leaves room for after the token its verification adds."""
+        as its max_tokens leaves room for after the token its verification adds, and (with
+        `adaptive`) only as many as the measured step costs and acceptance say will pay."""
         spec = self.speculative
-        for request in self.scheduler.running:
+        running = self.scheduler.running
+        speculating = []
+        off = spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
+        for request in running:
             k = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1)
-            if k > 0 and request.num_computed_tokens == request.num_tokens - 1 and can_speculate(request):
+            decoding = request.num_computed_tokens == request.num_tokens - 1
+            if not off and k > 0 and decoding and can_speculate(request):
                 request.spec_token_ids = self.proposer.propose(request, k)
+                if request.spec_token_ids:
+                    speculating.append(request)
             elif request.spec_token_ids:
                 request.spec_token_ids = []
+        if speculating and self.draft_budget is not None:
+            num_decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+            base_tokens = min(self.config.max_num_batched_tokens,
+                              sum(r.num_tokens - r.num_computed_tokens for r in running))
+            proposed = [len(r.spec_token_ids) for r in speculating]
+            kept = self.draft_budget.trim(proposed, base_tokens, num_decodes)
+            for request, count in zip(speculating, kept):
+                request.spec_token_ids = request.spec_token_ids[:count]
+            self._totals = self._totals.plus(spec_trimmed_draft_tokens=sum(proposed) - sum(kept))
 
     def _after_schedule(self, plan: SchedulerOutput) -> None:
         if self._num_traced:
@@ -563,6 +582,10 @@ class LLMEngine:
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()
+        if self.draft_budget is not None and ran:
+            self.draft_budget.observe_step(plan.num_scheduled_tokens, executed.prepare_s + executed.forward_s)
+            for verified in executed.verified:
+                self.draft_budget.observe_verification(verified.num_drafts, verified.num_accepted)
 
     def take_aborted(self) -> list[RequestOutput]:
         """The final outputs of requests aborted since the last step, at once rather than

@@ -110,6 +110,9 @@ class EngineMetrics:
                 ("spec_draft_tokens", counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", vllm)),
                 ("spec_accepted_tokens", counter("vllm:spec_decode_num_accepted_tokens_total",
                                                  "Number of accepted tokens.", vllm)),
+                ("spec_trimmed_draft_tokens", counter(
+                    "inflight_spec_decode_num_trimmed_draft_tokens_total",
+                    "Draft tokens proposed but not verified: the adaptive budget judged they would not pay.", vllm)),
             ]
             per_position = family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                                   "Accepted tokens per draft position.", MF.COUNTER)
@@ -167,7 +170,7 @@ class EngineMetrics:
         self._weights = {label: engine.config.tenant_weights.get(label, 1.0) for label in tenant_labels}
         self._recent_service = dict.fromkeys(tenant_labels, 0.0)
         self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0,
-                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_trimmed_draft_tokens": 0}
         self._last_per_position = [0] * len(self.spec_per_position)
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.

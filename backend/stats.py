@@ -93,6 +93,8 @@ class Totals:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Drafts proposed but not verified: the adaptive budget judged they would not pay.
+    spec_trimmed_draft_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -14,9 +14,10 @@ MAX_PROMPT_LOOKUP = 16
 # The most tokens of a request's context that suffix decoding may match (vLLM's default: 24).
 MAX_SUFFIX_TREE_DEPTH = 64
 MAX_SUFFIX_CACHED_REQUESTS = 1_000_000
+COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "adaptive")
 KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
-    "suffix": ("method", "num_speculative_tokens", "suffix_decoding_max_tree_depth",
+    "ngram": COMMON_KEYS + ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": COMMON_KEYS + ("suffix_decoding_max_tree_depth",
                "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
                "suffix_decoding_min_token_prob"),
 }
@@ -30,6 +31,10 @@ def _refuse(message: str) -> None:
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
+    # No drafts in a step that runs at least this many requests (vLLM's key); None: no limit.
+    disable_by_batch_size: int | None = None
+    # Trim each step's drafts to those expected to raise its output tokens/s (adaptive.py).
+    adaptive: bool = True
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     suffix_decoding_max_tree_depth: int = 24
@@ -73,8 +78,13 @@ class SpeculativeConfig:
 
         # Suffix decoding drafts only as far as its matches reach, so it may be given the most.
         k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            _refuse(f"adaptive={adaptive!r} must be true or false")
+        common = dict(adaptive=adaptive, disable_by_batch_size=(
+            integer("disable_by_batch_size", 1, 1 << 20, 1) if value.get("disable_by_batch_size") is not None else None))
         if method == "suffix":
-            return cls(method, k,
+            return cls(method, k, **common,
                        suffix_decoding_max_tree_depth=integer("suffix_decoding_max_tree_depth", 1,
                                                               MAX_SUFFIX_TREE_DEPTH, 24),
                        suffix_decoding_max_cached_requests=integer("suffix_decoding_max_cached_requests", 0,
@@ -85,4 +95,4 @@ class SpeculativeConfig:
         lookup_max = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, max(lookup_min, 4))
         if lookup_min > lookup_max:
             _refuse(f"prompt_lookup_min={lookup_min} must be <= prompt_lookup_max={lookup_max}")
-        return cls(method, k, lookup_min, lookup_max)
+        return cls(method, k, **common, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)

@@ -24,7 +24,9 @@ from tests.engine.test_engine_equivalence import assert_matches_oracle, run_engi
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 49152
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# `adaptive` off: these tests need every proposed draft verified, whatever the steps cost.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 
 
 def _repetitive_prompt(rng: random.Random, segment: int, repeats: int, tail: int) -> list[int]:
@@ -91,7 +93,7 @@ def test_greedy_speculation_matches_transformers_and_plain_decoding(tiny_checkpo
         assert spec.stats.totals.preemptions > 0, "no preemption happened"
 
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False}
 
 
 @pytest.mark.parametrize("scenario", ["chunked", "recompute"])
@@ -305,7 +307,51 @@ def test_vllm_spec_decode_counters_follow_the_totals(tiny_checkpoint):
     assert value("vllm:spec_decode_num_drafts_total").value == totals.spec_drafts > 0
     assert value("vllm:spec_decode_num_draft_tokens_total").value == totals.spec_draft_tokens
     assert value("vllm:spec_decode_num_accepted_tokens_total").value == totals.spec_accepted_tokens > 0
+    assert value("inflight_spec_decode_num_trimmed_draft_tokens_total").value == totals.spec_trimmed_draft_tokens
     per_position = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)).value
                     for p in range(NGRAM["num_speculative_tokens"])]
     assert per_position == list(totals.spec_accepted_per_position) + [0] * (4 - len(totals.spec_accepted_per_position))
     assert value("vllm:spec_decode_num_drafts_total").labels["model_name"] == "llm"
+
+
+def test_no_drafts_while_the_batch_reaches_disable_by_batch_size(tiny_checkpoint, oracle):
+    """vLLM's disable_by_batch_size: no request drafts in a step that runs that many."""
+    drafted_with = []
+
+    def watch(engine: LLMEngine) -> None:
+        propose = engine._propose
+
+        def recorded():
+            propose()
+            drafted_with.extend(len(engine.scheduler.running) for r in engine.scheduler.running if r.spec_token_ids)
+        engine._propose = recorded
+
+    arrivals = [6 * i for i in range(len(PROMPTS))]  # from one request running to four
+    spec, spec_out, by_id = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=watch, max_num_seqs=4,
+                                       num_kv_blocks=64, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    assert drafted_with and max(drafted_with) < 3, drafted_with
+    assert spec.max_running >= 3
+
+
+def test_adaptive_budget_trims_drafts_and_output_stays_exact(tiny_checkpoint, oracle):
+    """A budget that has measured compute-bound steps (each token adds a millisecond) and
+    drafts that are never accepted keeps none of them; the output is unchanged."""
+    def steep(engine: LLMEngine) -> None:
+        budget = engine.draft_budget
+        for tokens in (1, 2, 4, 8, 16, 32, 64):
+            budget.observe_step(tokens, 0.001 * tokens)
+        budget.acceptance = [0.01] * len(budget.acceptance)
+        budget.observe_step = lambda num_tokens, seconds: None  # keep the measured costs as set
+        budget.observe_verification = lambda num_drafts, num_accepted: None
+
+    adaptive = {**NGRAM, "adaptive": True}
+    arrivals = spread_arrivals(len(PROMPTS))
+    spec, spec_out, by_id = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=steep,
+                                       max_num_seqs=4, num_kv_blocks=64, speculative_config=adaptive)
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    totals = spec.stats.totals
+    assert totals.spec_trimmed_draft_tokens > 0 and totals.spec_draft_tokens == 0
+    free, _, _ = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4, num_kv_blocks=64,
+                            speculative_config=adaptive)
+    assert free.stats.totals.spec_draft_tokens > 0, "with its own measurements the budget verified no draft"

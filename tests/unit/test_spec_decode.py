@@ -15,6 +15,7 @@ from backend.kv_cache import KVCacheManager
 from backend.request import Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.spec_decode import SpeculativeConfig
+from backend.spec_decode.adaptive import DraftBudget
 from backend.spec_decode.ngram import propose_ngram
 from backend.spec_decode.suffix import SuffixProposer
 from backend.spec_decode.verify import verify
@@ -26,7 +27,8 @@ def test_off_by_default_and_parsed_from_json_text(tmp_path):
     assert SpeculativeConfig.parse(None) is None
     config = EngineConfig.from_parameters(
         {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'}, str(tmp_path))
-    assert SpeculativeConfig.parse(config.speculative_config) == SpeculativeConfig("ngram", 3, 1, 5)
+    assert SpeculativeConfig.parse(config.speculative_config) == SpeculativeConfig(
+        "ngram", 3, prompt_lookup_min=1, prompt_lookup_max=5)
 
 
 @pytest.mark.parametrize("value, names", [
@@ -154,6 +156,8 @@ def test_suffix_config_takes_vllms_keys_and_defaults():
     ({**SUFFIX, "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests=-1"),
     ({**SUFFIX, "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob=1.5 must be a number in [0.0, 1.0]"),
     ({**SUFFIX, "suffix_decoding_max_spec_factor": "1"}, "suffix_decoding_max_spec_factor='1'"),
+    ({**SUFFIX, "adaptive": "yes"}, "adaptive='yes' must be true or false"),
+    ({**SUFFIX, "disable_by_batch_size": 0}, "disable_by_batch_size=0 must be an integer"),
 ])
 def test_bad_suffix_configs_refused_naming_the_key(value, names):
     with pytest.raises(ValueError, match="speculative_config") as info:
@@ -274,3 +278,51 @@ def test_suffix_cache_memory_follows_what_it_keeps():
     assert len(cache) == 4
     assert cache._tokens.size <= 4 * 2 * 41 * 2  # the live outputs, at most doubled twice
     assert sum(map(len, cache._bigram_ends.values())) <= 2 * 4 * 40  # no dead position kept long
+
+
+def _budget(cost_per_token: float, fixed: float, acceptance: list[float]) -> DraftBudget:
+    budget = DraftBudget(len(acceptance))
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+        budget.observe_step(tokens, fixed + cost_per_token * tokens)
+    budget.acceptance = list(acceptance)
+    return budget
+
+
+def test_budget_keeps_every_draft_until_it_has_measured_a_step():
+    assert DraftBudget(4).trim([4, 2, 0], 3, 3) == [4, 2, 0]
+
+
+def test_budget_keeps_every_draft_while_a_step_costs_the_same_whatever_its_tokens():
+    assert _budget(0.0, 0.05, [0.1] * 4).trim([4, 4, 3], 3, 3) == [4, 4, 3]
+
+
+def test_budget_keeps_the_drafts_likely_to_pay_when_each_row_costs_its_share():
+    # Compute-bound: a row costs as much as the fixed part of 30 rows. With 32 decodes, a
+    # draft pays when its expected acceptance beats (outputs so far) * (its share of the step).
+    budget = _budget(0.001, 0.030, [0.9, 0.5, 0.2, 0.1])
+    kept = budget.trim([4, 4], 32, 32)
+    assert kept == [1, 1]  # 0.9 pays; 0.45 does not
+    assert _budget(0.001, 0.030, [0.01] * 4).trim([4, 4], 32, 32) == [0, 0]
+    # Alone, a row adds 3% to the step: the drafts down to 0.09 expected tokens pay, the fourth
+    # (0.9 * 0.5 * 0.2 * 0.1 = 0.009) does not.
+    assert _budget(0.001, 0.030, [0.9, 0.5, 0.2, 0.1]).trim([4], 1, 1) == [3]
+
+
+def test_budget_prefers_the_requests_with_the_likelier_drafts_and_keeps_prefixes():
+    budget = _budget(0.0002, 0.030, [0.9, 0.8, 0.7, 0.6])
+    kept = budget.trim([1, 4, 2], 32, 32)
+    assert all(0 <= k <= n for k, n in zip(kept, [1, 4, 2]))
+    assert sum(kept) and kept[1] >= kept[2]
+
+
+def test_budget_learns_acceptance_per_position_and_cost_by_bucket():
+    budget = DraftBudget(3)
+    for _ in range(400):
+        budget.observe_verification(3, 1)  # the first accepted, the second rejected, the third never reached
+    assert budget.acceptance[0] > 0.99 and budget.acceptance[1] < 0.01 and budget.acceptance[2] == 0.5
+    for _ in range(100):
+        budget.observe_step(10, 0.2)
+        budget.observe_step(40, 0.8)
+    assert budget.step_seconds(25) == pytest.approx(0.5)
+    assert budget.step_seconds(5) == pytest.approx(0.2)
+    assert budget.step_seconds(70) == pytest.approx(1.4)

@@ -215,6 +215,7 @@ class EngineConfig:
         tokenizer = values.get("tokenizer") or ""
         if tokenizer and not os.path.isabs(tokenizer):
             values["tokenizer"] = os.path.normpath(os.path.join(model_dir, tokenizer))
+        values["speculative_config"] = _draft_model_path_resolved(values.get("speculative_config"), model_dir)
         if values.get("enable_lora") is not False and "lora_modules" not in values:
             lora_file = os.path.join(os.path.dirname(os.path.normpath(model_dir)), MULTI_LORA_FILE)
             if os.path.isfile(lora_file):
@@ -222,6 +223,20 @@ class EngineConfig:
             elif values.get("enable_lora"):
                 raise ValueError(f"invalid engine parameter: enable_lora=true but there is no {lora_file}")
         return cls(**values)
+
+
+def _draft_model_path_resolved(spec: Any, model_dir: str) -> Any:
+    """speculative_config with its draft `model` path, when relative, taken from `model_dir`
+    as `model_path` is; anything else as it came (SpeculativeConfig.parse judges it)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec) if spec.strip() else spec
+        except json.JSONDecodeError:
+            return spec
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if isinstance(model, str) and model and not os.path.isabs(model):
+        spec = {**spec, "model": os.path.normpath(os.path.join(model_dir, model))}
+    return spec
 
 
 @dataclass(frozen=True)

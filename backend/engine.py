@@ -123,7 +123,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
+        self.proposer = make_proposer(
+            self.speculative, target_vocab_size=self.vocab_size, target_vocab=self.tokenizer.get_vocab(),
+            dtype=self.dtype, device=self.device, num_blocks=num_blocks, block_size=config.block_size,
+            max_model_len=self.max_model_len,
+        ) if self.speculative is not None else None
         self.draft_budget = (DraftBudget(self.speculative.num_speculative_tokens)
                              if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
@@ -401,17 +405,22 @@ class LLMEngine:
         `adaptive`) only as many as the measured step costs and acceptance say will pay."""
         spec = self.speculative
         running = self.scheduler.running
-        speculating = []
         off = spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
+        asking, ks = [], []
         for request in running:
             k = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1)
             decoding = request.num_computed_tokens == request.num_tokens - 1
             if not off and k > 0 and decoding and can_speculate(request):
-                request.spec_token_ids = self.proposer.propose(request, k)
-                if request.spec_token_ids:
-                    speculating.append(request)
+                asking.append(request)
+                ks.append(k)
             elif request.spec_token_ids:
                 request.spec_token_ids = []
+        speculating = []
+        if asking:
+            for request, drafts in zip(asking, self.proposer.propose(asking, ks)):
+                request.spec_token_ids = drafts
+                if drafts:
+                    speculating.append(request)
         if speculating and self.draft_budget is not None:
             num_decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
             base_tokens = min(self.config.max_num_batched_tokens,

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
+QUANTIZATIONS = ("none", "int8", "int4")
 MAX_SPECULATIVE_TOKENS = 8
 # Longest n-gram matched against the request's own tokens: each step searches every length
 # from prompt_lookup_max down to prompt_lookup_min over the whole context.
@@ -20,6 +21,7 @@ KEYS = {
     "suffix": COMMON_KEYS + ("suffix_decoding_max_tree_depth",
                "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
                "suffix_decoding_min_token_prob"),
+    "draft_model": COMMON_KEYS + ("model", "quantization"),
 }
 
 
@@ -41,6 +43,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft's checkpoint (absolute, or relative to the model's version folder
+    # in config.pbtxt) and its load-time quantization.
+    model: str | None = None
+    quantization: str = "none"
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -61,7 +67,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(KEYS[method]))
         if unknown:
             _refuse(f"unknown key(s) {unknown} for method {method!r}; known keys: {list(KEYS[method])}")
-        if method == "ngram" and "num_speculative_tokens" not in value:
+        if method != "suffix" and "num_speculative_tokens" not in value:
             _refuse(f"num_speculative_tokens is required (1 to {MAX_SPECULATIVE_TOKENS})")
 
         def integer(key: str, low: int, high: int, default: int) -> int:
@@ -91,6 +97,14 @@ class SpeculativeConfig:
                                                                    MAX_SUFFIX_CACHED_REQUESTS, 10_000),
                        suffix_decoding_max_spec_factor=number("suffix_decoding_max_spec_factor", 0.0, 64.0, 1.0),
                        suffix_decoding_min_token_prob=number("suffix_decoding_min_token_prob", 0.0, 1.0, 0.1))
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                _refuse(f"model={model!r}: draft_model needs the draft checkpoint's path")
+            quantization = value.get("quantization", "none")
+            if quantization not in QUANTIZATIONS:
+                _refuse(f"quantization={quantization!r}, expected one of {list(QUANTIZATIONS)}")
+            return cls(method, k, **common, model=model, quantization=quantization)
         lookup_min = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP, 1)
         lookup_max = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, max(lookup_min, 4))
         if lookup_min > lookup_max:

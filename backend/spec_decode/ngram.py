@@ -36,8 +36,8 @@ class NgramProposer:
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        return propose_ngram(request.token_ids, k, self.lookup_min, self.lookup_max)
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [propose_ngram(r.token_ids, k, self.lookup_min, self.lookup_max) for r, k in zip(requests, ks)]
 
     def request_finished(self, request: Request) -> None:
         pass  # drafts come from the request's own tokens only

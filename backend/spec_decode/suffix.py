@@ -155,7 +155,10 @@ class SuffixProposer:
     def _scope(request: Request) -> tuple:
         return request.params.tenant, request.lora_name
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in zip(requests, ks)]
+
+    def propose_one(self, request: Request, k: int) -> list[int]:
         context = np.asarray(request.token_ids, dtype=np.int64)
         m, ends = longest_match(context, len(context) - 1, context, self.max_depth)
         best, best_score = self._follow(context, m, ends, k)

@@ -355,3 +355,74 @@ def test_adaptive_budget_trims_drafts_and_output_stays_exact(tiny_checkpoint, or
     free, _, _ = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4, num_kv_blocks=64,
                             speculative_config=adaptive)
     assert free.stats.totals.spec_draft_tokens > 0, "with its own measurements the budget verified no draft"
+
+
+def draft_model_config(path: str, **extra) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 4, "adaptive": False, **extra}
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "recompute"])
+def test_the_served_model_as_its_own_draft_is_accepted_and_exact(tiny_checkpoint, oracle, scenario):
+    """The target as its own draft proposes the target's own greedy tokens: nearly every draft
+    is accepted, beside prefill chunks and (with a small pool) preemptions, the output is
+    transformers' token for token, and the draft's cache gives back every block."""
+    config = dict(max_num_seqs=4, long_prefill_token_threshold=7, max_num_batched_tokens=40, num_kv_blocks=64)
+    if scenario == "recompute":
+        config.update(num_kv_blocks=9, preemption_mode="recompute")
+    arrivals = spread_arrivals(len(PROMPTS))
+    spec, spec_out, by_id = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=check_every_step,
+                                       speculative_config=draft_model_config(tiny_checkpoint), **config)
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    totals = spec.stats.totals
+    assert totals.spec_draft_tokens > 0
+    assert totals.spec_accepted_tokens >= 0.9 * totals.spec_draft_tokens
+    assert spec.proposer.num_free_blocks == spec.kv.num_blocks
+    if scenario == "recompute":
+        assert totals.preemptions > 0, "no preemption happened"
+
+
+def test_a_different_draft_model_keeps_the_output_exact_and_seeded_sampling_repeatable(tiny_checkpoint, oracle,
+                                                                                          tmp_path):
+    """A draft of another model (fewer layers, other weights) is mostly rejected; greedy output
+    stays transformers', and a seeded sampled request repeats whatever shares its batch."""
+    from backend.models.random_checkpoint import make_tiny_checkpoint
+
+    draft = make_tiny_checkpoint(str(tmp_path / "draft"), seed=7, num_hidden_layers=1)
+    spec_config = draft_model_config(draft)
+    arrivals = spread_arrivals(len(PROMPTS))
+    spec, spec_out, by_id = run_engine(tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4,
+                                       num_kv_blocks=64, speculative_config=spec_config)
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    assert spec.stats.totals.spec_draft_tokens > 0
+    assert spec.stats.totals.spec_accepted_tokens < spec.stats.totals.spec_draft_tokens
+    params = SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=25, ignore_eos=True)
+    alone = _run(tiny_checkpoint, [(PROMPTS[1], params)], speculative_config=spec_config)
+    busy = _run(tiny_checkpoint, [(PROMPTS[1], params)] +
+                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[5:8]],
+                speculative_config=spec_config)
+    assert alone["q0"]["tokens"] == busy["q0"]["tokens"] and len(alone["q0"]["tokens"]) == 25
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_served_model_quantized_drafts_for_itself(tiny_checkpoint, oracle, quantization):
+    """The served checkpoint, quantized at load, as its own draft. On this random-weight model
+    the logits are nearly flat, so int4's rounding moves many argmaxes (about 15% accepted);
+    int8 keeps most (about 80%)."""
+    arrivals = spread_arrivals(len(PROMPTS))
+    spec, spec_out, by_id = run_engine(
+        tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4, num_kv_blocks=64,
+        speculative_config=draft_model_config(tiny_checkpoint, quantization=quantization))
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    totals = spec.stats.totals
+    assert 0 < totals.spec_accepted_tokens < totals.spec_draft_tokens
+    if quantization == "int8":
+        assert totals.spec_accepted_tokens > 0.6 * totals.spec_draft_tokens
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_load(tiny_checkpoint, tmp_path):
+    from backend.models.random_checkpoint import make_tiny_checkpoint
+
+    draft = make_tiny_checkpoint(str(tmp_path / "small-vocab"), vocab_size=1024)
+    with pytest.raises(ValueError, match="speculative_config: model=.*vocabulary of 1024 tokens"):
+        LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=16,
+                               speculative_config=draft_model_config(draft)))

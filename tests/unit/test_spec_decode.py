@@ -183,10 +183,10 @@ def _proposer(**overrides) -> SuffixProposer:
 def test_suffix_follows_the_longest_match_in_the_requests_own_tokens():
     # "5 6 7" occurs once before, followed by 8 9; the 1-token match "7" alone also follows 7 -> 3.
     proposer = _proposer()
-    assert proposer.propose(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8, 9, 1]
+    assert proposer.propose_one(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8, 9, 1]
     # max_spec_factor caps the drafts at the match's length times the factor.
-    assert _proposer(max_spec_factor=0.5).propose(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8]
-    assert proposer.propose(_with_tokens([1, 2, 3, 4]), 4) == []
+    assert _proposer(max_spec_factor=0.5).propose_one(_with_tokens([7, 3, 5, 6, 7, 8, 9, 1, 5, 6, 7]), 4) == [8]
+    assert proposer.propose_one(_with_tokens([1, 2, 3, 4]), 4) == []
 
 
 def test_suffix_votes_by_frequency_and_stops_below_min_token_prob():
@@ -195,25 +195,25 @@ def test_suffix_votes_by_frequency_and_stops_below_min_token_prob():
         proposer.request_finished(_with_tokens([100] + output, prompt_len=1))
     # After "2 3": 4 three times in four, then 10 in two of those three: 3/4 * 2/3 = 0.5, then
     # each occurrence ends (a vote to stop).
-    assert proposer.propose(_with_tokens([50, 2, 3]), 8) == [4, 10]
-    assert _proposer(min_token_prob=0.6).propose(_with_tokens([50, 2, 3]), 8) == []
+    assert proposer.propose_one(_with_tokens([50, 2, 3]), 8) == [4, 10]
+    assert _proposer(min_token_prob=0.6).propose_one(_with_tokens([50, 2, 3]), 8) == []
     strict = _proposer(min_token_prob=0.6)
     for output in ([1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 3, 4, 10], [9, 2, 3, 5]):
         strict.request_finished(_with_tokens([100] + output, prompt_len=1))
-    assert strict.propose(_with_tokens([50, 2, 3]), 8) == [4]
+    assert strict.propose_one(_with_tokens([50, 2, 3]), 8) == [4]
 
 
 def test_suffix_cache_is_scoped_by_tenant_and_adapter_and_evicts_oldest_first():
     proposer = _proposer(max_cached_requests=2)
     proposer.request_finished(_with_tokens([0, 1, 2, 3, 4, 5], prompt_len=1, tenant="a"))
-    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a"), 3) == [3, 4]
-    assert proposer.propose(_with_tokens([9, 1, 2], tenant="b"), 3) == []
-    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a", lora="sql"), 3) == []
+    assert proposer.propose_one(_with_tokens([9, 1, 2], tenant="a"), 3) == [3, 4]
+    assert proposer.propose_one(_with_tokens([9, 1, 2], tenant="b"), 3) == []
+    assert proposer.propose_one(_with_tokens([9, 1, 2], tenant="a", lora="sql"), 3) == []
     proposer.request_finished(_with_tokens([0, 6, 7, 8], prompt_len=1, tenant="b"))
     proposer.request_finished(_with_tokens([0, 6, 7, 9], prompt_len=1, tenant="b"))
     assert proposer.num_cached_requests == 2
-    assert proposer.propose(_with_tokens([9, 1, 2], tenant="a"), 3) == []  # evicted
-    assert proposer.propose(_with_tokens([9, 6, 7], tenant="b"), 3) == [8]  # the lowest id of equals
+    assert proposer.propose_one(_with_tokens([9, 1, 2], tenant="a"), 3) == []  # evicted
+    assert proposer.propose_one(_with_tokens([9, 6, 7], tenant="b"), 3) == [8]  # the lowest id of equals
     assert _proposer(max_cached_requests=0).request_finished(_with_tokens([0, 1, 2, 3], prompt_len=1)) is None
 
 
@@ -266,7 +266,7 @@ def test_suffix_drafts_equal_the_suffix_tree_walk(outputs, context, k, depth, ke
     for output in outputs:
         proposer.request_finished(_with_tokens([99] + output, prompt_len=1))
     live = outputs[len(outputs) - keep:] if len(outputs) > keep else outputs
-    assert proposer.propose(_with_tokens(context), k) == _reference_drafts(live, context, k, depth, factor, min_prob)
+    assert proposer.propose_one(_with_tokens(context), k) == _reference_drafts(live, context, k, depth, factor, min_prob)
 
 
 def test_suffix_cache_memory_follows_what_it_keeps():
@@ -326,3 +326,25 @@ def test_budget_learns_acceptance_per_position_and_cost_by_bucket():
     assert budget.step_seconds(25) == pytest.approx(0.5)
     assert budget.step_seconds(5) == pytest.approx(0.2)
     assert budget.step_seconds(70) == pytest.approx(1.4)
+
+
+@pytest.mark.parametrize("value, names", [
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model=None: draft_model needs the draft checkpoint's path"),
+    ({"method": "draft_model", "model": "d"}, "num_speculative_tokens is required"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "quantization": "awq"},
+     "quantization='awq', expected one of ['none', 'int8', 'int4']"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+     "['prompt_lookup_min']"),
+])
+def test_bad_draft_model_configs_refused_naming_the_key(value, names):
+    with pytest.raises(ValueError, match="speculative_config") as info:
+        EngineConfig(model_path="m", speculative_config=value)
+    assert names in str(info.value)
+
+
+def test_a_relative_draft_model_path_is_taken_from_the_model_folder(tmp_path):
+    config = EngineConfig.from_parameters(
+        {"speculative_config": '{"method": "draft_model", "model": "../draft", "num_speculative_tokens": 3}'},
+        str(tmp_path / "1"))
+    parsed = SpeculativeConfig.parse(config.speculative_config)
+    assert parsed.model == str(tmp_path / "draft") and parsed.quantization == "none"

@@ -134,6 +134,12 @@ def run_engine(workload: Workload, model_path: str, overrides: dict, system: str
         "max_num_seqs": config.max_num_seqs,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
+        **({"spec_drafts": totals.spec_drafts, "spec_draft_tokens": totals.spec_draft_tokens,
+            "spec_accepted_tokens": totals.spec_accepted_tokens,
+            "spec_acceptance_rate": safe_ratio(totals.spec_accepted_tokens, totals.spec_draft_tokens),
+            "spec_accepted_per_position": list(totals.spec_accepted_per_position),
+            "spec_trimmed_draft_tokens": totals.spec_trimmed_draft_tokens}
+           if engine.speculative is not None else {}),
         "service_by_tenant": service,
         "service_timeline": timeline,
     }

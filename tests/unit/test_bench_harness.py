@@ -462,3 +462,26 @@ def test_step_profile_puts_each_function_in_its_class():
     assert classes == {"gemm": 0.4, "attention": 0.2, "sampler": 0.11, "elementwise": 0.09, "python": 0.08,
                        "openmp_wait": 0.04, "memory": 0.03, "other": 0.03, "linux_kernel": 0.02}
     assert next(iter(classes)) == "gemm" and top["sampler"][0][0] == 0.06
+
+
+@pytest.mark.slow
+def test_w9_reports_each_method_against_speculation_off(tmp_path):
+    """The W9 harness end to end on a tiny checkpoint: every method's run completes its tokens,
+    reports its acceptance, and carries its ratio to speculation off in the same workload."""
+    from client.bench import speculative
+
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"))
+    out = tmp_path / "w9.json"
+    assert speculative.main(["--model", path, "--requests", "2", "--max-tokens", "6", "--w1-requests", "0",
+                             "--methods", "off", "suffix", "draft_int8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python -m client.bench.speculative --model")
+    results = report["results"]
+    assert [(r["workload"], r["concurrency"], r["system"]) for r in results] == [
+        (w, c, m) for w, c in (("W9a", 1), ("W9a", 4), ("W9b", 1)) for m in ("off", "suffix", "draft_int8")]
+    for result in results:
+        assert result["all_token_counts_right"] and result["num_completed"] == 2
+        if result["system"] != "off":
+            assert result["ratio_to_off"]["output_tokens_per_s"] > 0
+            assert 0 <= result["spec_acceptance_rate"] <= 1
+    assert max(r["spec_draft_tokens"] for r in results if r["system"] == "draft_int8") > 0

@@ -549,8 +549,10 @@ class LLMEngine:
                 logprobs_delta.append(logprob_entry(token_id, lp, verified.top_logprobs[i], self.shared_tokenizer.decoder()))
             if stop is not None:
                 executed.num_generated += i + 1
+                self.scheduler.charge_accepted_drafts(request, i, plan)
                 return self.finish(request, *stop, token_ids=verified.token_ids[: i + 1], logprobs_delta=logprobs_delta)
         executed.num_generated += len(verified.token_ids)
+        self.scheduler.charge_accepted_drafts(request, verified.num_accepted, plan)
         self.scheduler.accept_drafts(request, verified.num_accepted)
         return RequestOutput.of(request, detok.take_delta(finished=False), verified.token_ids, logprobs_delta, now=now)
 

@@ -165,13 +165,23 @@ class Scheduler:
     def _charge(self, request: Request, num_new: int, plan: SchedulerOutput, sign: int = 1) -> None:
         """Charge `request`'s tenant for a grant of `num_new` tokens (`sign` -1: take it back).
         A grant that reaches the end of the request's tokens samples one output token; its
-        last token, when it was sampled, is that output's own input and not charged twice."""
-        # Draft tokens (speculative decoding) come after the last token: computed input.
+        last token, when it was sampled, is that output's own input and not charged twice.
+        Draft tokens (speculative decoding, after the last token) are not charged: the engine
+        chose to verify them, and a tenant pays for the drafts it gets as outputs
+        (`charge_accepted_drafts`), never for those rejected."""
+        drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
         reaches_end = request.num_computed_tokens + num_new >= request.num_tokens
         fed_back = reaches_end and request.num_tokens > request.num_prompt_tokens
         cfg = self.config
-        service = sign * (cfg.tenant_input_token_cost * (num_new - fed_back) + cfg.tenant_output_token_cost * reaches_end)
-        tenant = request.tenant
+        inputs = num_new - drafts - fed_back
+        self._add_service(request.tenant, sign * (cfg.tenant_input_token_cost * inputs
+                                                  + cfg.tenant_output_token_cost * reaches_end), plan)
+
+    def charge_accepted_drafts(self, request: Request, num_tokens: int, plan: SchedulerOutput) -> None:
+        """`request` took `num_tokens` accepted drafts as outputs, beyond the one output its grant paid."""
+        self._add_service(request.tenant, self.config.tenant_output_token_cost * num_tokens, plan)
+
+    def _add_service(self, tenant: str, service: float, plan: SchedulerOutput) -> None:
         plan.service_by_tenant[tenant] = plan.service_by_tenant.get(tenant, 0.0) + service
         self.policy.charge(tenant, service)
 

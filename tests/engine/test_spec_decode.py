@@ -426,3 +426,29 @@ def test_a_draft_of_another_vocabulary_is_refused_at_load(tiny_checkpoint, tmp_p
     with pytest.raises(ValueError, match="speculative_config: model=.*vocabulary of 1024 tokens"):
         LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=16,
                                speculative_config=draft_model_config(draft)))
+
+
+def test_a_tenant_is_charged_for_the_tokens_it_gets_not_for_the_drafts_verified(tiny_checkpoint):
+    """Under the fair policy a speculating request's tenant is charged what it is without
+    speculation: its prompt as input and every output token (accepted drafts included) as
+    output; rejected drafts cost it nothing."""
+    def service(**config) -> tuple[float, LLMEngine]:
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
+                                        scheduling_policy="fair", tenant_input_token_cost=1.0,
+                                        tenant_output_token_cost=4.0, **config))
+        if "speculative_config" in config:
+            propose_from(plain_tokens)(engine)
+        engine.add_request("q0", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, tenant="t"))
+        total = 0.0
+        while engine.has_unfinished():
+            engine.step()
+            total += dict(engine.stats.step.service_by_tenant).get("t", 0.0)
+        return total, engine
+
+    plain_tokens = _run(tiny_checkpoint, [(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                       ignore_eos=True))])["q0"]["tokens"]
+    plain, _ = service()
+    spec, engine = service(speculative_config=NGRAM)
+    assert_speculated(engine)
+    assert plain == len(PROMPTS[2]) * 1.0 + 20 * 4.0
+    assert spec == plain

@@ -106,8 +106,7 @@ class Sampler:
             # torch.log_softmax's bits, into a reused buffer (see __init__).
             raw_logprobs = torch._log_softmax(logits, -1, False, out=self._buffer(2, logits))
 
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._apply_penalties(logits, requests)
+        logits = self.adjust_logits(logits, requests, source)
         constrained_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
         if constrained_rows:
             if logits is source:
@@ -115,16 +114,6 @@ class Sampler:
             if self._grammar_masker is None:
                 self._grammar_masker = GrammarMasker(logits.shape[1])
             self._grammar_masker(logits, constrained_rows, requests)
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        for row, r in enumerate(requests):
-            banned = banned_token_ids(r)
-            banned_rows += [row] * len(banned)
-            banned_ids += banned
-        if banned_ids:
-            if logits is source:
-                logits = self._buffer(3, logits).copy_(logits)
-            logits[banned_rows, banned_ids] = float("-inf")  # one index_put for the batch
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -153,6 +142,26 @@ class Sampler:
                 for row, row_ids, row_values in zip(group, ids.tolist(), values.tolist()):
                     top[row] = list(zip(row_ids, row_values))
         return SampleResult(token_list, logprobs, top)
+
+    def adjust_logits(self, logits: torch.Tensor, requests: list[Request], source: torch.Tensor) -> torch.Tensor:
+        """The logits each row samples from, before any grammar: penalties by the row's tokens,
+        and the tokens it may not sample (`banned_token_ids`) at -inf. A row needs only what
+        `_apply_penalties` and `banned_token_ids` read of its request, so speculative
+        verification passes a view per drafted position. `source` is never written."""
+        if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+               for r in requests):
+            logits = self._apply_penalties(logits, requests)
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for row, r in enumerate(requests):
+            banned = banned_token_ids(r)
+            banned_rows += [row] * len(banned)
+            banned_ids += banned
+        if banned_ids:
+            if logits is source:
+                logits = self._buffer(3, logits).copy_(logits)
+            logits[banned_rows, banned_ids] = float("-inf")  # one index_put for the batch
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Repetition, presence and frequency penalties (vLLM's), into a workspace buffer.

@@ -11,9 +11,10 @@ drawn from p with t removed, renormalised; then each emitted token is distribute
 as p. Every uniform comes from the request's own generator when it has a seed
 (Sampler.uniforms), so a seeded request repeats exactly. Logprobs are the target's.
 
-Only requests whose target distribution does not depend on their previous output
-(no penalties, bad words, pending min_tokens or grammar: `can_speculate`) speculate, so
-every row of a request is processed as its plain decode row would be.
+Row j is adjusted as the plain decode step after drafts 0..j-1 would adjust it: penalties
+count those drafts among the output, bad words and min_tokens see them (`RowView`). A grammar
+(whose matcher would have to advance through the drafts) or a parallel-sampling group keeps
+a request from speculating (`can_speculate`).
 """
 
 from __future__ import annotations
@@ -41,24 +42,51 @@ class Verified:
 
 
 def can_speculate(request: Request) -> bool:
-    """Whether the request's rows are all processed alike: nothing in its sampling depends
-    on the tokens it has produced so far, so a drafted position's row needs no state that
-    only accepting the drafts before it would create."""
+    return request.params.speculative and request.group is None and request.grammar is None
+
+
+class RowView:
+    """A speculating request as of one verification row: its drafts before the row taken as
+    output. What the sampler's adjustments read (`Sampler.adjust_logits`)."""
+
+    __slots__ = ("params", "token_ids", "output_token_ids", "eos_token_ids", "bad_words_token_ids")
+    grammar = None
+
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self.params = request.params
+        self.token_ids = request.token_ids + drafts
+        self.output_token_ids = request.output_token_ids + drafts
+        self.eos_token_ids = request.eos_token_ids
+        self.bad_words_token_ids = request.bad_words_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def _adjusts(request: Request) -> bool:
     params = request.params
-    return (params.speculative and request.group is None and request.grammar is None
-            and not request.bad_words_token_ids and request.num_output_tokens >= params.min_tokens
-            and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty)
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                or request.bad_words_token_ids or request.num_output_tokens < params.min_tokens)
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], num_rows: list[int]) -> list[Verified]:
     """Each request's outcome from its `num_rows` consecutive logits rows (1 + its drafts
     scheduled this step; `request.spec_token_ids` holds the drafts)."""
-    greedy = argmax_rows(logits).tolist()
     row_requests = [r for r, n in zip(requests, num_rows) for _ in range(n)]
+    adjusted = logits
+    if any(map(_adjusts, requests)):
+        views = [RowView(r, r.spec_token_ids[:j]) for r, n in zip(requests, num_rows) for j in range(n)]
+        adjusted = sampler.adjust_logits(logits, views, logits)
+    greedy = argmax_rows(adjusted).tolist()
     sampled_rows = [row for row, r in enumerate(row_requests) if not r.params.greedy]
     probs = None
     if sampled_rows:
-        probs = sampler.target_probs(logits[sampled_rows], [row_requests[row] for row in sampled_rows])
+        probs = sampler.target_probs(adjusted[sampled_rows], [row_requests[row] for row in sampled_rows])
     prob_row = {row: i for i, row in enumerate(sampled_rows)}
     raw_logprobs = None
     if any(r.needs_logprobs for r in requests):

@@ -452,3 +452,30 @@ def test_a_tenant_is_charged_for_the_tokens_it_gets_not_for_the_drafts_verified(
     assert_speculated(engine)
     assert plain == len(PROMPTS[2]) * 1.0 + 20 * 4.0
     assert spec == plain
+
+
+def test_penalties_and_min_tokens_apply_to_every_drafted_position(tiny_checkpoint):
+    """Repetition, presence and frequency penalties and a pending min_tokens: verification row
+    j counts the drafts before it as output, as the plain step after them would, so greedy
+    output is token for token that of plain decoding, with drafts accepted and rejected; a
+    seeded sampled request with penalties repeats exactly beside other requests."""
+    free = _run(tiny_checkpoint, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30,
+                                                               ignore_eos=True))])["q0"]["tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.4, frequency_penalty=0.3, min_tokens=12, stop_token_ids=[free[1]])
+    plain = _run(tiny_checkpoint, [(PROMPTS[0], params)])
+    assert plain["q0"]["tokens"] != free
+    drafts = propose_from(plain["q0"]["tokens"])
+    spec = _run(tiny_checkpoint, [(PROMPTS[0], params)], on_engine=drafts, speculative_config=NGRAM)
+    assert spec["q0"]["tokens"] == plain["q0"]["tokens"]
+    assert spec["q0"]["final"].finish_reason == plain["q0"]["final"].finish_reason
+    assert_speculated(spec["engine"])
+    sampled = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=25, ignore_eos=True,
+                             repetition_penalty=1.2, frequency_penalty=0.5)
+    drafts = propose_from(_run(tiny_checkpoint, [(PROMPTS[2], sampled)])["q0"]["tokens"])
+    alone = _run(tiny_checkpoint, [(PROMPTS[2], sampled)], on_engine=drafts, speculative_config=NGRAM)
+    busy = _run(tiny_checkpoint, [(PROMPTS[2], sampled)] +
+                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[4:7]],
+                on_engine=drafts, speculative_config=NGRAM)
+    assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
+    assert alone["engine"].stats.totals.spec_accepted_tokens > 0

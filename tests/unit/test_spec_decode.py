@@ -348,3 +348,15 @@ def test_a_relative_draft_model_path_is_taken_from_the_model_folder(tmp_path):
         str(tmp_path / "1"))
     parsed = SpeculativeConfig.parse(config.speculative_config)
     assert parsed.model == str(tmp_path / "draft") and parsed.quantization == "none"
+
+
+def test_a_bad_word_completed_by_the_drafts_before_a_row_is_banned_in_that_row():
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    request = _request(params, [5, 7])
+    request.bad_words_token_ids = ((5, 7),)
+    logits = torch.full((3, 10), -5.0)
+    logits[0, 5] = 3.0
+    logits[1, 7], logits[1, 2] = 3.0, 2.0  # 7 would finish the bad word 5 7: the row takes 2
+    logits[2, 1] = 3.0
+    (verified,) = verify(Sampler(), logits, [request], [3])
+    assert verified.token_ids == [5, 2] and verified.num_accepted == 1

@@ -540,7 +540,12 @@ class LLMEngine:
         wants_logprobs = request.params.logprobs is not None
         logprobs_delta = [] if wants_logprobs else None
         for i, token_id in enumerate(verified.token_ids):
+            accepted = request.grammar is None or request.grammar.accept(request, token_id)
             self.scheduler.append_token(request, token_id, now, plan)
+            if not accepted:  # every row is masked by its grammar state: a broken invariant
+                return self.finish(request, FinishReason.ERROR, error=RequestError(
+                    RequestError.INTERNAL,
+                    f"internal error: structured_outputs: verified token {token_id} is outside the grammar"))
             stop = check_stop(request, token_id, detok.add_token)
             lp = verified.logprobs[i]
             if lp is not None:

@@ -184,3 +184,32 @@ class GrammarMasker:
         if bitmask.device != logits.device:  # filled on the CPU; applied where the logits are
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+def mask_drafted_rows(logits: torch.Tensor, requests: list[Request], num_rows: list[int]) -> None:
+    """Speculative verification: each constrained request's rows masked, in place, by its
+    grammar as of that row: row j allows what may follow its output and drafts 0..j-1. The
+    matcher walks the drafts and is rolled back, so it still holds only the output (the
+    accepted tokens advance it as plain samples do). Rows past a draft the grammar refuses
+    are never reached (that draft is masked in its own row, so rejected) and stay as they are."""
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    rows: list[int] = []
+    first = 0
+    for request, n in zip(requests, num_rows):
+        if request.grammar is not None:
+            matcher = request.grammar.matcher(request.output_token_ids)
+            walked = 0
+            for j in range(n):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                rows.append(first + j)
+                if j == n - 1 or not matcher.accept_token(request.spec_token_ids[j]):
+                    break
+                walked += 1
+                if matcher.is_terminated():
+                    break  # that draft is the stop token: the request ends there if it is accepted
+            if walked:
+                matcher.rollback(walked)
+        first += n
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=rows)
+

@@ -12,9 +12,9 @@ as p. Every uniform comes from the request's own generator when it has a seed
 (Sampler.uniforms), so a seeded request repeats exactly. Logprobs are the target's.
 
 Row j is adjusted as the plain decode step after drafts 0..j-1 would adjust it: penalties
-count those drafts among the output, bad words and min_tokens see them (`RowView`). A grammar
-(whose matcher would have to advance through the drafts) or a parallel-sampling group keeps
-a request from speculating (`can_speculate`).
+count those drafts among the output, bad words and min_tokens see them (`RowView`), and a
+grammar masks the row by its state after them (`mask_drafted_rows`). A parallel-sampling
+group keeps a request from speculating (`can_speculate`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from backend.request import Request
 from backend.sampler import Sampler, argmax_rows, sample_from_probs
+from backend.structured_output import mask_drafted_rows
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Verified:
 
 
 def can_speculate(request: Request) -> bool:
-    return request.params.speculative and request.group is None and request.grammar is None
+    return request.params.speculative and request.group is None
 
 
 class RowView:
@@ -82,6 +83,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], num_
     if any(map(_adjusts, requests)):
         views = [RowView(r, r.spec_token_ids[:j]) for r, n in zip(requests, num_rows) for j in range(n)]
         adjusted = sampler.adjust_logits(logits, views, logits)
+    if any(r.grammar is not None for r in requests):
+        if adjusted is logits:
+            adjusted = logits.clone()  # never write into the caller's tensor
+        mask_drafted_rows(adjusted, requests, num_rows)
     greedy = argmax_rows(adjusted).tolist()
     sampled_rows = [row for row, r in enumerate(row_requests) if not r.params.greedy]
     probs = None

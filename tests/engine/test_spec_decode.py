@@ -10,7 +10,9 @@ KV manager's invariants hold after every step and nothing leaks.
 from __future__ import annotations
 
 import collections
+import json
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -479,3 +481,37 @@ def test_penalties_and_min_tokens_apply_to_every_drafted_position(tiny_checkpoin
                 on_engine=drafts, speculative_config=NGRAM)
     assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
     assert alone["engine"].stats.totals.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("constraint", [{"json": {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "n"], "additionalProperties": False}}, {"regex": r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"}],
+    ids=["json", "regex"])
+def test_structured_outputs_mask_every_drafted_position(tiny_checkpoint, constraint):
+    """A constrained request speculates: row j is masked by the grammar after drafts 0..j-1
+    (a draft the grammar refuses is masked in its own row, so rejected), the matcher is rolled
+    back, and the accepted tokens advance it. Greedy output is plain decoding's token for
+    token; a seeded sampled one repeats beside other requests and stays in the language."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+    plain = _run(tiny_checkpoint, [(PROMPTS[0], greedy)])
+    spec = _run(tiny_checkpoint, [(PROMPTS[0], greedy)], on_engine=propose_from(plain["q0"]["tokens"]),
+                speculative_config=NGRAM)
+    assert spec["q0"]["tokens"] == plain["q0"]["tokens"]
+    assert spec["q0"]["final"].finish_reason == plain["q0"]["final"].finish_reason == "stop"
+    assert_speculated(spec["engine"])
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=constraint)
+    drafts = propose_from(_run(tiny_checkpoint, [(PROMPTS[1], sampled)])["q0"]["tokens"])
+    alone = _run(tiny_checkpoint, [(PROMPTS[1], sampled)], on_engine=drafts, speculative_config=NGRAM)
+    busy = _run(tiny_checkpoint, [(PROMPTS[1], sampled)] +
+                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[4:7]],
+                on_engine=drafts, speculative_config=NGRAM)
+    assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
+    assert alone["engine"].stats.totals.spec_accepted_tokens > 0
+    engine = alone["engine"]
+    for run, params in ((spec, greedy), (alone, sampled)):
+        text = engine.tokenizer.decode(run["q0"]["tokens"], skip_special_tokens=True)
+        if "regex" in constraint:
+            assert re.fullmatch(constraint["regex"], text), text
+        else:
+            value = json.loads(text)
+            assert set(value) == {"name", "n"} and 0 <= value["n"] <= 99

@@ -13,8 +13,8 @@ as p. Every uniform comes from the request's own generator when it has a seed
 
 Row j is adjusted as the plain decode step after drafts 0..j-1 would adjust it: penalties
 count those drafts among the output, bad words and min_tokens see them (`RowView`), and a
-grammar masks the row by its state after them (`mask_drafted_rows`). A parallel-sampling
-group keeps a request from speculating (`can_speculate`).
+grammar masks the row by its state after them (`mask_drafted_rows`). Each sequence of a
+parallel-sampling group speculates on its own.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Verified:
 
 
 def can_speculate(request: Request) -> bool:
-    return request.params.speculative and request.group is None
+    return request.params.speculative
 
 
 class RowView:

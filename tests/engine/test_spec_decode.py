@@ -515,3 +515,57 @@ def test_structured_outputs_mask_every_drafted_position(tiny_checkpoint, constra
         else:
             value = json.loads(text)
             assert set(value) == {"name", "n"} and 0 <= value["n"] <= 99
+
+
+def test_each_sequence_of_a_parallel_sampling_group_speculates_on_its_own(tiny_checkpoint):
+    """n = 3 (and best_of = 4 for n = 2): the sequences fork from the shared prompt blocks and
+    each verifies its own drafts (copy-on-write of the shared last prompt block before the
+    first write); every sequence has its tokens, the group one final output, a seeded group
+    the same tokens beside other requests, and every block comes back."""
+    drafted: set[int] = set()
+
+    def run(params: SamplingParams, others: int) -> tuple[dict[int, list[int]], LLMEngine]:
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
+                                        speculative_config=NGRAM))
+        def propose():  # every sequence of q0 drafts from the greedy continuation, one position corrupted
+            for request in engine.scheduler.running:
+                request.spec_token_ids = []
+                room = min(4, request.max_tokens - request.num_output_tokens - 1)
+                if room > 0 and request.num_computed_tokens == request.num_tokens - 1 and request.request_id.split("/")[0] == "q0":
+                    drafts = continuation[request.num_output_tokens:][:room]
+                    wrong = (request.num_output_tokens + request.seq_index) % (room + 1)
+                    if wrong < len(drafts):
+                        drafts[wrong] = (drafts[wrong] + 1) % VOCAB
+                    request.spec_token_ids = drafts
+                    drafted.add(request.seq_index)
+        engine._propose = propose
+        check_every_step(engine)
+        engine.add_request("q0", PROMPTS[3], params)
+        for i in range(others):
+            engine.add_request(f"o{i}", PROMPTS[4 + i], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+        tokens: dict[int, list[int]] = collections.defaultdict(list)
+        finals = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != "q0":
+                    continue
+                for index, sequence in enumerate(out.sequences or []):
+                    if sequence is not None:
+                        tokens[index] += sequence.token_ids_delta
+                finals += out.finished
+        assert finals == 1
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
+        return dict(tokens), engine
+
+    continuation = _run(tiny_checkpoint, [(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                       ignore_eos=True))])["q0"]["tokens"]
+    for params in (SamplingParams(n=3, temperature=0.01, seed=11, max_tokens=20, ignore_eos=True),
+                   SamplingParams(n=2, best_of=4, temperature=0.01, seed=12, max_tokens=20, ignore_eos=True)):
+        drafted.clear()
+        alone, engine = run(params, 0)
+        assert drafted == set(range(params.best_of or params.n)), "not every sequence drafted"
+        busy, _ = run(params, 3)
+        assert alone == busy
+        assert len(alone) == (params.best_of or params.n) and all(len(t) == 20 for t in alone.values())
+        totals = engine.stats.totals
+        assert 0 < totals.spec_accepted_tokens < totals.spec_draft_tokens

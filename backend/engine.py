@@ -124,6 +124,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         # What a transfer's blocks must look like to be imported here, and what ours look like.
         self.kv_layout = KVLayout.of(self.runner.kv_blocks, config.block_size)
+        # (KV bytes, seconds) of each transfer made since the last step's stats.
+        self._kv_transfers: list[tuple[int, float]] = []
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         if self.device.type == "cuda":
             self.warm_up()
@@ -562,12 +564,15 @@ class LLMEngine:
                    top_logprobs: list[tuple[int, float]] | None, logprobs_delta: list[dict] | None) -> RequestOutput:
         """role prefill: `request` has its first token; its prompt's KV and its state go into a
         transfer, and it ends here (its blocks freed) with a final output carrying the handle."""
+        started = time.perf_counter()
+        num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
         try:
-            handle = export_request(request, self.kv.blocks_needed(request.num_prompt_tokens), self.runner.kv_blocks,
-                                    self.kv_layout, request_header(request, logprob, top_logprobs))
+            handle = export_request(request, num_blocks, self.runner.kv_blocks, self.kv_layout,
+                                    request_header(request, logprob, top_logprobs))
         except OSError as exc:  # /dev/shm full
             return self.finish(request, FinishReason.ERROR, error=RequestError(
                 RequestError.UNAVAILABLE, f"could not export the request's KV for its decode instance: {exc}"))
+        self._kv_transfers.append((num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
         output = self.finish(request, FinishReason.TRANSFERRED, token_ids=[token_id], logprobs_delta=logprobs_delta)
         output.transfer = handle  # before anyone else sees the output
         return output
@@ -582,6 +587,7 @@ class LLMEngine:
         if self.config.role != "decode":
             raise RequestError.invalid("transfer", f"this model's role is {self.config.role!r}; only role 'decode' "
                                        "imports a transfer")
+        started = time.perf_counter()
         transfer = Transfer(handle)
         try:
             if transfer.layout != self.kv_layout:
@@ -599,6 +605,7 @@ class LLMEngine:
             transfer.write_blocks(request.block_ids[: transfer.num_blocks], self.runner.kv_blocks)
         finally:
             transfer.close()
+        self._kv_transfers.append((transfer.num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
         request.prompt_text = prompt_text
         request.generator = restore_generator(header["generator_state"])
         request.num_cached_prompt_tokens = header["num_cached_prompt_tokens"]
@@ -636,7 +643,9 @@ class LLMEngine:
         step = step_stats(plan, ran=ran, num_running=num_running, num_waiting=num_waiting,
                           num_generated_tokens=executed.num_generated, prepare_time_s=executed.prepare_s,
                           forward_time_s=executed.forward_s, update_time_s=update_s,
-                          accepted_per_draft=[(v.num_drafts, v.num_accepted) for v in executed.verified])
+                          accepted_per_draft=[(v.num_drafts, v.num_accepted) for v in executed.verified],
+                          kv_transfers=tuple(self._kv_transfers))
+        self._kv_transfers.clear()
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()

@@ -50,8 +50,14 @@ def test_a_stream_is_one_ordinary_stream_with_one_final_response(disaggregated_s
     assert outcome.text == aggregated.text and len(outcome.responses) > 1
     assert outcome.total("num_output_tokens") == MAX_TOKENS
     assert output(outcome.last, "finish_reason") == "length"
-    metrics = wait_idle(disaggregated_server.metrics_port, "llm_decode")
-    wait_idle(disaggregated_server.metrics_port, "llm_prefill")
+    wait_idle(disaggregated_server.metrics_port, "llm_decode")
+    metrics = wait_idle(disaggregated_server.metrics_port, "llm_prefill")
+    # Every request handed over was taken: the same transfers and bytes on both sides.
+    exported, imported = ({name: metrics.get(name, model=model) for name in (
+        "inflight_kv_transfers_total", "inflight_kv_transfer_bytes_total", "inflight_kv_transfer_seconds_count")}
+        for model in ("llm_prefill", "llm_decode"))
+    assert exported == imported and exported["inflight_kv_transfer_bytes_total"] > 0
+    assert exported["inflight_kv_transfers_total"] == exported["inflight_kv_transfer_seconds_count"] >= 4
     # The prefill model ends its part of each request with "transferred"; the decode model
     # finishes the request.
     assert metrics.get("inflight_requests_finished_total", model="llm_decode", finish_reason="length") >= 1

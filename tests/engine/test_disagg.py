@@ -186,6 +186,12 @@ def test_disaggregated_greedy_tokens_are_the_aggregated_engines_and_transformers
     # The prefill engine computed every prompt; the decode engine computed no prompt token.
     assert prefill.stats.totals.prefilled_prompt_tokens == sum(map(len, PROMPTS))
     assert decode.stats.totals.prompt_tokens == decode.stats.totals.prefilled_prompt_tokens == 0
+    # Each request's prompt blocks crossed once: exported by one engine, imported by the other.
+    block_bytes = prefill.kv_layout.block_bytes
+    moved = sum(prefill.kv.blocks_needed(len(p)) for p in PROMPTS) * block_bytes
+    for engine in (prefill, decode):
+        assert engine.stats.totals.kv_transfers == len(PROMPTS)
+        assert engine.stats.totals.kv_transfer_bytes == moved
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

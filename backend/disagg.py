@@ -188,6 +188,8 @@ class Transfer:
             raise RequestError(RequestError.INVALID_ARG,
                                f"transfer: no KV transfer named {handle!r} (never exported, already imported "
                                "or discarded)", "transfer") from None
+        except (OSError, ValueError) as exc:  # a name the system refuses
+            raise RequestError.invalid("transfer", f"cannot open KV transfer {handle[:80]!r}: {exc}") from None
         try:
             (length,) = HEADER_LENGTH.unpack_from(self._segment.buf, 0)
             body = msgspec.msgpack.decode(bytes(self._segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + length]))

@@ -155,7 +155,9 @@ def test_transfer_round_trip_moves_the_blocks_bytes_and_the_state(dtype):
 
 def test_a_handle_that_names_no_transfer_is_one_clear_error(tiny_checkpoint):
     decode = _engine(tiny_checkpoint, "decode")
-    for handle, words in ((SHM_PREFIX + "0" * 24, "no KV transfer named"), ("/etc/passwd", "not a KV transfer handle")):
+    cases = ((SHM_PREFIX + "0" * 24, "no KV transfer named"), ("/etc/passwd", "not a KV transfer handle"),
+             (SHM_PREFIX + "x" * 300, "cannot open KV transfer"))
+    for handle, words in cases:
         with pytest.raises(RequestError) as info:
             decode.import_request(handle)
         assert info.value.code == RequestError.INVALID_ARG and words in str(info.value)

@@ -601,7 +601,7 @@ class LLMEngine:
             if not self.scheduler.adopt(request, request.num_prompt_tokens):
                 raise RequestError(RequestError.UNAVAILABLE, (
                     f"this decode instance is full: {self.num_running} of max_num_seqs={self.config.max_num_seqs} "
-                    f"running, {self.kv.pool.num_free} KV blocks free, {transfer.num_blocks} needed"))
+                    f"running, {self.kv.pool.num_free} KV blocks free, {transfer.num_blocks} needed; retry later"))
             transfer.write_blocks(request.block_ids[: transfer.num_blocks], self.runner.kv_blocks)
         finally:
             transfer.close()

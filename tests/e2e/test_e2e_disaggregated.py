@@ -84,3 +84,33 @@ def test_an_invalid_request_is_refused_by_name_through_the_bls_model(disaggregat
     outcome = generate(disaggregated_server.grpc_url, "llm", inputs_for(PROMPTS[0], {"temperature": -1}))
     assert outcome.finals == 1 and outcome.error is not None
     assert outcome.message.startswith("temperature")
+
+
+def test_a_full_decode_model_refuses_with_unavailable_and_nothing_leaks(disaggregated_server):
+    """12 requests at once against a decode model of max_num_seqs 8: the prefill model hands
+    over the first 8 together, and the 4 after them reach a decode batch still busy with those
+    8 for dozens of steps. Each request ends with exactly one final response: all its tokens,
+    or UNAVAILABLE naming what is full; then neither engine holds a block or a transfer."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    sampling = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+
+    def ask(i: int):  # a stream each: an error response carries no request id
+        return generate(disaggregated_server.grpc_url, "llm", inputs_for(f"{PROMPTS[2]} ({i})", sampling, stream=True),
+                        timeout=300)
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(ask, range(12)))
+    refused = [o for o in outcomes if o.error is not None]
+    assert all(o.finals == 1 and o.after_final == 0 for o in outcomes)
+    assert refused and len(refused) <= 4
+    for outcome in refused:
+        assert "decode instance is full" in outcome.message and "max_num_seqs=8" in outcome.message
+        assert "retry later" in outcome.message  # how a gRPC stream tells UNAVAILABLE from a bad request
+    for outcome in outcomes:
+        if outcome.error is None:
+            assert outcome.total("num_output_tokens") == 48
+    for model in ("llm_prefill", "llm_decode"):
+        wait_idle(disaggregated_server.metrics_port, model)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)]

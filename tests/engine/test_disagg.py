@@ -234,6 +234,7 @@ def test_a_full_decode_instance_refuses_with_unavailable(tiny_checkpoint):
     with pytest.raises(RequestError) as info:
         decode.import_request(handles[1])
     assert info.value.code == RequestError.UNAVAILABLE and "max_num_seqs=1" in str(info.value)
+    assert str(info.value).endswith("retry later")
     assert handles[1] not in _shm_transfers()  # consumed though refused
     while decode.has_unfinished():
         decode.step()

@@ -2,6 +2,7 @@
 #
 #   make setup   idempotent: .venv (pinned), .triton/ (local tritonserver), .models/ (default checkpoint)
 #   make serve   tritonserver on $(MODEL_REPOSITORY), HTTP $(HTTP_PORT), gRPC $(GRPC_PORT), metrics $(METRICS_PORT)
+#   make serve-disaggregated   the same on model_repository_disaggregated/: `llm` (BLS) -> llm_prefill -> llm_decode
 #   make test    setup, then the whole pytest suite
 #   make test-fast   setup, then the unit, kernel and engine tests but the slow ones: no tritonserver, no deploy tools
 #   make openai  OpenAI-compatible API on 127.0.0.1:$(OPENAI_PORT), beside `make serve`
@@ -42,10 +43,10 @@ TRITON_STAMP := .triton/.inflight-setup
 MODEL_STAMP := $(DEFAULT_MODEL_DIR)/.inflight-complete
 CPU_KERNELS := .build/cpu_kernels/inflight_cpu_kernels.so
 
-.PHONY: help setup serve test test-fast bench lint clean distclean
+.PHONY: help setup serve serve-disaggregated test test-fast bench lint clean distclean
 
 help:
-	@echo "make setup | serve | openai | cluster | test | test-fast | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
+	@echo "make setup | serve | serve-disaggregated | openai | cluster | test | test-fast | bench | perf | genai-perf | peers | vllm-backend-peer | deploy-tools | deploy-render | lint | clean | distclean"
 	@echo "  serve vars: MODEL_REPOSITORY=$(MODEL_REPOSITORY) HOST=$(HOST) HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT)"
 
 setup: $(VENV_STAMP) $(TRITON_STAMP) $(MODEL_STAMP) $(CPU_KERNELS)
@@ -72,6 +73,12 @@ $(CPU_KERNELS): $(VENV_STAMP) kernels/cpu_ext.py $(wildcard kernels/cpu/*.cpp ke
 
 serve: setup
 	$(VPY) -m tools.serve --model-repository "$(MODEL_REPOSITORY)" --host "$(HOST)" \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--log-verbose $(LOG_VERBOSE)
+
+# Disaggregated prefill and decode (docs/features.md): the same ports, the entry model `llm` too.
+serve-disaggregated: setup
+	$(VPY) -m tools.serve --model-repository model_repository_disaggregated --host "$(HOST)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--log-verbose $(LOG_VERBOSE)
 

@@ -36,6 +36,10 @@ QUANTIZATION_MODES = ("none", "int8", "int4")
 # kv_cache_dtype: "auto" keeps KV in the model's dtype; "int8" stores each (token, KV head)
 # row as int8 with a float32 scale (kernels/kv_store.py's QuantizedKV).
 KV_CACHE_DTYPES = ("auto", "int8")
+# What the engine does with a request (backend/disagg.py): "both" serves it whole; "prefill"
+# runs its prompt and first token, then exports it; "decode" imports such a request and
+# generates the rest.
+ROLES = ("both", "prefill", "decode")
 GROUP_SIZES = (32, 64, 128)
 # A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
 # printable, since it becomes a metric label.
@@ -134,6 +138,8 @@ class EngineConfig:
     # Speculative decoding (backend/spec_decode/), vLLM's object: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; None: off.
     speculative_config: dict | None = None
+    # Disaggregated serving (ROLES): this engine's part of a request.
+    role: str = "both"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -186,6 +192,7 @@ class EngineConfig:
               f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES}")
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
+        check(self.role in ROLES, f"role={self.role!r}, expected one of {ROLES}")
         SpeculativeConfig.parse(self.speculative_config)  # refuses a bad one, naming the key
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)
         check(bind_problem is None, str(bind_problem))

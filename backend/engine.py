@@ -27,6 +27,7 @@ import torch
 
 from backend.config import EngineConfig, resolve_max_model_len, token_budget
 from backend.detokenizer import IncrementalDetokenizer, SharedTokenizer
+from backend.disagg import KVLayout, Transfer, export_request, request_header, restore_generator
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
 from backend.lora import install_adapters, load_adapter
@@ -122,6 +123,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.swap_space)
         self.runner = ModelRunner(config, self.model, self.arch, num_blocks, num_host_blocks, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        # What a transfer's blocks must look like to be imported here, and what ours look like.
+        self.kv_layout = KVLayout.of(self.runner.kv_blocks, config.block_size)
+        # (KV bytes, seconds) of each transfer made since the last step's stats.
+        self._kv_transfers: list[tuple[int, float]] = []
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = make_proposer(
             self.speculative, target_vocab_size=self.vocab_size, target_vocab=self.tokenizer.get_vocab(),
@@ -213,6 +218,8 @@ class LLMEngine:
         (validation.Admission); RequestError for the first it fails."""
         admitted = self.admission.check(prompt, params)
         num_seqs = params.num_sequences
+        if self.config.role != "both":
+            self._check_disaggregable(params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=admitted.prompt_token_ids,
@@ -237,6 +244,14 @@ class LLMEngine:
         if params.structured_outputs is not None:
             request.grammar = GrammarState(self.grammar_compiler.submit(params.structured_outputs))
         return request
+
+    def _check_disaggregable(self, params: SamplingParams) -> None:
+        """What a request handed over between a prefill and a decode engine cannot carry yet."""
+        role = self.config.role
+        if params.num_sequences > 1:
+            raise RequestError.invalid("n", f"at most 1 sequence (n, best_of) with disaggregated serving (role {role})")
+        if params.structured_outputs is not None:
+            raise RequestError.invalid("structured_outputs", f"not supported with disaggregated serving (role {role})")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     needs_logprobs: bool = False, arrival_time: float | None = None, trace: bool = False) -> Request:
@@ -576,7 +591,78 @@ class LLMEngine:
             logprobs_delta = [logprob_entry(token_id, lp, sampled.top_logprobs[row], self.shared_tokenizer.decoder())]
         if stop is not None:
             return self.finish(request, *stop, token_ids=[token_id], logprobs_delta=logprobs_delta)
+        if self.config.role == "prefill":
+            return self._hand_over(request, token_id, lp, sampled.top_logprobs[row], logprobs_delta)
         return RequestOutput.of(request, detok.take_delta(finished=False), [token_id], logprobs_delta, now=now)
+
+    # ---- disaggregated serving (backend/disagg.py) --------------------------------------
+
+    def _hand_over(self, request: Request, token_id: int, logprob: float | None,
+                   top_logprobs: list[tuple[int, float]] | None, logprobs_delta: list[dict] | None) -> RequestOutput:
+        """role prefill: `request` has its first token; its prompt's KV and its state go into a
+        transfer, and it ends here (its blocks freed) with a final output carrying the handle."""
+        started = time.perf_counter()
+        num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
+        try:
+            handle = export_request(request, num_blocks, self.runner.kv_blocks, self.kv_layout,
+                                    request_header(request, logprob, top_logprobs))
+        except OSError as exc:  # /dev/shm full
+            return self.finish(request, FinishReason.ERROR, error=RequestError(
+                RequestError.UNAVAILABLE, f"could not export the request's KV for its decode instance: {exc}"))
+        self._kv_transfers.append((num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
+        output = self.finish(request, FinishReason.TRANSFERRED, token_ids=[token_id], logprobs_delta=logprobs_delta)
+        output.transfer = handle  # before anyone else sees the output
+        return output
+
+    def import_request(self, handle: str, request_id: str | None = None, prompt_text: str = "",
+                       arrival_time: float | None = None) -> tuple[Request, RequestOutput]:
+        """role decode: the request a prefill engine exported as `handle`, straight into the
+        running batch after its first token (the transfer is consumed, whatever the outcome);
+        the request and its first output, which carries the first token. RequestError:
+        INVALID_ARG for a handle that names no transfer, or one of another KV layout or a
+        request this engine refuses; UNAVAILABLE when the batch or the KV pool is full."""
+        if self.config.role != "decode":
+            raise RequestError.invalid("transfer", f"this model's role is {self.config.role!r}; only role 'decode' "
+                                       "imports a transfer")
+        started = time.perf_counter()
+        transfer = Transfer(handle)
+        try:
+            if transfer.layout != self.kv_layout:
+                raise RequestError.invalid("transfer", f"KV layout {transfer.layout} is not this engine's "
+                                           f"{self.kv_layout} (same model, dtype, kv_cache_dtype and block_size needed)")
+            header = transfer.header
+            params = SamplingParams.model_validate(header["params"])
+            request = self.make_request(request_id or header["request_id"], header["prompt_token_ids"], params,
+                                        header["needs_logprobs"], arrival_time)
+            check_not_in_flight(request.request_id, request.request_id in self.scheduler.requests)
+            if not self.scheduler.adopt(request, request.num_prompt_tokens):
+                raise RequestError(RequestError.UNAVAILABLE, (
+                    f"this decode instance is full: {self.num_running} of max_num_seqs={self.config.max_num_seqs} "
+                    f"running, {self.kv.pool.num_free} KV blocks free, {transfer.num_blocks} needed; retry later"))
+            transfer.write_blocks(request.block_ids[: transfer.num_blocks], self.runner.kv_blocks)
+        finally:
+            transfer.close()
+        self._kv_transfers.append((transfer.num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
+        request.prompt_text = prompt_text
+        request.generator = restore_generator(header["generator_state"])
+        request.num_cached_prompt_tokens = header["num_cached_prompt_tokens"]
+        request.cumulative_logprob = header["cumulative_logprob"]
+        now = time.monotonic()
+        request.first_token_time = request.last_token_time = now
+        self._add_detokenizer(request)
+        detok = self.detokenizers[request.request_id]
+        for token_id in header["output_token_ids"]:
+            request.append_output_token(token_id)
+            detok.add_token(token_id)
+        # Its prompt tokens are the prefill engine's (vllm:prompt_tokens_total counts them there).
+        self.kv.cache_computed_blocks(request)
+        logprobs_delta = None
+        (first,) = header["output_token_ids"]
+        if params.logprobs is not None:
+            top = header["first_top_logprobs"]
+            logprobs_delta = [logprob_entry(first, header["first_logprob"], [tuple(t) for t in top] if top else None,
+                                            self.shared_tokenizer.decoder())]
+        return request, RequestOutput.of(request, detok.take_delta(finished=False), [first], logprobs_delta, now=now)
 
     def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A failed forward pass ends every request it carried; the engine stays usable."""
@@ -594,7 +680,9 @@ class LLMEngine:
         step = step_stats(plan, ran=ran, num_running=num_running, num_waiting=num_waiting,
                           num_generated_tokens=executed.num_generated, prepare_time_s=executed.prepare_s,
                           forward_time_s=executed.forward_s, update_time_s=update_s,
-                          accepted_per_draft=[(v.num_drafts, v.num_accepted) for v in executed.verified])
+                          accepted_per_draft=[(v.num_drafts, v.num_accepted) for v in executed.verified],
+                          kv_transfers=tuple(self._kv_transfers))
+        self._kv_transfers.clear()
         self._totals = self._totals.with_step(step)
         self.stats = self._snapshot(step)
         self._publish_kv_events()

@@ -38,6 +38,18 @@ class SubmitRequest:
 
 
 @dataclass(frozen=True)
+class ImportRequest:
+    """A request a prefill engine exported (`transfer`, backend/disagg.py), for a role-decode
+    engine to take into its running batch (LLMEngine.import_request); then as SubmitRequest."""
+
+    transfer: str
+    request_id: str
+    prompt_text: str
+    on_output: OutputCallback
+    is_cancelled: CancelCheck | None = None
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     request_id: str
 
@@ -47,7 +59,7 @@ class Wake:
     """Carries nothing: wakes a loop idling on the queue, so that it sees shutdown at once."""
 
 
-Command = SubmitRequest | AbortRequest | Wake
+Command = SubmitRequest | ImportRequest | AbortRequest | Wake
 
 
 class EngineLoop:
@@ -117,6 +129,14 @@ class EngineLoop:
         self._commands.put(SubmitRequest(request, on_output, is_cancelled))
         return request
 
+    def submit_transfer(self, request_id: str, transfer: str, prompt_text: str, on_output: OutputCallback,
+                        is_cancelled: CancelCheck | None = None) -> None:
+        """Hand an exported request to the loop thread, which imports it between steps (the
+        KV pool is the loop's); a refusal (RequestError) comes back as its one final output."""
+        if self._stop.is_set():
+            raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
+        self._commands.put(ImportRequest(transfer, request_id, prompt_text, on_output, is_cancelled))
+
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
@@ -160,6 +180,14 @@ class EngineLoop:
                     self._call_back(on_output, self.engine.finish(request, FinishReason.ERROR, error=exc))
                     return
                 self._handlers[request.request_id] = command
+            case ImportRequest(transfer=transfer, request_id=request_id, on_output=on_output):
+                try:
+                    request, first = self.engine.import_request(transfer, request_id, command.prompt_text)
+                except RequestError as exc:  # refused: its one output, an error
+                    self._call_back(on_output, RequestOutput.refused(request_id, exc))
+                    return
+                self._handlers[request_id] = SubmitRequest(request, on_output, command.is_cancelled)
+                self._dispatch([first])
             case AbortRequest(request_id=request_id):
                 self.engine.abort(request_id)
             case Wake():

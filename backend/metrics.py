@@ -150,6 +150,19 @@ class EngineMetrics:
         self.cancellations = counter("inflight_cancellations_total", "Requests cancelled by the client or the server.")
         self.iterations = counter("inflight_iterations_total", "Engine iterations (forward passes).")
         self.queue_time = histogram("inflight_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        # Disaggregated serving (backend/disagg.py), only for a model of role prefill or decode.
+        self.kv_transfer_counters: list[tuple[str, object]] = []
+        self.kv_transfer_time = None
+        if engine.config.role != "both":
+            self.kv_transfer_counters = [
+                ("kv_transfers", counter("inflight_kv_transfers_total",
+                                         "Requests whose KV this model exported (role prefill) or imported (role decode).")),
+                ("kv_transfer_bytes", counter("inflight_kv_transfer_bytes_total",
+                                              "KV bytes this model exported (role prefill) or imported (role decode).")),
+            ]
+            self.kv_transfer_time = histogram("inflight_kv_transfer_seconds",
+                                              "Time to export (role prefill) or import (role decode) one request's KV.",
+                                              LATENCY_BUCKETS)
         finished = family("inflight_requests_finished_total", "Requests ended, by finish reason.", MF.COUNTER)
         self.finished = {
             reason: finished.Metric(labels={**labels, "finish_reason": reason})
@@ -170,7 +183,8 @@ class EngineMetrics:
         self._weights = {label: engine.config.tenant_weights.get(label, 1.0) for label in tenant_labels}
         self._recent_service = dict.fromkeys(tenant_labels, 0.0)
         self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0,
-                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_trimmed_draft_tokens": 0}
+                      "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_trimmed_draft_tokens": 0,
+                      "kv_transfers": 0, "kv_transfer_bytes": 0}
         self._last_per_position = [0] * len(self.spec_per_position)
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
@@ -205,6 +219,8 @@ class EngineMetrics:
         if totals.steps > self._last["steps"]:
             updates += [(self.ttft.observe, s) for s in stats.step.first_token_latencies_s]
             updates += [(self.tpot.observe, s) for s in stats.step.inter_token_latencies_s]
+            if self.kv_transfer_time is not None:
+                updates += [(self.kv_transfer_time.observe, s) for _, s in stats.step.kv_transfers]
             service: dict[str, float] = {}
             for tenant, value in stats.step.service_by_tenant:
                 label = self.tenant_label(tenant)
@@ -214,7 +230,7 @@ class EngineMetrics:
                 self._recent_service[label] = self._recent_service[label] * FAIRNESS_DECAY + service.get(label, 0.0)
         for name, metric in (("prefilled_prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("preemptions", self.preemptions), ("aborts", self.cancellations), ("steps", self.iterations),
-                             *self.spec_counters):
+                             *self.spec_counters, *self.kv_transfer_counters):
             value = getattr(totals, name)
             if value > self._last[name]:
                 updates.append((metric.increment, value - self._last[name]))

@@ -54,10 +54,11 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import thread_binding
-from backend.protocol import INPUTS, OUTPUTS, BadRequest, ResponseEncoder, parse_request
+from backend.protocol import INPUTS, OUTPUTS, TRANSFER_TENSOR, BadRequest, ResponseEncoder, parse_request
 from backend.readiness import HttpReadinessProbe, model_ready
 from backend.request import RequestStatus
 from backend.response_queue import EngineOutput, FailLive, LiveRequest, MetricUpdates, StopResponses
@@ -112,6 +113,12 @@ class TritonPythonModel:
         for spec in OUTPUTS.values():
             if spec.name not in have_outputs:
                 auto_complete_model_config.add_output(spec.config())
+        role = config.get("parameters", {}).get("role", {}).get("string_value", "both")
+        transfer = {"name": TRANSFER_TENSOR, "data_type": "TYPE_STRING", "dims": [1]}
+        if role == "prefill" and TRANSFER_TENSOR not in have_outputs:
+            auto_complete_model_config.add_output(transfer)
+        if role == "decode" and TRANSFER_TENSOR not in have_inputs:
+            auto_complete_model_config.add_input({**transfer, "optional": True})
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
@@ -266,12 +273,26 @@ class TritonPythonModel:
                 self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
                 continue
 
+            transfer = None
+            if self.loop.engine.config.role == "decode":
+                transfer = _input_reader(request)(TRANSFER_TENSOR)
+                if transfer is None:
+                    self._send_error(sender, f"{TRANSFER_TENSOR}: a model of role 'decode' serves only requests "
+                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG")
+                    continue
+                transfer = transfer.reshape(-1)[0]
+                transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
             live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval))
             with self._live_lock:
                 self._live[request_id] = live
             try:
+                if transfer is not None:
+                    self.loop.submit_transfer(request_id, transfer, parsed.prompt,
+                                              on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
+                                              is_cancelled=lambda live=live: live.cancelled)
+                    continue
                 live.request = self.loop.submit(
                     request_id,
                     parsed.prompt,
@@ -461,6 +482,11 @@ class TritonPythonModel:
             if output.finish_reason == "abort" and live.cancelled:
                 self.logger.log_verbose(f"[inflight] request {live.request_id} cancelled by the client")
                 self._send_error(live.sender, "request was cancelled", "CANCELLED")
+                return
+            if output.transfer is not None:  # role prefill: the decode model generates the rest
+                handle = np.array([output.transfer.encode()], dtype=np.object_)
+                live.sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TRANSFER_TENSOR, handle)]),
+                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
         arrays = live.encoder.encode(output)
         if arrays is None:

@@ -46,6 +46,9 @@ class RequestOutput:
     # A sequence's own output, before the engine folds it into its group's.
     group: SequenceGroup | None = None
     seq_index: int = 0
+    # role prefill: on the final output of a request handed over (finish_reason
+    # "transferred"), the handle of its transfer (backend/disagg.py).
+    transfer: str | None = None
 
     @classmethod
     def of(cls, request: Request, text_delta: str, token_ids_delta: list[int], logprobs_delta: list[dict] | None = None,
@@ -77,6 +80,12 @@ class RequestOutput:
             group=request.group,
             seq_index=request.seq_index,
         )
+
+    @classmethod
+    def refused(cls, request_id: str, error: RequestError) -> RequestOutput:
+        """The one output of a request refused before the engine held it (an import refused)."""
+        return cls(request_id=request_id, text_delta="", token_ids_delta=[], finished=True,
+                   finish_reason=FinishReason.ERROR.value, num_prompt_tokens=0, num_output_tokens=0, error=error)
 
     @classmethod
     def of_group(cls, group: SequenceGroup, sequences: list[RequestOutput | None], *, now: float) -> RequestOutput:

@@ -56,6 +56,9 @@ RETURN_FLAGS = (
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
 )
+# Disaggregated serving (backend/disagg.py): the handle of a request's KV transfer, an
+# output (TYPE_STRING [1]) of a role-prefill model and an input of a role-decode model.
+TRANSFER_TENSOR = "transfer"
 # This backend's own: the final response carries the request's trace (backend/trace.py).
 RETURN_TRACE = "return_trace"
 # Request-level switches (BOOL[1] inputs). When a client sends no `sampling_parameters`

@@ -272,6 +272,8 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"  # cancelled by the client or the server shutting down
     ERROR = "error"
+    # Handed over to a decode instance after its first token (role prefill, backend/disagg.py).
+    TRANSFERRED = "transferred"
 
 
 @dataclass(eq=False)

@@ -107,6 +107,20 @@ class Scheduler:
             self._unforked_leaders.add(request)
         self.policy.push(request)
 
+    def adopt(self, request: Request, num_computed: int) -> bool:
+        """Take `request`, whose first `num_computed` tokens were computed elsewhere (a request
+        imported by a role-decode engine, backend/disagg.py), straight into the running batch
+        with blocks for them; False, changing nothing, when the batch or the pool has no room."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        if len(self.running) >= self.config.max_num_seqs or not self.kv.allocate(request, num_computed):
+            return False
+        request.num_computed_tokens = num_computed
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        request.first_scheduled_time = time.monotonic()
+        return True
+
     def fork(self, leader: Request, child: Request) -> None:
         """Add `child`, a sequence forked off the running `leader` at the end of its prefill,
         as a running request that shares the leader's blocks (KVCacheManager.fork)."""

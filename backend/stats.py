@@ -60,6 +60,9 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    # Disaggregated serving (backend/disagg.py): (KV bytes, seconds) of each request exported
+    # (role prefill) or imported (role decode) since the previous step.
+    kv_transfers: tuple[tuple[int, float], ...] = ()
 
 
 def _add_per_position(a: tuple[int, ...], b: tuple[int, ...], sign: int = 1) -> tuple[int, ...]:
@@ -95,6 +98,8 @@ class Totals:
     spec_accepted_per_position: tuple[int, ...] = ()
     # Drafts proposed but not verified: the adaptive budget judged they would not pay.
     spec_trimmed_draft_tokens: int = 0
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -107,7 +112,8 @@ class Totals:
     def with_step(self, step: StepStats) -> Totals:
         """These totals with one more step counted."""
         increments = dict(preemptions=step.num_preempted, prefix_query_tokens=step.prefix_query_tokens,
-                          prefix_hit_tokens=step.prefix_hit_tokens)
+                          prefix_hit_tokens=step.prefix_hit_tokens, kv_transfers=len(step.kv_transfers),
+                          kv_transfer_bytes=sum(n for n, _ in step.kv_transfers))
         if step.ran:
             increments.update(
                 steps=1, generation_tokens=step.num_generated_tokens,
@@ -162,7 +168,8 @@ class EngineStats:
 
 def step_stats(plan: SchedulerOutput, *, ran: bool, num_running: int, num_waiting: int, num_generated_tokens: int,
                prepare_time_s: float, forward_time_s: float, update_time_s: float,
-               accepted_per_draft: list[tuple[int, int]] = ()) -> StepStats:
+               accepted_per_draft: list[tuple[int, int]] = (),
+               kv_transfers: tuple[tuple[int, float], ...] = ()) -> StepStats:
     """The StepStats of the step that ran `plan` (and filled in its token timings)."""
     return StepStats(
         ran=ran, num_running=num_running, num_waiting=num_waiting, num_scheduled_tokens=plan.num_scheduled_tokens,
@@ -173,7 +180,7 @@ def step_stats(plan: SchedulerOutput, *, ran: bool, num_running: int, num_waitin
         inter_token_latencies_s=tuple(plan.inter_token_latencies_s),
         service_by_tenant=tuple(plan.service_by_tenant.items()),
         schedule_time_s=plan.schedule_time_s, prepare_time_s=prepare_time_s, forward_time_s=forward_time_s,
-        update_time_s=update_time_s, **_speculation(accepted_per_draft),
+        update_time_s=update_time_s, kv_transfers=kv_transfers, **_speculation(accepted_per_draft),
     )
 
 

@@ -46,12 +46,12 @@ def set_instance_count(config_text: str, count: int) -> str:
 
 def make_model_repository(root: Path, parameters: Mapping[str, str], name: str = "llm",
                           instances: int | None = None, files: Mapping[str, str] | None = None,
-                          source: str = "llm") -> Path:
-    """Copy model_repository/`source` into `root`/`name` with `parameters` set (and `instances`
+                          source: str = "llm", source_repository: Path = REPO_ROOT / "model_repository") -> Path:
+    """Copy `source_repository`/`source` into `root`/`name` with `parameters` set (and `instances`
     CPU instances when given), and `files` (name -> text) written into the model's folder
     (e.g. multi_lora.json); returns `root`."""
     dst = root / name
-    shutil.copytree(REPO_ROOT / "model_repository" / source, dst)
+    shutil.copytree(source_repository / source, dst)
     config = (dst / "config.pbtxt").read_text()
     config = re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', config, flags=re.M)
     config = set_parameters(config, parameters)
@@ -120,17 +120,19 @@ def start_tritonserver(root: Path, models: Mapping[str, Mapping[str, str]], env:
                        args: Sequence[str] = (), *, instances: Mapping[str, int] | None = None, log_verbose: int = 0,
                        ready_timeout: float = READY_TIMEOUT_S,
                        model_files: Mapping[str, Mapping[str, str]] | None = None,
-                       sources: Mapping[str, str] | None = None) -> TritonServer:
+                       sources: Mapping[str, str] | None = None,
+                       source_repository: Path = REPO_ROOT / "model_repository") -> TritonServer:
     """tritonserver on free ports serving one inflight model per entry of `models` (name ->
     config.pbtxt parameters), with `env` added to this process's environment and `args`
     after the launcher's own options, and `model_files` (model -> {file name: text}) in the
-    models' folders, each model a copy of model_repository/llm or of the folder `sources`
-    names for it; returns once it and its /metrics answer, or raises
+    models' folders, each model a copy of `source_repository`/llm or of the folder `sources`
+    names for it there; returns once it and its /metrics answer, or raises
     RuntimeError with the log's tail."""
     repository = root / "model_repository"
     for name, parameters in models.items():
         make_model_repository(repository, parameters, name=name, instances=(instances or {}).get(name),
-                              files=(model_files or {}).get(name), source=(sources or {}).get(name, "llm"))
+                              files=(model_files or {}).get(name), source=(sources or {}).get(name, "llm"),
+                              source_repository=source_repository)
     http_port, grpc_port, metrics_port = free_ports(3)
     log_path = root / "tritonserver.log"
     with open(log_path, "wb") as log:

@@ -1,0 +1,236 @@
+"""Disaggregated prefill and decode: a request handed over between two engines.
+
+A `role: prefill` engine runs a request's prompt and samples its first token, then exports
+the request (`export_request`) and frees its blocks; a `role: decode` engine imports it
+(`LLMEngine.import_request`, through `open_transfer`) into its running batch and generates
+the rest. This module owns what crosses between them and its wire format, a transfer:
+
+    [8 bytes: header length, little-endian] [header: msgpack] [pad to 64] [KV blocks]
+
+The header holds the request (prompt token ids, the first token, its logprob and top
+logprobs, the cumulative logprob, the sampling parameters, the seeded generator's state)
+and the layout of the blocks. The blocks are the prompt's KV as the pool stores them
+(`kernels.kv_store.kv_storage`: whatever the KV dtype, int8 rows with their scales
+included), as raw bytes: per layer, its K blocks then its V blocks, in the prompt's order. The decode side refuses a transfer whose layout is not its own.
+
+On one host a transfer lives in a POSIX shared-memory segment (/dev/shm) named by its
+handle: the prefill side gathers its blocks into a numpy view of the segment, the decode
+side copies them from such a view straight into its pool, and unlinks the segment (whatever
+the import's outcome; `discard_transfer` for a handle that is never imported).
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import base64
+import secrets
+import struct
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from backend.request import Request, RequestError
+
+# Every transfer's segment name starts so (and the handle is the name): a stale one is findable.
+SHM_PREFIX = "inflight-kv-"
+HEADER_LENGTH = struct.Struct("<Q")
+ALIGNMENT = 64
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a transfer's block bytes mean: they are only written into a pool of the same layout."""
+
+    num_layers: int
+    block_size: int
+    # One block row of one layer's K (or V) pool: its shape and dtype as the pool stores them.
+    row_shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape)) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every layer's K and V."""
+        return 2 * self.num_layers * self.row_bytes
+
+    @classmethod
+    def of(cls, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> KVLayout:
+        k = kv_blocks[0][0]
+        return cls(len(kv_blocks), block_size, tuple(k.shape[1:]), str(k.dtype).removeprefix("torch."))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "block_size": self.block_size, "row_shape": list(self.row_shape),
+                "dtype": self.dtype}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> KVLayout:
+        return cls(wire["num_layers"], wire["block_size"], tuple(wire["row_shape"]), wire["dtype"])
+
+
+def _numpy_dtype(torch_dtype: str) -> np.dtype:
+    # bfloat16 has no numpy type: its bytes travel as int16.
+    return np.dtype(np.int16) if torch_dtype == "bfloat16" else torch.empty((), dtype=getattr(torch, torch_dtype)).numpy().dtype
+
+
+def _as_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def request_header(request: Request, first_logprob: float | None,
+                   first_top_logprobs: list[tuple[int, float]] | None) -> dict[str, Any]:
+    """What the decode side needs to continue `request` after its first token."""
+    generator_state = None
+    if request.generator is not None:
+        generator_state = base64.b64encode(request.generator.get_state().numpy().tobytes()).decode()
+    return {
+        "request_id": request.request_id,
+        "prompt_token_ids": list(request.prompt_token_ids),
+        "output_token_ids": list(request.output_token_ids),
+        "params": request.params.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "needs_logprobs": request.needs_logprobs,
+        "cumulative_logprob": request.cumulative_logprob,
+        "first_logprob": first_logprob,
+        "first_top_logprobs": [list(t) for t in first_top_logprobs] if first_top_logprobs is not None else None,
+        "generator_state": generator_state,
+        "num_cached_prompt_tokens": request.num_cached_prompt_tokens,
+    }
+
+
+def restore_generator(state: str | None) -> torch.Generator | None:
+    if state is None:
+        return None
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+    return generator
+
+
+def _segment(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
+    """A segment that this process's resource tracker does not follow: a transfer outlives
+    the prefill process's hold on it and is unlinked by its importer, so the tracker's
+    unlink at exit (and its "leaked shared_memory" warning) would be wrong on both sides.
+    (Python 3.13's `track=False`.)"""
+    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
+    resource_tracker.unregister(segment._name, "shared_memory")
+    return segment
+
+
+def _unlink(segment: shared_memory.SharedMemory) -> None:
+    """`segment.unlink()` without its resource-tracker unregister (`_segment` did that)."""
+    _posixshmem.shm_unlink(segment._name)
+
+
+def _blocks_offset(header_bytes: int) -> int:
+    return -(-(HEADER_LENGTH.size + header_bytes) // ALIGNMENT) * ALIGNMENT
+
+
+def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]],
+                   layout: KVLayout, header: dict[str, Any]) -> str:
+    """Write `request`'s first `num_blocks` KV blocks and `header` into a new shared-memory
+    transfer; its handle. The blocks are gathered from the pool into the segment's view in
+    one copy per layer and K/V."""
+    body = msgspec.msgpack.encode({"version": WIRE_VERSION, "layout": layout.to_wire(),
+                                   "num_blocks": num_blocks, "request": header})
+    offset = _blocks_offset(len(body))
+    size = offset + num_blocks * layout.block_bytes
+    name = SHM_PREFIX + secrets.token_hex(12)
+    segment = _segment(name, create=True, size=size)
+    try:
+        HEADER_LENGTH.pack_into(segment.buf, 0, len(body))
+        segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + len(body)] = body
+        _gather(request.block_ids[:num_blocks], kv_blocks, _blocks_view(segment, offset, num_blocks, layout), layout)
+    except BaseException:
+        segment.close()
+        _unlink(segment)
+        raise
+    segment.close()
+    return name
+
+
+def _blocks_view(segment: shared_memory.SharedMemory, offset: int, num_blocks: int, layout: KVLayout) -> np.ndarray:
+    """[num_layers, 2 (K, V), num_blocks, *row_shape] over the segment's bytes (no copy):
+    each layer's K (and V) blocks are contiguous, one gather or scatter each."""
+    shape = (layout.num_layers, 2, num_blocks, *layout.row_shape)
+    return np.ndarray(shape, dtype=_numpy_dtype(layout.dtype), buffer=segment.buf, offset=offset)
+
+
+def _gather(block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tensor]], blocks: np.ndarray,
+            layout: KVLayout) -> None:
+    """The pool's blocks `block_ids` into `blocks` (a segment's view)."""
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    for layer, (k, v) in enumerate(kv_blocks):
+        for kind, pool in enumerate((k, v)):
+            destination = _as_torch(blocks[layer, kind], layout.dtype)
+            if pool.device.type == "cpu":
+                torch.index_select(pool, 0, ids, out=destination)
+            else:
+                destination.copy_(pool[ids.to(pool.device)])
+
+
+class Transfer:
+    """An exported request opened on the decode side: its header, and its blocks as a view of
+    the segment. `close` unlinks the segment: a transfer is imported at most once."""
+
+    def __init__(self, handle: str):
+        if not isinstance(handle, str) or not handle.startswith(SHM_PREFIX):
+            raise RequestError.invalid("transfer", f"not a KV transfer handle: {str(handle)[:80]!r}")
+        try:
+            self._segment = _segment(handle)
+        except FileNotFoundError:
+            raise RequestError(RequestError.INVALID_ARG,
+                               f"transfer: no KV transfer named {handle!r} (never exported, already imported "
+                               "or discarded)", "transfer") from None
+        except (OSError, ValueError) as exc:  # a name the system refuses
+            raise RequestError.invalid("transfer", f"cannot open KV transfer {handle[:80]!r}: {exc}") from None
+        try:
+            (length,) = HEADER_LENGTH.unpack_from(self._segment.buf, 0)
+            body = msgspec.msgpack.decode(bytes(self._segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + length]))
+            if body.get("version") != WIRE_VERSION:
+                raise ValueError(f"wire version {body.get('version')!r}, expected {WIRE_VERSION}")
+            self.layout = KVLayout.from_wire(body["layout"])
+            self.num_blocks = int(body["num_blocks"])
+            self.header: dict[str, Any] = body["request"]
+            self._offset = _blocks_offset(length)
+        except Exception as exc:
+            self.close()
+            raise RequestError(RequestError.INVALID_ARG, f"transfer: {handle!r} is not a readable KV transfer: {exc}",
+                               "transfer") from None
+
+    def write_blocks(self, block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The transfer's blocks into the pool's blocks `block_ids` (one per transferred block)."""
+        assert len(block_ids) == self.num_blocks
+        blocks = _blocks_view(self._segment, self._offset, self.num_blocks, self.layout)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        for layer, (k, v) in enumerate(kv_blocks):
+            for kind, pool in enumerate((k, v)):
+                source = _as_torch(blocks[layer, kind], self.layout.dtype)
+                pool.index_copy_(0, ids.to(pool.device), source.to(pool.device))
+
+    def close(self) -> None:
+        segment, self._segment = getattr(self, "_segment", None), None
+        if segment is not None:
+            segment.close()
+            try:
+                _unlink(segment)
+            except FileNotFoundError:
+                pass
+
+
+def discard_transfer(handle: str) -> bool:
+    """Unlink a transfer that will not be imported (its request failed or was cancelled in
+    between); False when there was none."""
+    try:
+        segment = _segment(handle)
+    except (FileNotFoundError, ValueError):
+        return False
+    segment.close()
+    _unlink(segment)
+    return True

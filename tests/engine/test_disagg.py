@@ -1,0 +1,255 @@
+"""Disaggregated prefill and decode (backend/disagg.py): a role-prefill engine exports each
+request after its first token, a role-decode engine imports it and generates the rest.
+
+The transfer's round trip is checked byte for byte; the two engines together, driven in one
+process, must give the aggregated engine's greedy tokens (and so transformers'), and with
+batch_invariant on its logprobs bitwise; seeded sampling continues the same random stream.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.disagg import (
+    SHM_PREFIX,
+    KVLayout,
+    Transfer,
+    discard_transfer,
+    export_request,
+    request_header,
+    restore_generator,
+)
+from backend.engine import LLMEngine
+from backend.request import FinishReason, Request, RequestError, SamplingParams
+from backend.sampler import Sampler
+from tests.checkpoints import hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 49152
+MAX_NEW = 12
+_rng = random.Random(51)
+# Within one block, exactly one, across several (block_size 16), and one that takes several
+# prefill chunks (long_prefill_token_threshold 16 below).
+LENGTHS = [1, 5, 16, 17, 40, 70]
+PROMPTS = [[_rng.randrange(3, VOCAB) for _ in range(n)] for n in LENGTHS]
+
+
+def _engine(model: str, role: str = "both", **config) -> LLMEngine:
+    config.setdefault("num_kv_blocks", 128)
+    config.setdefault("long_prefill_token_threshold", 16)
+    return LLMEngine(EngineConfig(model_path=model, device="cpu", role=role, **config))
+
+
+def _shm_transfers() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+
+
+def _tokens_and_logprobs(outputs, tokens: dict, logprobs: dict) -> None:
+    for out in outputs:
+        assert out.error is None, out.error
+        tokens.setdefault(out.request_id, []).extend(out.token_ids_delta)
+        logprobs.setdefault(out.request_id, []).extend(
+            next(iter(entry.values()))["logprob"] for entry in out.logprobs_delta or [])
+
+
+def run_aggregated(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, dict]:
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished():
+        _tokens_and_logprobs(engine.step(), tokens, logprobs)
+    return tokens, logprobs
+
+
+def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]],
+                      params: SamplingParams) -> tuple[dict, dict]:
+    """Every prompt into the prefill engine at once; each transfer into the decode engine as
+    soon as the prefill engine hands it over, the two engines stepping in turn. Each request
+    ends with exactly one final output, on one side or the other."""
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    finals: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params)
+    while prefill.has_unfinished() or decode.has_unfinished():
+        outputs = []
+        for out in prefill.step():
+            assert out.error is None, out.error
+            if out.finish_reason == FinishReason.TRANSFERRED.value:
+                assert out.finished and out.transfer is not None and len(out.token_ids_delta) == 1
+                request, first = decode.import_request(out.transfer)
+                assert request.request_id == out.request_id and first.token_ids_delta == out.token_ids_delta
+                assert first.logprobs_delta == out.logprobs_delta
+                outputs.append(first)
+            else:  # its first token ended it: the prefill engine's output is the final one
+                assert out.transfer is None
+                outputs.append(out)
+        outputs.extend(decode.step())
+        for out in outputs:
+            finals[out.request_id] = finals.get(out.request_id, 0) + out.finished
+        _tokens_and_logprobs(outputs, tokens, logprobs)
+    assert finals == {f"r{i}": 1 for i in range(len(prompts))}
+    return tokens, logprobs
+
+
+def assert_no_blocks_held(*engines: LLMEngine) -> None:
+    for engine in engines:
+        assert engine.kv.pool.num_used == 0
+        assert not engine.scheduler.requests
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_checkpoint) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): out for p, out in zip(PROMPTS, hf_greedy(tiny_checkpoint, PROMPTS, MAX_NEW))}
+
+
+# ---- the transfer ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_transfer_round_trip_moves_the_blocks_bytes_and_the_state(dtype):
+    """The exported blocks land, byte for byte, in other block ids of another pool; the header
+    brings back the request's state, the generator where its draws left off."""
+    num_layers, pool_blocks, row = 3, 10, (16, 2, 8)
+    source = [(torch.randn(pool_blocks, *row).to(dtype), torch.randn(pool_blocks, *row).to(dtype))
+              for _ in range(num_layers)]
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=123, max_tokens=9, logprobs=2, stop=["x"])
+    request = Request(request_id="abc", prompt_token_ids=list(range(3, 40)), params=params, max_tokens=9,
+                      arrival_time=0.0, arrival_seq=0, needs_logprobs=True)
+    request.block_ids = [7, 2, 9]
+    request.generator = Sampler.make_request_generator(123)
+    torch.rand(5, generator=request.generator)  # the prefill's draws
+    request.append_output_token(11)
+    request.cumulative_logprob = -1.25
+    layout = KVLayout.of(source, 16)
+    handle = export_request(request, 3, source, layout, request_header(request, -1.25, [(11, -1.25), (4, -2.5)]))
+    assert handle in _shm_transfers()
+
+    destination = [(torch.zeros(pool_blocks, *row, dtype=dtype), torch.zeros(pool_blocks, *row, dtype=dtype))
+                   for _ in range(num_layers)]
+    transfer = Transfer(handle)
+    assert transfer.layout == layout and transfer.num_blocks == 3
+    transfer.write_blocks([0, 5, 1], destination)
+    transfer.close()
+    assert handle not in _shm_transfers()
+    for (k, v), (dk, dv) in zip(source, destination):
+        for src, dst in ((k, dk), (v, dv)):
+            assert torch.equal(dst[[0, 5, 1]].view(torch.uint8), src[[7, 2, 9]].view(torch.uint8))
+            assert not dst[[2, 3, 4, 6, 7, 8, 9]].view(torch.uint8).any()
+
+    header = transfer.header
+    assert header["prompt_token_ids"] == request.prompt_token_ids and header["output_token_ids"] == [11]
+    assert SamplingParams.model_validate(header["params"]) == params
+    assert header["cumulative_logprob"] == -1.25 and header["first_logprob"] == -1.25
+    assert header["first_top_logprobs"] == [[11, -1.25], [4, -2.5]]
+    restored = restore_generator(header["generator_state"])
+    assert torch.equal(torch.rand(8, generator=restored), torch.rand(8, generator=request.generator))
+
+
+def test_a_handle_that_names_no_transfer_is_one_clear_error(tiny_checkpoint):
+    decode = _engine(tiny_checkpoint, "decode")
+    cases = ((SHM_PREFIX + "0" * 24, "no KV transfer named"), ("/etc/passwd", "not a KV transfer handle"),
+             (SHM_PREFIX + "x" * 300, "cannot open KV transfer"))
+    for handle, words in cases:
+        with pytest.raises(RequestError) as info:
+            decode.import_request(handle)
+        assert info.value.code == RequestError.INVALID_ARG and words in str(info.value)
+        assert str(info.value).startswith("transfer:")
+    assert not discard_transfer(SHM_PREFIX + "0" * 24)
+    assert_no_blocks_held(decode)
+
+
+def test_role_is_checked_by_name():
+    with pytest.raises(ValueError, match=r"role='mixed', expected one of \('both', 'prefill', 'decode'\)"):
+        EngineConfig(model_path="/nonexistent", role="mixed")
+
+
+# ---- the two engines together ------------------------------------------------------------
+
+
+def test_disaggregated_greedy_tokens_are_the_aggregated_engines_and_transformers(tiny_checkpoint, oracle):
+    before = _shm_transfers()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    aggregated, _ = run_aggregated(_engine(tiny_checkpoint), PROMPTS, params)
+    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode")
+    tokens, _ = run_disaggregated(prefill, decode, PROMPTS, params)
+    assert tokens == aggregated
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[f"r{i}"] == oracle[tuple(prompt)], f"prompt of {len(prompt)} tokens"
+    assert_no_blocks_held(prefill, decode)
+    assert _shm_transfers() == before
+    # The prefill engine computed every prompt; the decode engine computed no prompt token.
+    assert prefill.stats.totals.prefilled_prompt_tokens == sum(map(len, PROMPTS))
+    assert decode.stats.totals.prompt_tokens == decode.stats.totals.prefilled_prompt_tokens == 0
+    # Each request's prompt blocks crossed once: exported by one engine, imported by the other.
+    block_bytes = prefill.kv_layout.block_bytes
+    moved = sum(prefill.kv.blocks_needed(len(p)) for p in PROMPTS) * block_bytes
+    for engine in (prefill, decode):
+        assert engine.stats.totals.kv_transfers == len(PROMPTS)
+        assert engine.stats.totals.kv_transfer_bytes == moved
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_batch_invariant_logprobs_are_bitwise_the_aggregated_engines(tiny_checkpoint, kv_cache_dtype):
+    """Greedy with logprobs, and seeded sampling (the generator's state crosses over): the
+    same tokens, and logprobs equal as floats, whatever the KV dtype (its bytes cross as they are)."""
+    config = dict(batch_invariant=True, kv_cache_dtype=kv_cache_dtype)
+    for params in (SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0),
+                   SamplingParams(temperature=0.9, top_k=50, seed=2026, max_tokens=MAX_NEW, ignore_eos=True,
+                                  logprobs=1)):
+        aggregated = run_aggregated(_engine(tiny_checkpoint, **config), PROMPTS, params)
+        prefill, decode = _engine(tiny_checkpoint, "prefill", **config), _engine(tiny_checkpoint, "decode", **config)
+        disaggregated = run_disaggregated(prefill, decode, PROMPTS, params)
+        assert disaggregated == aggregated
+        assert_no_blocks_held(prefill, decode)
+
+
+def test_a_first_token_that_ends_the_request_ends_it_on_the_prefill_engine(tiny_checkpoint, oracle):
+    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode")
+    tokens, _ = run_disaggregated(prefill, decode, PROMPTS[:2],
+                                  SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert tokens == {f"r{i}": oracle[tuple(p)][:1] for i, p in enumerate(PROMPTS[:2])}
+    assert decode.stats.totals.prompt_tokens == 0
+    assert_no_blocks_held(prefill, decode)
+
+
+def test_a_full_decode_instance_refuses_with_unavailable(tiny_checkpoint):
+    before = _shm_transfers()
+    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode", max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prefill.add_request("a", PROMPTS[1], params)
+    prefill.add_request("b", PROMPTS[2], params)
+    handles = []
+    while prefill.has_unfinished():
+        handles.extend(out.transfer for out in prefill.step() if out.transfer is not None)
+    assert len(handles) == 2
+    decode.import_request(handles[0])
+    with pytest.raises(RequestError) as info:
+        decode.import_request(handles[1])
+    assert info.value.code == RequestError.UNAVAILABLE and "max_num_seqs=1" in str(info.value)
+    assert str(info.value).endswith("retry later")
+    assert handles[1] not in _shm_transfers()  # consumed though refused
+    while decode.has_unfinished():
+        decode.step()
+    assert_no_blocks_held(prefill, decode)
+    assert _shm_transfers() == before
+
+
+def test_requests_a_transfer_cannot_carry_yet_are_refused_by_name(tiny_checkpoint):
+    prefill = _engine(tiny_checkpoint, "prefill")
+    with pytest.raises(RequestError, match="^n: at most 1 sequence"):
+        prefill.add_request("g", PROMPTS[1], SamplingParams(n=2))
+    with pytest.raises(RequestError, match="^structured_outputs: not supported"):
+        prefill.add_request("s", PROMPTS[1], SamplingParams(structured_outputs={"regex": "a+"}))
+
+
+def test_only_a_decode_engine_imports(tiny_checkpoint):
+    with pytest.raises(RequestError, match="only role 'decode' imports"):
+        _engine(tiny_checkpoint).import_request(SHM_PREFIX + "0" * 24)

@@ -16,7 +16,7 @@ whole engine through the CUDA path's kernels on a machine without a GPU.
         (a cache is a tensor in the model's dtype or a QuantizedKV, int8 rows and their scales,
         which every store quantizes and every attention path de-quantizes; see kv_store.py)
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_seqlen_q=None, max_seqlen_k=None) -> out
+                    max_seqlen_q=None, max_seqlen_k=None, batch_invariant=False, window=0, softcap=0.0) -> out
     rms_norm(x, weight, eps, residual=None) -> out | (out, x + residual)
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True) -> (query, key)
     rotary_store_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache,
@@ -121,14 +121,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float,
                     max_seqlen_q: int | None = None,
-                    max_seqlen_k: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                    max_seqlen_k: int | None = None, batch_invariant: bool = False, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """`batch_invariant` (CPU): every token through the C++ kernel, whose order of reduction
-    depends only on the token's context length, never SDPA for long chunks."""
+    depends only on the token's context length, never SDPA for long chunks. `window` (> 0):
+    each token sees its last `window` positions; `softcap` (> 0): Gemma 2's tanh cap on the
+    scores (paged_attention.py)."""
     if _triton(query):
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                                      max_seqlen_q, max_seqlen_k)
+                                      max_seqlen_q, max_seqlen_k, window, softcap)
     return paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                               max_seqlen_q, max_seqlen_k, batch_invariant)
+                               max_seqlen_q, max_seqlen_k, batch_invariant, window, softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

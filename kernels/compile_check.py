@@ -121,8 +121,21 @@ def main(argv: list[str] | None = None) -> int:
                          _paged_attention_kernel,
                          {"q_ptr": p, "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
                           "v_scale_ptr": "*fp32", "out_ptr": p, "block_tables_ptr": "*i32",
-                          "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32"},
-                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=quantized, **config), {"num_warps": num_warps}))
+                          "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32", "softcap": "fp32"},
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=quantized, WINDOWED=False, SOFTCAP=False,
+                              **config), {"num_warps": num_warps}))
+        # Gemma 2's sliding-window, soft-capped layers: the decode and the prefill tiles of the first head size
+        for hd, qpk, bs, max_q in quantized_kv:
+            config = attention_config(qpk, hd, element_size, max_q)
+            num_warps = config.pop("num_warps")
+            jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']} window softcap",
+                         _paged_attention_kernel,
+                         {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "k_scale_ptr": "*fp32",
+                          "v_scale_ptr": "*fp32", "out_ptr": p, "block_tables_ptr": "*i32",
+                          "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32", "window": "i32",
+                          "softcap": "fp32"},
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=False, WINDOWED=True, SOFTCAP=True, **config),
+                         {"num_warps": num_warps}))
         for name, fn, types, constexprs, options in jobs:
             t0 = time.perf_counter()
             try:

@@ -12,8 +12,12 @@ Inputs (shared by the Triton kernel and the torch reference):
   seq_lens      int32 [num_seqs]: context length including the new tokens.
   cu_seqlens_q  int32 [num_seqs + 1].
 Query i of sequence s sits at position seq_lens[s] - q_len_s + i and attends causally to
-keys [0, that position]. Query head h reads KV head h // (num_q_heads // num_kv_heads).
-out = softmax(q k^T * scale) v, accumulated in float32, returned in the query's dtype.
+keys [0, that position], or with `window` > 0 (a sliding-window layer) to its last `window`
+positions only: keys (position - window, position]. Query head h reads KV head
+h // (num_q_heads // num_kv_heads).
+out = softmax(cap(q k^T * scale)) v, accumulated in float32, returned in the query's dtype, where
+cap(s) = tanh(s / softcap) * softcap when `softcap` > 0 (Gemma 2's attention logit soft-capping)
+and s otherwise.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, scale: float,
                               max_seqlen_q: int | None = None,
-                              max_seqlen_k: int | None = None) -> torch.Tensor:
+                              max_seqlen_k: int | None = None, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
     """Vectorised torch implementation (see module docstring for the contract).
 
     Sequences with one new token (decodes) are handled together, in a few groups of
@@ -55,14 +60,15 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     Cost: one pass over the decodes' K/V (plus < 25% padding) and one SDPA call per
     prefill chunk; a few dozen torch ops per decode group, whatever the batch size.
     """
-    return _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    return _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window, softcap)
 
 
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, scale: float,
                         max_seqlen_q: int | None = None,
-                        max_seqlen_k: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                        max_seqlen_k: int | None = None, batch_invariant: bool = False, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """The CPU production path: the C++ kernel (kernels/cpu/paged_attention.cpp) over the
     ragged batch, decodes and prefill chunks alike, cache rows read in place; unless
     `batch_invariant`, prefill chunks that are long and see long contexts go to SDPA
@@ -72,18 +78,20 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     reference."""
     module = cpu_ext.load()
     if module is None:
-        return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+        return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                                         window=window, softcap=softcap)
 
     lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
 
     if isinstance(k_cache, QuantizedKV):
         def kernel(q, tables, lens, cu):
             return module.paged_attention(q, k_cache.data, v_cache.data, tables.to(torch.int32), lens.to(torch.int32),
-                                          cu.to(torch.int32), scale, lanes, k_cache.scale, v_cache.scale)
+                                          cu.to(torch.int32), scale, lanes, k_cache.scale, v_cache.scale, window, softcap)
     else:
         def kernel(q, tables, lens, cu):
             return module.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, tables.to(torch.int32),
-                                          lens.to(torch.int32), cu.to(torch.int32), scale, lanes).to(query.dtype)
+                                          lens.to(torch.int32), cu.to(torch.int32), scale, lanes, None, None, window,
+                                          softcap).to(query.dtype)
 
     if paged_attention_cpu_kernel_only(max_seqlen_q, max_seqlen_k, batch_invariant):
         return kernel(query, block_tables, seq_lens, cu_seqlens_q)  # the usual step: no host-side look at the batch
@@ -101,7 +109,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cu_l, ctx_l = cu.tolist(), ctx.tolist()
     for s in sdpa.nonzero().squeeze(1).tolist():
         out[cu_l[s]:cu_l[s + 1]] = _prefill(query[cu_l[s]:cu_l[s + 1]], k_cache, v_cache, block_tables[s], ctx_l[s],
-                                            scale).to(query.dtype)
+                                            scale, window, softcap).to(query.dtype)
     return out
 
 
@@ -126,7 +134,8 @@ def _uses_sdpa(q_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     return (q_lens >= _SDPA_MIN_QUERY) & (seq_lens - q_lens // 2 >= _SDPA_MIN_MEAN_CONTEXT)
 
 
-def _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale) -> torch.Tensor:
+def _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window=0,
+                      softcap=0.0) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
@@ -139,25 +148,27 @@ def _ragged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     num_seqs = ctx.shape[0]
 
     if num_tokens == num_seqs and bool((q_lens == 1).all()):
-        out.copy_(_decode(query, k_cache, v_cache, block_tables[:num_seqs], ctx, scale))
+        out.copy_(_decode(query, k_cache, v_cache, block_tables[:num_seqs], ctx, scale, window, softcap))
         return out
 
     is_decode = q_lens == 1
     if bool(is_decode.any()):
         dec = is_decode.nonzero().squeeze(1)
         rows = cu[dec]
-        out[rows] = _decode(query[rows], k_cache, v_cache, block_tables[dec], ctx[dec], scale).to(out.dtype)
+        out[rows] = _decode(query[rows], k_cache, v_cache, block_tables[dec], ctx[dec], scale, window,
+                            softcap).to(out.dtype)
     multi = (q_lens > 1).nonzero().squeeze(1).tolist()
     if multi:
         cu_l, ctx_l = cu.tolist(), ctx.tolist()
         for s in multi:
             q0, q1 = cu_l[s], cu_l[s + 1]
-            out[q0:q1] = _prefill(query[q0:q1], k_cache, v_cache, block_tables[s], ctx_l[s], scale)
+            out[q0:q1] = _prefill(query[q0:q1], k_cache, v_cache, block_tables[s], ctx_l[s], scale, window, softcap)
     return out
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+             block_table: torch.Tensor, seq_len: int, scale: float, window: int = 0,
+             softcap: float = 0.0) -> torch.Tensor:
     """One sequence with q_len > 1 new tokens at positions [seq_len - q_len, seq_len)."""
     q_len = q.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -174,24 +185,42 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [1, heads, tokens, head_dim] views, no copies; SDPA handles GQA natively.
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     cached = seq_len - q_len
-    if cached == 0:
+    if softcap > 0:
+        # SDPA cannot cap its scores: the scores, the cap, the mask and the softmax spelled out.
+        group = q.shape[1] // num_kv_heads
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+        scores = torch.matmul(qt, kt.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(~_visible(cached, seq_len, window, q.device), float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), vt)
+    elif cached == 0 and not window:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        mask = (torch.arange(seq_len, device=q.device)[None, :]
-                <= torch.arange(cached, seq_len, device=q.device)[:, None])
+        mask = _visible(cached, seq_len, window, q.device)
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 
 
+def _visible(cached: int, seq_len: int, window: int, device) -> torch.Tensor:
+    """[q_len, seq_len] bool: which keys each new token (at positions cached..seq_len-1) sees."""
+    keys = torch.arange(seq_len, device=device)[None, :]
+    positions = torch.arange(cached, seq_len, device=device)[:, None]
+    mask = keys <= positions
+    if window:
+        mask &= keys > positions - window
+    return mask
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+            block_tables: torch.Tensor, ctx: torch.Tensor, scale: float, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
     """B sequences with one new token each: q [B, Hq, D], ctx [B] int64 (>= 1)."""
     batch = q.shape[0]
     ctx_l = ctx.tolist()
     longest, total = max(ctx_l), sum(ctx_l)
     # One padded group unless padding to the longest context wastes more than a group costs.
     if batch * longest - total <= max(_GROUP_OVERHEAD_KEYS, total // 4):
-        return _decode_group(q, k_cache, v_cache, block_tables, ctx, longest, scale)
+        return _decode_group(q, k_cache, v_cache, block_tables, ctx, longest, scale, window, softcap)
     order = sorted(range(batch), key=ctx_l.__getitem__, reverse=True)
     out = q.new_empty(q.shape, dtype=torch.float32)
     start = 0
@@ -206,14 +235,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 break
             end += 1
         sel = torch.tensor(order[start:end], dtype=torch.int64, device=q.device)
-        out[sel] = _decode_group(q[sel], k_cache, v_cache, block_tables[sel], ctx[sel], head, scale)
+        out[sel] = _decode_group(q[sel], k_cache, v_cache, block_tables[sel], ctx[sel], head, scale, window,
+                                 softcap)
         start = end
     return out
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, ctx: torch.Tensor, longest: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention for B sequences padded to `longest` keys. Returns float32 [B, Hq, D].
 
     Memory traffic, not arithmetic, is the cost: K is read once from the cache into a
@@ -270,8 +300,12 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 part = torch.bmm(qg[c0:c1, j], kv[:, :, j].transpose(1, 2))
                 scores[c0:c1, j].copy_(part)
     scores.mul_(scale)
-    pad = torch.arange(padded, device=q.device)[None, :] >= ctx[:, None]   # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    if softcap > 0:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    key_pos = torch.arange(padded, device=q.device)[None, :]
+    pad = key_pos >= ctx[:, None]   # [B, L]
+    hidden = pad | (key_pos <= ctx[:, None] - 1 - window) if window else pad
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)                                  # [B, Hkv, G, L]
 
     # Padded positions read position 0's row of their own sequence (written, finite) and
@@ -314,7 +348,7 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    scale, num_seqs,
+    scale, num_seqs, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -329,6 +363,8 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,           # keys per inner iteration
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (exact), "tf32" otherwise (ignored for 16-bit)
     QUANTIZED: tl.constexpr,        # int8 K/V rows times their scales (kv_store.QuantizedKV)
+    WINDOWED: tl.constexpr,         # each query sees its last `window` keys only
+    SOFTCAP: tl.constexpr,          # scores become tanh(s / softcap) * softcap
 ):
     """One program = BLOCK_Q consecutive query tokens of one sequence x one KV head.
 
@@ -373,13 +409,17 @@ def _paged_attention_kernel(
     # Keys this tile needs: [0, cached + last query of the tile]. None if the tile is empty.
     kv_len = cached + tl.minimum(first_q + BLOCK_Q, q_len)
     num_tiles = tl.where(first_q < q_len, tl.cdiv(kv_len, TILE_N), 0)
+    # With a window, the tiles before the first query's window are skipped.
+    first_tile = 0
+    if WINDOWED:
+        first_tile = tl.maximum(cached + first_q - window + 1, 0) // TILE_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     n = tl.arange(0, TILE_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for t in range(0, num_tiles):
+    for t in range(first_tile, num_tiles):
         k_pos = t * TILE_N + n
         k_valid = k_pos < kv_len
         blk = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
@@ -391,13 +431,21 @@ def _paged_attention_kernel(
             kt = (kt.to(tl.float32) * k_scale[None, :]).to(q.dtype)
 
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale          # [BLOCK_M, TILE_N]
-        # Causal (which also bounds by kv_len for real rows); key 0 is visible to every row,
-        # so the running max is finite from the first tile on.
+        if SOFTCAP:
+            s = (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap)) + 1.0)) * softcap   # tanh(s / softcap) * softcap
+        # Causal (which also bounds by kv_len for real rows). Without a window key 0 is
+        # visible to every row, so the running max is finite from the first tile on.
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if WINDOWED:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_ref = m_new
+        if WINDOWED:
+            # A row may have seen none of its keys yet: subtract 0 there, not -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_off = blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
@@ -436,7 +484,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, scale: float,
                            max_seqlen_q: int | None = None,
-                           max_seqlen_k: int | None = None) -> torch.Tensor:
+                           max_seqlen_k: int | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """Triton version of `paged_attention_reference`; launches one kernel, never syncs."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
@@ -464,12 +513,13 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     launch(
         _paged_attention_kernel, grid,
         query, k_cache, v_cache, k_scale, v_scale, out, block_tables, seq_lens, cu_seqlens_q,
-        float(scale), num_seqs,
+        float(scale), num_seqs, int(window), float(softcap),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, QUANTIZED=quantized, **config,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, QUANTIZED=quantized, WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        **config,
     )
     return out

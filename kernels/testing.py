@@ -70,9 +70,11 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int, n
 
 
 def naive_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                          compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          compute_dtype: torch.dtype = torch.float32, window: int = 0,
+                          softcap: float = 0.0) -> torch.Tensor:
     """Token by token over a dense copy of each sequence's K/V (GQA by repeating K/V heads):
-    out = softmax(q . k^T * scale) v over positions [0, pos]."""
+    out = softmax(cap(q . k^T * scale)) v over positions [0, pos] (with `window`: the last
+    `window` of them), cap(s) = tanh(s / softcap) * softcap when softcap > 0."""
     block_size = k_cache.shape[1]
     num_q_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -89,10 +91,13 @@ def naive_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_se
         for i in range(q1 - q0):
             pos = seq_len - (q1 - q0) + i
             q = query[q0 + i].to(compute_dtype)                               # [Hq, D]
-            scores = (keys[:pos + 1] * q).sum(-1) * scale                     # [pos + 1, Hq]
+            first = max(0, pos + 1 - window) if window else 0
+            scores = (keys[first:pos + 1] * q).sum(-1) * scale                # [keys, Hq]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             weights = torch.exp(scores - scores.max(0).values)
             weights = weights / weights.sum(0)
-            out[q0 + i] = (weights[:, :, None] * values[:pos + 1]).sum(0)
+            out[q0 + i] = (weights[:, :, None] * values[first:pos + 1]).sum(0)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen3-MoE and OLMoE experts)
-over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3; Mixtral, Qwen3-MoE and OLMoE experts;
+Gemma 2 and 3 text) over a paged KV cache.
 
 Our own torch modules; every hot operation goes through `kernels`, which runs the
 OpenAI Triton kernels on CUDA tensors and the torch references on CPU. Projections are
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -60,6 +61,19 @@ class ModelArch:
     # Mixtral scales the experts' outputs by float32 routing weights; Qwen3-MoE first rounds
     # them to the activations' dtype.
     router_weights_in_float32: bool = False
+    # Gemma 2/3: the embedding times sqrt(hidden_size); RMSNorms that scale by (1 + weight) in
+    # float32; norms after attention and around the MLP too; GELU-tanh gated MLP; scores scaled
+    # by query_pre_attn_scalar ** -0.5; q and k normed per head (Gemma 3).
+    gemma: bool = False
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Attention and final logit soft-capping, tanh(x / cap) * cap (Gemma 2), 0: none.
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # Per layer, the sliding window attention masks to (each token sees its last `window`
+    # positions, at any context length), 0: full attention. Empty: every layer full.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the RoPE base of its sliding-window layers (the others take rope_theta and rope_scaling).
+    local_rope_theta: float | None = None
 
 
 @dataclass
@@ -166,15 +180,36 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalised and scaled by (1 + weight) in float32, then rounded to the
+    input's dtype once (Llama's rounds before its weight)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, index: int = 0):
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim**-0.5
+        self.window = arch.layer_windows[index] if arch.layer_windows else 0
+        self.softcap = arch.attn_logit_softcapping
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.qk_norm_over_heads = arch.qk_norm_over_heads
@@ -182,8 +217,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps)
         elif arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            norm = GemmaRMSNorm if arch.gemma else RMSNorm
+            self.q_norm = norm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = norm(arch.head_dim, arch.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -202,7 +238,7 @@ class LlamaAttention(nn.Module):
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            self.scale, meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant,
+            self.scale, meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant, self.window, self.softcap,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size), meta.lora)
 
@@ -215,6 +251,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x, lora: LoRABatch | None = None):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+
+
+class GeluTanhMLP(LlamaMLP):
+    """Gemma's gated MLP: gelu(gate, tanh approximation) * up."""
+
+    def forward(self, x, lora: LoRABatch | None = None):
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up, lora)
 
 
 class SparseMoeBlock(nn.Module):
@@ -287,7 +331,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = (SparseMoeBlock(arch) if index in arch.moe_layers
                     else LlamaMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias))
@@ -303,13 +347,36 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, meta.lora), residual
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2/3: each sublayer's output normed before it joins the residual stream (four
+    norms a layer); sliding-window layers of Gemma 3 rotate with their own RoPE base."""
+
+    def __init__(self, arch: ModelArch, index: int = 0):
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, index)
+        self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GeluTanhMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.local_rope = arch.local_rope_theta is not None and self.self_attn.window > 0
+
+    def forward(self, positions, hidden, residual, cos_sin_cache, k_cache, v_cache, meta):
+        # The residual stream is `hidden` itself: `residual` is always None here.
+        attn = self.self_attn(positions, self.input_layernorm(hidden), cos_sin_cache, k_cache, v_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden), meta.lora)
+        return hidden + self.post_feedforward_layernorm(mlp), None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int):
         super().__init__()
         self.arch = arch
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        layer = GemmaDecoderLayer if arch.gemma else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer(arch, i) for i in range(arch.num_layers))
+        self.norm = (GemmaRMSNorm if arch.gemma else RMSNorm)(arch.hidden_size, arch.rms_norm_eps)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -326,7 +393,15 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+        # Gemma 3's sliding-window layers: RoPE of their own base, unscaled.
+        self.register_buffer("local_cos_sin_cache", self.build_local_cos_sin_cache(max_positions), persistent=False)
         self.requires_grad_(False)
+
+    def build_local_cos_sin_cache(self, max_positions: int) -> torch.Tensor | None:
+        if self.arch.local_rope_theta is None:
+            return None
+        return kernels.build_cos_sin_cache(self.arch.head_dim, max_positions, self.arch.local_rope_theta, None,
+                                           torch.float32)
 
     def pack_weights(self) -> None:
         """Pack every projection for the CPU's GEMM library (on CUDA: stack the experts of a
@@ -371,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, Embedding)):
                 total += module.resident_bytes()
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, GemmaRMSNorm)):
                 total += _tensor_bytes(module.weight)
         if self.tied_lm_head_packed is not None:
             total += self.tied_lm_head_packed.nbytes
@@ -390,7 +465,9 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_layers = layers if all(layer is not None for layer in layers) else None
 
     @staticmethod
-    def _cpu_layer(layer: LlamaDecoderLayer):
+    def _cpu_layer(layer: LlamaDecoderLayer | GemmaDecoderLayer):
+        if isinstance(layer, GemmaDecoderLayer):
+            return None  # Gemma's norms, GELU, window and soft-capping: the modules run them
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(mlp, SparseMoeBlock) or attn.qk_norm_over_heads:
             return None  # routed experts, or q/k norms over all heads: the modules run them
@@ -417,6 +494,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every scheduled token, after the final norm. `interrupt`, asked
         before each layer, abandons the pass (StepInterrupted) when it answers True."""
         hidden = self.embed_tokens(input_ids)
+        if self.arch.gemma:
+            # transformers' scaled embedding: sqrt(hidden_size) rounded to the weights' dtype first.
+            hidden = hidden * torch.tensor(self.arch.hidden_size**0.5).to(hidden.dtype)
         residual = None
         if (self.cpu_layers is not None
                 and kernels.paged_attention_cpu_kernel_only(meta.max_seqlen_q, meta.max_seqlen_k, meta.batch_invariant)):
@@ -436,11 +516,18 @@ class LlamaForCausalLM(nn.Module):
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 if interrupt is not None and interrupt():
                     raise StepInterrupted()
-                hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, k_cache, v_cache, meta)
+                cos_sin = self.local_cos_sin_cache if getattr(layer, "local_rope", False) else self.cos_sin_cache
+                hidden, residual = layer(positions, hidden, residual, cos_sin, k_cache, v_cache, meta)
+        if residual is None:  # Gemma's layers keep no separate residual
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return kernels.linear(hidden, self.embed_tokens.weight, None, self.tied_lm_head_packed).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = kernels.linear(hidden, self.embed_tokens.weight, None, self.tied_lm_head_packed)
+        if self.arch.final_logit_softcapping:
+            logits = soft_cap(logits, self.arch.final_logit_softcapping)
+        return logits.float()

@@ -57,6 +57,9 @@ class _Family:
     moe: str | None = None
     # OLMoE: q and k normed over all their heads at once (qk_norm per head otherwise).
     qk_norm_over_heads: bool = False
+    # Gemma: "gemma2" or "gemma3" (text); their sliding windows come from layer_types and are
+    # masked in attention at any context length (ModelArch.layer_windows).
+    gemma: str | None = None
 
 
 SUPPORTED_ARCHITECTURES = {
@@ -70,10 +73,13 @@ SUPPORTED_ARCHITECTURES = {
                                    moe="qwen3_moe"),
     "Qwen2MoeForCausalLM": _Family(True, False, False, qk_norm=False, sliding="layer_types", moe="qwen2_moe"),
     "OlmoeForCausalLM": _Family(False, False, False, qk_norm=False, sliding=None, moe="olmoe", qk_norm_over_heads=True),
+    "Gemma2ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=False, sliding=None, gemma="gemma2"),
+    "Gemma3ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding=None, gemma="gemma3"),
 }
 # What kernels.build_cos_sin_cache computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # Buffers some exporters save that we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -150,10 +156,16 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
     def refuse(field: str, value, why: str) -> CheckpointError:
         return CheckpointError(f"unsupported config field {field}={value!r} in {model_path}/config.json: {why}")
 
-    hidden_act = getattr(hf, "hidden_act", "silu")
-    if hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise refuse("hidden_act", hidden_act, f"only {' / '.join(SUPPORTED_ACTIVATIONS)} is implemented")
-    rope = _rope_parameters(hf)
+    if family.gemma:
+        hidden_act = getattr(hf, "hidden_activation", None)
+        if hidden_act not in GEMMA_ACTIVATIONS:
+            raise refuse("hidden_activation", hidden_act, f"only {' / '.join(GEMMA_ACTIVATIONS)} is implemented")
+    else:
+        hidden_act = getattr(hf, "hidden_act", "silu")
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise refuse("hidden_act", hidden_act, f"only {' / '.join(SUPPORTED_ACTIVATIONS)} is implemented")
+    gemma = _gemma_fields(hf, family, refuse) if family.gemma else {}
+    rope = _rope_parameters(hf, family)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise refuse("rope_scaling.rope_type", rope_type, f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -201,8 +213,37 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         mlp_bias=_flag(hf, family.mlp_bias),
         sliding_window=sliding_window,
         **_moe_fields(hf, family, refuse),
+        **gemma,
     )
     return arch, hf
+
+
+def _gemma_fields(hf, family: _Family, refuse) -> dict:
+    """The ModelArch fields of Gemma 2 and Gemma 3 (text)."""
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise refuse("use_bidirectional_attention", True, "attention is causal here")
+    layer_types = list(hf.layer_types)
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise refuse("layer_types", unknown, "only full_attention and sliding_attention layers exist here")
+    window = getattr(hf, "sliding_window", None)
+    if "sliding_attention" in layer_types and not window:
+        raise refuse("sliding_window", window, "layer_types has sliding_attention layers, which need a window")
+    fields = dict(
+        gemma=True,
+        attention_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_logit_softcapping=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+        final_logit_softcapping=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        layer_windows=tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types),
+    )
+    if family.gemma == "gemma3":
+        local = dict(hf.rope_parameters.get("sliding_attention") or {})
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default":
+            raise refuse("rope_parameters.sliding_attention.rope_type", local_type,
+                         "the sliding-window layers' RoPE is unscaled here")
+        fields["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
+    return fields
 
 
 def _moe_fields(hf, family: _Family, refuse) -> dict:
@@ -262,9 +303,12 @@ def _sliding_window(hf, family: _Family, refuse) -> int | None:
     return int(window)
 
 
-def _rope_parameters(hf) -> dict:
-    # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+def _rope_parameters(hf, family: _Family | None = None) -> dict:
+    # transformers 5 folds rope_theta and rope_scaling into rope_parameters (Gemma 3: one set per
+    # layer type; its full-attention layers' is the model's rope_theta and rope_scaling).
     params = getattr(hf, "rope_parameters", None)
+    if params and family is not None and family.gemma == "gemma3":
+        return dict(params.get("full_attention") or {})
     if params:
         return dict(params)
     scaling = dict(getattr(hf, "rope_scaling", None) or {})
@@ -589,6 +633,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     model.cos_sin_cache = kernels.build_cos_sin_cache(
         arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, torch.float32
     ).to(device)
+    local = model.build_local_cos_sin_cache(max_positions)
+    model.local_cos_sin_cache = local.to(device) if local is not None else None
     model.eval()
     if pack_weights:
         model.pack_weights()

@@ -54,6 +54,19 @@ FAMILIES = {
                        norm_topk_prob=False)),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
               dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, pad_token_id=0)),
+    # Gemma: a small window (16) so that prompts cross it; sliding and global layers both.
+    # Untied: with the embedding scaled by sqrt(hidden_size) a tied tiny Gemma repeats a few
+    # tokens whatever the prompt, which would compare little.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(tie_word_embeddings=False, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                    pad_token_id=0)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(tie_word_embeddings=False, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                    num_hidden_layers=3, sliding_window_pattern=3,  # 2 local : 1 global (Gemma 3's own: 5 : 1)
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                        "rope_theta": 1000000.0}},
+                    pad_token_id=0)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(tie_word_embeddings=False, sliding_window=None,
                                                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
         pybind11::arg("cu_seqlens_q"), pybind11::arg("scale"), pybind11::arg("lanes"),
         pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt,
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
         "Paged attention over a ragged batch of decodes and prefill chunks");
   m.def("attention_lanes", &attention_lanes, "The widest vectors paged_attention is built for here (8 or 16)");
   m.def("rms_norm", &rms_norm, kNoGil, "RMSNorm, HF's roundings");

@@ -11,10 +11,13 @@
 // head sizes that are no multiple of it run the 8-lane (or the plain) loops.
 // k_scale/v_scale: with int8 caches (kernels/kv_store.py's QuantizedKV), each row's float32
 // scale [num_blocks, block_size, Hkv]; caches and scales may have any block stride.
+// window: each token sees its last `window` positions (0: all); softcap: Gemma 2's tanh cap on
+// the scores (0: none).
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                            at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes,
                            std::optional<at::Tensor> k_scale = std::nullopt,
-                           std::optional<at::Tensor> v_scale = std::nullopt);
+                           std::optional<at::Tensor> v_scale = std::nullopt, int64_t window = 0,
+                           double softcap = 0.0);
 
 int64_t attention_lanes();
 

@@ -169,8 +169,17 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// In place over one head's scores: exp(s - max) / sum.
-inline void softmax(float* s, int64_t len) {
+// In place over one head's scores of a token that sees `len` positions: those before its
+// sliding window (window > 0: the last `window` positions stay) get 0; the others are
+// soft-capped (softcap > 0: tanh(s / softcap) * softcap, Gemma 2) and become exp(s - max) / sum.
+inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
+  if (window > 0 && len > window) {
+    std::fill(s, s + (len - window), 0.f);
+    s += len - window;
+    len = window;
+  }
+  if (softcap > 0.f)
+    for (int64_t pos = 0; pos < len; ++pos) s[pos] = std::tanh(s[pos] / softcap) * softcap;
   float peak = s[0];  // built with -ffinite-math-only (kernels/cpu_ext.py): no infinities here
   for (int64_t pos = 1; pos < len; ++pos) peak = std::max(peak, s[pos]);
   float total = 0.f;
@@ -188,6 +197,9 @@ struct Shape {
   // From one block to the next, in cache elements and in scales (int8 caches: a block's rows
   // and their scales share its bytes, kernels/kv_store.py's QuantizedKV).
   int64_t block_stride, scale_block_stride;
+  // Each token sees only its last `window` positions (0: all); scores soft-capped (0: not).
+  int64_t window = 0;
+  float softcap = 0.f;
   int64_t group() const { return num_q_heads / num_kv_heads; }
   int64_t row_width() const { return num_kv_heads * head_dim; }  // one position: every KV head
 };
@@ -429,7 +441,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
 
   for (int64_t t = 0; t < task.num_tokens; ++t)
     for (int64_t row = 0; row < num_heads * group; ++row)
-      softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t);
+      softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t, shape.window, shape.softcap);
 
   // The core's next task's keys are asked for while this one's values are summed, spread over
   // its blocks, so that its copy starts from L2 rather than from memory.
@@ -501,7 +513,7 @@ void attend_token_scalar(const T* q, const C* k_cache, const C* v_cache, const f
       scores[h * len + pos] = dot;
     }
   }
-  for (int64_t h = 0; h < shape.num_q_heads; ++h) softmax(scores + h * len, len);
+  for (int64_t h = 0; h < shape.num_q_heads; ++h) softmax(scores + h * len, len, shape.window, shape.softcap);
   std::fill(out, out + shape.num_q_heads * head_dim, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
     load_position(v_cache, v_scale, pos);
@@ -652,10 +664,13 @@ int64_t attention_lanes() {
 // query's dtype, or int8 with k_scale/v_scale float32 [num_blocks, block_size, Hkv] (each row
 // times its scale is the value; the query then float32, bfloat16 or float16); block_tables
 // int32 [S, max_blocks]; seq_lens int32 [S], context length including the new tokens;
-// cu_seqlens_q int32 [S + 1]. Returns [T, Hq, D] in the query's dtype.
+// cu_seqlens_q int32 [S + 1]; window: each token sees its last `window` positions (0: all);
+// softcap: scores become tanh(s / softcap) * softcap before the softmax (0: unchanged).
+// Returns [T, Hq, D] in the query's dtype.
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                            at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes,
-                           std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
+                           std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale, int64_t window,
+                           double softcap) {
   const bool quantized = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.strides() == k_cache.strides(),
@@ -690,7 +705,8 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   auto out = at::empty(query.sizes(), query.options());
   const Shape shape{query.size(1),        k_cache.size(2),    query.size(2),
                     k_cache.size(1),      block_tables.size(1), k_cache.stride(0),
-                    quantized ? k_scale->stride(0) : 0};
+                    quantized ? k_scale->stride(0) : 0, window, static_cast<float>(softcap)};
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are 0 (off) or positive");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto* k, const auto* v, const float* ks, const float* vs) {
       attend(query.data_ptr<scalar_t>(), k, v, ks, vs, block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),

@@ -1,5 +1,5 @@
-"""The non-Llama families through tritonserver: tiny Qwen3, Phi-3 and Qwen3-MoE checkpoints, served
-by one tritonserver as models `llm`, `phi3` and `moe`, answer concurrent greedy requests with the token ids and
+"""The non-Llama families through tritonserver: tiny Qwen3, Phi-3, Qwen3-MoE, Gemma 2 and Gemma 3
+checkpoints, served by one tritonserver as models `llm`, `phi3`, `moe`, `gemma2` and `gemma3`, answer concurrent greedy requests with the token ids and
 text of transformers generate() (the engine-level family tests are
 tests/engine/test_model_families.py).
 """
@@ -18,6 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PHI3_CASE = "phi3-fused-untied-gqa"
 MOE_CASE = "qwen3-moe-dense-layer0-unnormalised"
+GEMMA2_CASE = "gemma2-window16-softcap"
+GEMMA3_CASE = "gemma3-local-global-two-ropes"
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,11 @@ def tiny_checkpoint_options() -> dict:
 @pytest.fixture(scope="module")
 def families_server(tritonserver, tiny_checkpoint, tmp_path_factory):
     """A tritonserver of its own serving a tiny Qwen3 checkpoint as `llm`, a tiny Phi-3 one
-    (q|k|v and gate|up stored fused, a sliding window) as `phi3` and a tiny Qwen3-MoE one as `moe`."""
+    (q|k|v and gate|up stored fused, a sliding window) as `phi3`, a tiny Qwen3-MoE one as `moe`,
+    and tiny Gemma 2 and Gemma 3 ones (windows of 16 positions, which the prompts cross) as
+    `gemma2` and `gemma3`."""
     paths = {"llm": tiny_checkpoint}
-    for model, case in (("phi3", PHI3_CASE), ("moe", MOE_CASE)):
+    for model, case in (("phi3", PHI3_CASE), ("moe", MOE_CASE), ("gemma2", GEMMA2_CASE), ("gemma3", GEMMA3_CASE)):
         family, overrides, _ = CASES[case]
         paths[model] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(model) / "ckpt"), family=family, **overrides)
     parameters = {"max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
@@ -39,7 +43,8 @@ def families_server(tritonserver, tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model", ["llm", "phi3", "moe"], ids=["qwen3", "phi3", "qwen3-moe"])
+@pytest.mark.parametrize("model", ["llm", "phi3", "moe", "gemma2", "gemma3"],
+                         ids=["qwen3", "phi3", "qwen3-moe", "gemma2", "gemma3"])
 def test_family_through_tritonserver_matches_transformers(families_server, model):
     """A batch of concurrent greedy requests: the token ids (from the returned logprobs) and
     the text are those of transformers generate()."""

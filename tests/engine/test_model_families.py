@@ -1,6 +1,6 @@
 """Model families from local Hugging Face checkpoints, against `transformers` as the oracle.
 
-Every supported family (Llama 2/3, Mistral, Qwen2, Qwen3) in tiny random-weight
+Every supported family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, the MoE families, Gemma 2/3) in tiny random-weight
 checkpoints made here: the engine's greedy output on a batch of prompts is token-identical
 to `transformers` `generate()`, and its logits match a `transformers` forward pass. Then
 loading: sharded checkpoints, checkpoint and configured dtypes, and load errors that name
@@ -97,6 +97,12 @@ CASES = {
                                                               tie_word_embeddings=True), {}),
     "qwen3-untied-bias-hd64-gqa4": ("qwen3", dict(head_dim=64, num_key_value_heads=1, attention_bias=True,
                                                   tie_word_embeddings=False), {}),
+    # Gemma 2: a 16-position window on layer 0 (the longest prompt and its continuation cross
+    # it), attention and final logits soft-capped (caps small enough to bite here), chunked prefill.
+    "gemma2-window16-softcap": ("gemma2", dict(attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
+                                dict(max_num_batched_tokens=24)),
+    # Gemma 3: two windowed layers and a global one, each kind with its RoPE (global: linear scaling).
+    "gemma3-local-global-two-ropes": ("gemma3", {}, {}),
 }
 
 
@@ -179,8 +185,9 @@ GEMM_PATHS = [pytest.param(isa, marks=pytest.mark.skipif(cpu_ext.isa() < isa, re
 
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-DENSE_CASES = [case for case, (family, _, _) in CASES.items() if family not in MOE_FAMILIES]
-MOE_CASES = [case for case in CASES if case not in DENSE_CASES]
+GEMMA_FAMILIES = ("gemma2", "gemma3")  # their layers run as modules (tests/engine/test_gemma.py)
+DENSE_CASES = [case for case, (family, _, _) in CASES.items() if family not in MOE_FAMILIES + GEMMA_FAMILIES]
+MOE_CASES = [case for case, (family, _, _) in CASES.items() if family in MOE_FAMILIES]
 
 
 @pytest.mark.parametrize("isa", GEMM_PATHS)

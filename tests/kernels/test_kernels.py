@@ -83,6 +83,17 @@ def test_paged_attention_grid(scenario, heads, head_dim, block_size):
     _assert_attention_matches(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (0, 3.0), (20, 3.0)])
+@pytest.mark.parametrize("scenario", ["decodes", "mixed", "long_prefill"])
+def test_paged_attention_sliding_window_and_softcap(scenario, window, softcap, dtype):
+    """Gemma's windowed and soft-capped attention: tiles wholly before a query's window are
+    skipped, tiles it sees only partly are masked (rows seeing none of a tile stay finite)."""
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_paged_batch(q_lens, seq_lens, 8, 2, 64, 16, dtype=dtype, seed=window)
+    _assert_attention_matches(batch, window=window, softcap=softcap)
+
+
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_paged_attention_padded_head_dims(head_dim):
     batch = make_paged_batch([1, 12, 1], [30, 12, 5], 6, 2, head_dim, 16, seed=head_dim)

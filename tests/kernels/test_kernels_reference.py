@@ -58,9 +58,10 @@ HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa8": (8, 1), "gqa2_kv8": (16, 8)}
 def _cpu_kernel_with_lanes(lanes: int):
     """The C++ kernel with vectors of `lanes` floats (8: AVX2, 16: AVX-512), whatever the
     machine's best: each path is checked where the CPU has it."""
-    def attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+    def attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window=0, softcap=0.0):
         return cpu_ext.load().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
-                                              seq_lens.to(torch.int32), cu_seqlens_q.to(torch.int32), scale, lanes)
+                                              seq_lens.to(torch.int32), cu_seqlens_q.to(torch.int32), scale, lanes,
+                                              window=window, softcap=softcap)
     return attention
 
 
@@ -85,6 +86,22 @@ def test_paged_attention_reference_matches_naive(case, heads, block_size, impl):
     out = ATTENTION[impl](*batch.args())
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     torch.testing.assert_close(out, naive_paged_attention(*batch.args()), **EXACT)
+
+
+@pytest.mark.parametrize("impl", list(ATTENTION))
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (16, 0.0), (0, 2.0), (16, 2.0)])
+@pytest.mark.parametrize("case", ["decodes", "chunks_inside_block", "mixed", "long_context_chunk", "skewed_decodes"])
+def test_paged_attention_sliding_window_and_softcap_match_naive(case, window, softcap, impl):
+    """Gemma's attention: each token sees its last `window` positions (contexts here cross the
+    window), scores tanh-capped; decodes, chunks and the SDPA-sized chunk at a long context."""
+    q_lens, seq_lens = CASES[case]
+    batch = make_paged_batch(q_lens, seq_lens, 9, 3, 64, 16, seed=window + int(softcap))
+    kw = dict(window=window, softcap=softcap)
+    out = ATTENTION[impl](*batch.args(), **kw)
+    expected = naive_paged_attention(*batch.args(), **kw)
+    torch.testing.assert_close(out, expected, **EXACT)
+    if window:   # the window really hides keys: full attention differs
+        assert not torch.allclose(naive_paged_attention(*batch.args(), softcap=softcap), expected, **EXACT)
 
 
 def test_paged_attention_cpu_sends_only_long_chunks_at_long_contexts_to_sdpa(monkeypatch):

@@ -33,9 +33,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_MODES = ("none", "int8", "int4")
-# kv_cache_dtype: "auto" keeps KV in the model's dtype; "int8" stores each (token, KV head)
-# row as int8 with a float32 scale (kernels/kv_store.py's QuantizedKV).
-KV_CACHE_DTYPES = ("auto", "int8")
+# kv_cache_dtype: "auto" keeps KV in the model's dtype; the others store each (token, KV head)
+# row as one byte a value with a float32 scale (kernels/kv_store.py's KVQuantDtype and QuantizedKV).
+# "fp8" is vLLM's name for fp8_e4m3, which it stands for from load on (cache_config_info and all).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # What the engine does with a request (backend/disagg.py): "both" serves it whole; "prefill"
 # runs its prompt and first token, then exports it; "decode" imports such a request and
 # generates the rest.
@@ -188,8 +190,9 @@ class EngineConfig:
         check(not (modules and self.enable_lora is False), "lora_modules given but enable_lora=false")
         check(self.quantization in QUANTIZATION_MODES,
               f"quantization={self.quantization!r}, expected one of {QUANTIZATION_MODES}")
+        object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
-              f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES}")
+              f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES} (or 'fp8': fp8_e4m3)")
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         check(self.role in ROLES, f"role={self.role!r}, expected one of {ROLES}")

@@ -2,8 +2,8 @@
 
 Per-step metadata is built with numpy in one go (no per-token Python). The runner owns
 the KV tensors: per layer K and V of shape [num_blocks, block_size, num_kv_heads, head_dim],
-in the model's dtype or, with kv_cache_dtype int8, `QuantizedKV`s (int8 rows and their scales
-in each block's bytes), plus, in swap mode, a host pool of the same block layout.
+in the model's dtype or, with a quantized kv_cache_dtype (int8, fp8_e4m3, fp8_e5m2),
+`QuantizedKV`s (one-byte rows and their scales in each block's bytes), plus, in swap mode, a host pool of the same block layout.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
-from kernels.kv_store import QuantizedKV, kv_storage
+from kernels.kv_store import KV_QUANT_DTYPES, QuantizedKV, kv_storage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,8 +64,8 @@ def resolve_batch_invariance(requested: bool | None, device: torch.device) -> bo
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one block of every layer's K and V (an int8 block's scales included)."""
-    if kv_cache_dtype == "int8":
+    """Bytes of one block of every layer's K and V (a quantized block's scales included)."""
+    if kv_cache_dtype in KV_QUANT_DTYPES:
         return 2 * arch.num_layers * QuantizedKV.block_bytes(block_size, arch.num_kv_heads, arch.head_dim)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element
@@ -74,11 +74,12 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, kv_cach
 def make_kv_cache(num_blocks: int, block_size: int, arch: ModelArch, dtype: torch.dtype, kv_cache_dtype: str,
                   device: torch.device | str, pin_memory: bool = False) -> torch.Tensor | QuantizedKV:
     """One layer's K (or V) pool, zeroed."""
-    if kv_cache_dtype == "int8":
+    kind = KV_QUANT_DTYPES.get(kv_cache_dtype)
+    if kind is not None:
         if arch.head_dim % 4:
-            raise ValueError(f"invalid engine parameter: kv_cache_dtype=int8 needs a head size that is a multiple "
-                             f"of 4 (the model's: {arch.head_dim})")
-        return QuantizedKV.zeros(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, device, pin_memory)
+            raise ValueError(f"invalid engine parameter: kv_cache_dtype={kv_cache_dtype} needs a head size that is a "
+                             f"multiple of 4 (the model's: {arch.head_dim})")
+        return QuantizedKV.zeros(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, kind, device, pin_memory)
     return torch.zeros((num_blocks, block_size, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device,
                        pin_memory=pin_memory)
 

@@ -13,7 +13,7 @@ the dispatchers send CPU tensors to the Triton kernels too, which lets a test dr
 whole engine through the CUDA path's kernels on a machine without a GPU.
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)                      in place
-        (a cache is a tensor in the model's dtype or a QuantizedKV, int8 rows and their scales,
+        (a cache is a tensor in the model's dtype or a QuantizedKV, int8 or fp8 rows and their scales,
         which every store quantizes and every attention path de-quantizes; see kv_store.py)
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                     max_seqlen_q=None, max_seqlen_k=None, batch_invariant=False, window=0, softcap=0.0) -> out

@@ -17,6 +17,9 @@ import re
 import sys
 import time
 
+# Triton's pointer type for each quantized KV dtype's storage (kernels/kv_store.py's KVQuantDtype).
+KV_POINTERS = {"int8": "*i8", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
+
 
 def _compile(fn, types: dict[str, str], constexprs: dict, arch: int, options: dict):
     """`options`: the launch's compile options (num_warps; num_stages, enable_fp_fusion where
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from .activation import _silu_and_mul_kernel
-    from .kv_store import _store_kv_kernel
+    from .kv_store import KV_QUANT_DTYPES, _store_kv_kernel, store_kv_quant_constants
     from .linear_quant import _linear_quant_kernel, _sum_splits_kernel, linear_quant_config
     from .lora import _lora_expand_kernel, _lora_shrink_kernel
     from .moe import BLOCK_K as MOE_BLOCK_K, BLOCK_M as MOE_BLOCK_M, BLOCK_N as MOE_BLOCK_N, _grouped_gemm_kernel
@@ -66,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         p = "*" + dt
         element_size = 4 if dt == "fp32" else 2
         jobs = [
-            *((f"store_kv{' int8' if quantized else ''}", _store_kv_kernel,
-               {"key_ptr": p, "value_ptr": p, "k_cache_ptr": "*i8" if quantized else p,
-                "v_cache_ptr": "*i8" if quantized else p, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            *((f"store_kv{' ' + kind.name if kind else ''}", _store_kv_kernel,
+               {"key_ptr": p, "value_ptr": p, "k_cache_ptr": KV_POINTERS[kind.name] if kind else p,
+                "v_cache_ptr": KV_POINTERS[kind.name] if kind else p, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                 "slot_ptr": "*i64"},
-               dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANTIZED=quantized)) for quantized in (False, True)),
+               dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, **store_kv_quant_constants(kind)))
+              for kind in (None, *KV_QUANT_DTYPES.values())),
             ("rms_norm+residual", _rms_norm_kernel,
              {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "residual_out_ptr": p, "eps": "fp32"},
              dict(HAS_RESIDUAL=True, BLOCK_N=4096)),
@@ -110,19 +114,20 @@ def main(argv: list[str] | None = None) -> int:
                               **config), options))
         jobs.append(("linear_quant sum_splits", _sum_splits_kernel,
                      {"part_ptr": "*fp32", "bias_ptr": p, "out_ptr": p}, dict(HAS_BIAS=True, BLOCK=1024), {"num_warps": 4}))
-        # int8 KV (kv_cache_dtype int8): the decode and the prefill tiles of the first head size
+        # Quantized KV (every kv_cache_dtype but auto): the decode and the prefill tiles of the first head size
         quantized_kv = [a for a in attention if a[0] == attention[0][0] and a[1] == attention[0][1]]
-        for (hd, qpk, bs, max_q), quantized in [(a, False) for a in attention] + [(a, True) for a in quantized_kv]:
+        for (hd, qpk, bs, max_q), kind in ([(a, None) for a in attention]
+                                           + [(a, kind) for a in quantized_kv for kind in KV_QUANT_DTYPES.values()]):
             config = attention_config(qpk, hd, element_size, max_q)
             num_warps = config.pop("num_warps")
-            kv = "*i8" if quantized else p
+            kv = KV_POINTERS[kind.name] if kind else p
             jobs.append((f"paged_attention hd={hd} qpk={qpk} bs={bs} block_m={config['BLOCK_M']}"
-                         f"{' int8 KV' if quantized else ''}",
+                         f"{' ' + kind.name + ' KV' if kind else ''}",
                          _paged_attention_kernel,
                          {"q_ptr": p, "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
                           "v_scale_ptr": "*fp32", "out_ptr": p, "block_tables_ptr": "*i32",
                           "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "scale": "fp32", "softcap": "fp32"},
-                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=quantized, WINDOWED=False, SOFTCAP=False,
+                         dict(BLOCK_SIZE=bs, HEAD_DIM=hd, QUANTIZED=kind is not None, WINDOWED=False, SOFTCAP=False,
                               **config), {"num_warps": num_warps}))
         # Gemma 2's sliding-window, soft-capped layers: the decode and the prefill tiles of the first head size
         for hd, qpk, bs, max_q in quantized_kv:

@@ -11,7 +11,7 @@ at batch 1 for SmolLM2-135M.
                          seg_indptr=None, seg_adapter=None)
     hidden, residual = layer.forward(hidden, residual_or_None, k_cache, v_cache, step)
     hidden, residual = layer.forward(hidden, residual_or_None, kv.data, vv.data, step, kv.scale, vv.scale)
-                                                            (int8 KV: QuantizedKV kv and vv)
+                                                            (quantized KV: QuantizedKV kv and vv)
 
 Each projection is a `(PackedWeight, bias, lora)` triple, `lora` None or, where LoRA adapters
 are loaded on it, `(packed, slice_offsets, rank)` in kernels/lora.py's terms (`packed[a]`:

@@ -3,14 +3,16 @@
 Cache layout: `[num_blocks, block_size, num_kv_heads, head_dim]`; token t goes to
 slot `slot_mapping[t] = block_id * block_size + offset`; slots < 0 are padding and skipped.
 
-A cache is either a tensor in the model's dtype or a `QuantizedKV` (kv_cache_dtype int8):
-every (token, KV head) row stored as int8 with one float32 scale, symmetric,
-`row ~= q * scale`, `scale = max|row| / 127`. The store quantizes as it writes and the
-attention kernels de-quantize as they read, behind the same signatures.
+A cache is either a tensor in the model's dtype or a `QuantizedKV` (kv_cache_dtype int8,
+fp8_e4m3 or fp8_e5m2, a `KVQuantDtype`): every (token, KV head) row stored as one byte a
+value with one float32 scale, symmetric, `row ~= decode(q) * scale`,
+`scale = max|row| / KVQuantDtype.max`. The store quantizes as it writes and the attention
+kernels de-quantize as they read, behind the same signatures.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,17 +21,48 @@ import triton.language as tl
 
 from .triton_utils import launch, next_power_of_2
 
-_INT8_MAX = 127.0
+
+@dataclass(frozen=True)
+class KVQuantDtype:
+    """A quantized KV element: `storage` bytes holding `row / scale`, `scale = max|row| / max`.
+    int8 rounds half to even onto the integers; the fp8 formats round to nearest even in their
+    own grid and saturate at their largest finite value (torch's cast of the clamped value, to
+    the bit). Every format keeps a scale per (token, KV head): one block layout and one
+    de-quantization (`decode(q) * scale`) on every path. vLLM stores fp8_e5m2 as a plain cast
+    with no scale; here e5m2 scales too, which costs nothing the layout does not already hold
+    and never loses to the plain cast: a row's largest value lands on e5m2's largest, so no row
+    overflows to infinity and tiny rows stay out of e5m2's subnormals."""
+    name: str             # the kv_cache_dtype value (vLLM's cache_dtype)
+    storage: torch.dtype
+    max: float            # the largest magnitude `storage` holds (what a row's largest maps to)
+
+    @property
+    def rounds_to_integers(self) -> bool:
+        return not self.storage.is_floating_point
+
+    def encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        """float32 values already divided by their row's scale -> `storage`."""
+        if self.rounds_to_integers:
+            return torch.round(scaled).clamp_(-self.max, self.max).to(self.storage)
+        return scaled.clamp(-self.max, self.max).to(self.storage)
+
+
+INT8 = KVQuantDtype("int8", torch.int8, 127.0)
+FP8_E4M3 = KVQuantDtype("fp8_e4m3", torch.float8_e4m3fn, 448.0)
+FP8_E5M2 = KVQuantDtype("fp8_e5m2", torch.float8_e5m2, 57344.0)
+KV_QUANT_DTYPES = {kind.name: kind for kind in (INT8, FP8_E4M3, FP8_E5M2)}
+_BY_STORAGE = {kind.storage: kind for kind in KV_QUANT_DTYPES.values()}
 
 
 @dataclass(frozen=True)
 class QuantizedKV:
-    """A paged K or V cache of int8 rows and their float32 scales. Each block's bytes hold
-    its rows ([block_size, Hkv, D] int8) and then their scales ([block_size, Hkv] float32),
-    so a block is self-contained: swapping, copying (copy-on-write) or moving block b is
-    moving `blocks[b]`. `data` and `scale` are views of `blocks` for the kernels."""
+    """A paged K or V cache of quantized rows (one byte a value, `kind.storage`) and their
+    float32 scales. Each block's bytes hold its rows ([block_size, Hkv, D]) and then their
+    scales ([block_size, Hkv] float32), so a block is self-contained: swapping, copying
+    (copy-on-write) or moving block b is moving `blocks[b]`. `data` and `scale` are views of
+    `blocks` for the kernels."""
     blocks: torch.Tensor  # uint8 [num_blocks, block_bytes]
-    data: torch.Tensor    # int8 [num_blocks, block_size, Hkv, D], block stride block_bytes
+    data: torch.Tensor    # kind.storage [num_blocks, block_size, Hkv, D], block stride block_bytes
     scale: torch.Tensor   # float32 [num_blocks, block_size, Hkv], block stride block_bytes / 4
 
     @staticmethod
@@ -37,19 +70,24 @@ class QuantizedKV:
         return block_size * num_kv_heads * (head_dim + 4)
 
     @classmethod
-    def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kind: KVQuantDtype,
               device: torch.device | str = "cpu", pin_memory: bool = False) -> QuantizedKV:
         assert head_dim % 4 == 0, "the scales start at a 4-byte boundary"
         blocks = torch.zeros(num_blocks, cls.block_bytes(block_size, num_kv_heads, head_dim), dtype=torch.uint8,
                              device=device, pin_memory=pin_memory)
-        return cls.of(blocks, block_size, num_kv_heads, head_dim)
+        return cls.of(blocks, block_size, num_kv_heads, head_dim, kind)
 
     @classmethod
-    def of(cls, blocks: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> QuantizedKV:
+    def of(cls, blocks: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
+           kind: KVQuantDtype) -> QuantizedKV:
         num_blocks, rows = blocks.shape[0], block_size * num_kv_heads * head_dim
-        data = blocks[:, :rows].view(torch.int8).view(num_blocks, block_size, num_kv_heads, head_dim)
+        data = blocks[:, :rows].view(kind.storage).view(num_blocks, block_size, num_kv_heads, head_dim)
         scale = blocks[:, rows:].view(torch.float32).view(num_blocks, block_size, num_kv_heads)
         return cls(blocks, data, scale)
+
+    @property
+    def kind(self) -> KVQuantDtype:
+        return _BY_STORAGE[self.data.dtype]
 
     @property
     def shape(self) -> torch.Size:
@@ -72,13 +110,12 @@ def kv_storage(cache: torch.Tensor | QuantizedKV) -> torch.Tensor:
     return cache.blocks if isinstance(cache, QuantizedKV) else cache
 
 
-def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] -> (int8 [..., D], float32 scales [...]): each row over its own largest
-    magnitude, in float32, rounded half to even."""
+def quantize_kv_rows(x: torch.Tensor, kind: KVQuantDtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (kind.storage [..., D], float32 scales [...]): each row over its own largest
+    magnitude, in float32."""
     x = x.float()
-    scale = x.abs().amax(-1) / _INT8_MAX
-    q = torch.round(x / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-_INT8_MAX, _INT8_MAX)
-    return q.to(torch.int8), scale
+    scale = x.abs().amax(-1) / kind.max
+    return kind.encode(x / torch.where(scale > 0, scale, 1.0)[..., None]), scale
 
 
 def dequantize_kv_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -98,7 +135,7 @@ def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     blocks, offsets = slots // block_size, slots % block_size
     if isinstance(k_cache, QuantizedKV):
         for x, cache in ((key, k_cache), (value, v_cache)):
-            q, scale = quantize_kv_rows(x)
+            q, scale = quantize_kv_rows(x, cache.kind)
             cache.data[blocks, offsets] = q
             cache.scale[blocks, offsets] = scale
         return
@@ -114,7 +151,10 @@ def _store_kv_kernel(
     stride_vcb, stride_vcs, stride_vch,
     stride_ksb, stride_kss, stride_vsb, stride_vss,
     num_heads, block_size,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT_MAX: tl.constexpr,        # KVQuantDtype.max; 0: a cache in the model's dtype
+    MANTISSA_BITS: tl.constexpr,    # fp8's; -1: int8 (a grid of the integers)
+    MIN_EXPONENT: tl.constexpr,     # fp8's smallest normal exponent (its subnormals' step: 2^(it - mantissa bits))
 ):
     # One program per token: all of its heads at once.
     t = tl.program_id(0).to(tl.int64)
@@ -131,24 +171,44 @@ def _store_kv_kernel(
     mask = (h < heads) & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-    if QUANTIZED:
-        # Each row over its largest magnitude, as `quantize_kv_rows`: round half to even spelled
-        # out (the interpreter has no rint). Written out for K and V: a jit helper of this module
-        # would not run in the interpreter that a CPU launch wraps the kernel in.
+    if QUANT_MAX > 0:
+        # Each row over its largest magnitude, as `quantize_kv_rows`, then each value rounded half
+        # to even onto the format's grid: steps of 1 (int8) or of 2^(exponent - mantissa bits)
+        # (fp8; below the normals, the smallest normal's), spelled out on the magnitude (the
+        # interpreter has no rint, and its float32 -> fp8 cast drops the carry of a mantissa that
+        # rounds up into the exponent), so that the cast to fp8 is exact; then the clamp to the
+        # format's largest, and the sign put back bit for bit (a value that rounds to zero keeps
+        # it, as torch's cast does).
+        # Written out for K and V: a jit helper of this module would not run in the interpreter
+        # that a CPU launch wraps the kernel in.
         k = k.to(tl.float32)
-        k_scale = tl.max(tl.abs(k), 1) / 127.0
+        k_scale = tl.max(tl.abs(k), 1) / QUANT_MAX
         k = k / tl.where(k_scale > 0.0, k_scale, 1.0)[:, None]
+        if MANTISSA_BITS >= 0:
+            k_exp = tl.maximum((k.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXPONENT + 127)
+            k_step = ((k_exp - MANTISSA_BITS) << 23).to(tl.float32, bitcast=True)
+        else:
+            k_step = tl.full(k.shape, 1.0, tl.float32)
+        k_sign = (k.to(tl.int32, bitcast=True) >> 31) << 31
+        k = tl.abs(k) / k_step
         k_round = tl.floor(k + 0.5)
         k_odd = (k_round - 2.0 * tl.floor(k_round * 0.5)) != 0.0
-        k = tl.where(((k_round - k) == 0.5) & k_odd, k_round - 1.0, k_round)
-        k = tl.minimum(tl.maximum(k, -127.0), 127.0)
+        k = tl.minimum(tl.where(((k_round - k) == 0.5) & k_odd, k_round - 1.0, k_round) * k_step, QUANT_MAX)
+        k = (k.to(tl.int32, bitcast=True) | k_sign).to(tl.float32, bitcast=True)
         v = v.to(tl.float32)
-        v_scale = tl.max(tl.abs(v), 1) / 127.0
+        v_scale = tl.max(tl.abs(v), 1) / QUANT_MAX
         v = v / tl.where(v_scale > 0.0, v_scale, 1.0)[:, None]
+        if MANTISSA_BITS >= 0:
+            v_exp = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXPONENT + 127)
+            v_step = ((v_exp - MANTISSA_BITS) << 23).to(tl.float32, bitcast=True)
+        else:
+            v_step = tl.full(v.shape, 1.0, tl.float32)
+        v_sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+        v = tl.abs(v) / v_step
         v_round = tl.floor(v + 0.5)
         v_odd = (v_round - 2.0 * tl.floor(v_round * 0.5)) != 0.0
-        v = tl.where(((v_round - v) == 0.5) & v_odd, v_round - 1.0, v_round)
-        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        v = tl.minimum(tl.where(((v_round - v) == 0.5) & v_odd, v_round - 1.0, v_round) * v_step, QUANT_MAX)
+        v = (v.to(tl.int32, bitcast=True) | v_sign).to(tl.float32, bitcast=True)
         hs = tl.arange(0, BLOCK_H)
         tl.store(k_scale_ptr + blk * stride_ksb + off * stride_kss + hs, k_scale, mask=hs < heads)
         tl.store(v_scale_ptr + blk * stride_vsb + off * stride_vss + hs, v_scale, mask=hs < heads)
@@ -168,8 +228,8 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    quantized = isinstance(k_cache, QuantizedKV)
-    if quantized:
+    kind = k_cache.kind if isinstance(k_cache, QuantizedKV) else None
+    if kind is not None:
         k_scale, v_scale = k_cache.scale, v_cache.scale
         k_cache, v_cache = k_cache.data, v_cache.data
     else:
@@ -185,5 +245,16 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         num_heads, k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim),
-        QUANTIZED=quantized,
+        **store_kv_quant_constants(kind),
     )
+
+
+def store_kv_quant_constants(kind: KVQuantDtype | None) -> dict:
+    """`_store_kv_kernel`'s constants for a cache of `kind` (None: the model's dtype)."""
+    if kind is None:
+        return dict(QUANT_MAX=0.0, MANTISSA_BITS=-1, MIN_EXPONENT=0)
+    if kind.rounds_to_integers:
+        return dict(QUANT_MAX=kind.max, MANTISSA_BITS=-1, MIN_EXPONENT=0)
+    info = torch.finfo(kind.storage)
+    return dict(QUANT_MAX=kind.max, MANTISSA_BITS=round(-math.log2(info.eps)),
+                MIN_EXPONENT=round(math.log2(info.smallest_normal)))

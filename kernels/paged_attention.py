@@ -5,8 +5,8 @@ Inputs (shared by the Triton kernel and the torch reference):
                 concatenated; sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1].
   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]: the paged KV cache,
                 already holding the K/V of the new tokens (written by `store_kv`): tensors
-                in the query's dtype, or `QuantizedKV` (int8 rows and their scales,
-                de-quantized to float32 as they are read).
+                in the query's dtype, or `QuantizedKV` (int8 or fp8 rows and their
+                scales, de-quantized to float32 as they are read).
   block_tables  int32 [num_seqs, max_blocks]: logical block i of sequence s lives in
                 physical block block_tables[s, i]; entries past the end are arbitrary.
   seq_lens      int32 [num_seqs]: context length including the new tokens.
@@ -362,7 +362,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,          # query tokens per program
     TILE_N: tl.constexpr,           # keys per inner iteration
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (exact), "tf32" otherwise (ignored for 16-bit)
-    QUANTIZED: tl.constexpr,        # int8 K/V rows times their scales (kv_store.QuantizedKV)
+    QUANTIZED: tl.constexpr,        # int8/fp8 K/V rows times their scales (kv_store.QuantizedKV)
     WINDOWED: tl.constexpr,         # each query sees its last `window` keys only
     SOFTCAP: tl.constexpr,          # scores become tanh(s / softcap) * softcap
 ):
@@ -425,7 +425,7 @@ def _paged_attention_kernel(
         blk = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
         k_off = blk[None, :] * stride_kb + in_blk[None, :] * stride_ks + kv_head * stride_kh + d[:, None]
-        kt = tl.load(k_cache_ptr + k_off, mask=d_valid[:, None] & k_valid[None, :], other=0)
+        kt = tl.load(k_cache_ptr + k_off, mask=d_valid[:, None] & k_valid[None, :], other=0.0)
         if QUANTIZED:
             k_scale = tl.load(k_scale_ptr + blk * stride_ksb + in_blk * stride_kss + kv_head, mask=k_valid, other=0.0)
             kt = (kt.to(tl.float32) * k_scale[None, :]).to(q.dtype)
@@ -449,7 +449,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_off = blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
-        v = tl.load(v_cache_ptr + v_off, mask=k_valid[:, None] & d_valid[None, :], other=0)
+        v = tl.load(v_cache_ptr + v_off, mask=k_valid[:, None] & d_valid[None, :], other=0.0)
         if QUANTIZED:
             v_scale = tl.load(v_scale_ptr + blk * stride_vsb + in_blk * stride_vss + kv_head, mask=k_valid, other=0.0)
             v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)

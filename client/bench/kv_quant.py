@@ -1,5 +1,5 @@
-"""Greedy continuations with int8 KV against KV in the model's dtype (issue 49):
-`python -m client.bench.kv_quant`.
+"""Greedy continuations with quantized KV (int8, fp8_e4m3, fp8_e5m2) against KV in the model's
+dtype (issue 49): `python -m client.bench.kv_quant --kv-cache-dtype K`.
 
 Prompts are consecutive stretches of the project's fixed text (client/bench/perplexity.py's),
 each continued greedily for `--max-tokens` tokens by two engines that differ only in
@@ -7,7 +7,8 @@ each continued greedily for `--max-tokens` tokens by two engines that differ onl
 identical to `auto`'s, where the others first differ, and the largest difference of a chosen
 token's logprob over the positions before a continuation first differs.
 
-    python -m client.bench.kv_quant --json bench/results/avx2/kv_quant_greedy.json
+    python -m client.bench.kv_quant --json bench/results/avx2/kv_quant_greedy.json   # int8
+    python -m client.bench.kv_quant --kv-cache-dtype fp8_e4m3 --json bench/results/avx2/kv_quant_greedy_fp8_e4m3.json
 """
 
 from __future__ import annotations

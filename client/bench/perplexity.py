@@ -68,7 +68,7 @@ def configurations(checkpoint: str, shipped_gguf: str) -> list[Configuration]:
         Configuration("int8", checkpoint, "int8"),
         Configuration("int4 g32", checkpoint, "int4", 32),
         Configuration("int4 g128", checkpoint, "int4", 128),
-        Configuration("float32 + int8 KV", checkpoint, kv_cache_dtype="int8"),
+        *(Configuration(f"float32 + {kv} KV", checkpoint, kv_cache_dtype=kv) for kv in ("int8", "fp8_e4m3", "fp8_e5m2")),
         Configuration("Q4_1", shipped_gguf),
         *quantized,
     ]

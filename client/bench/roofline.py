@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quantization", default="none", help="the engine's quantization: none, int8, int4")
     parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--json", help="write the report here")

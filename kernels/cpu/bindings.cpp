@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("cos_sin_cache"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("slot_mapping"), pybind11::arg("is_neox"),
         pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt,
-        "RoPE on query and key, key and value into the paged cache (int8 caches: quantized, with scales)");
+        "RoPE on query and key, key and value into the paged cache (int8 and fp8 caches: quantized, with scales)");
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
       .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
            pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"))

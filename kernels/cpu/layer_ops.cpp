@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "kv_quant.h"
 #include "ops.h"
 
 namespace {
@@ -203,18 +204,7 @@ inline void rotate_head(const T* __restrict__ src, T* __restrict__ dst, const fl
   for (int64_t d = 2 * half; d < head_dim; ++d) dst[d] = src[d];
 }
 
-// One (token, KV head) row into an int8 cache row and its scale, as kernels/kv_store.py's
-// quantize_kv_rows: scale = max|x| / 127, each value x / scale rounded half to even.
-inline void quantize_row(const float* x, int8_t* q, float* scale, int64_t n) {
-  float peak = 0.f;
-  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(x[i]));
-  const float s = peak / 127.f;
-  const float divisor = s > 0.f ? s : 1.f;
-  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / divisor), -127.f, 127.f));
-  *scale = s;
-}
-
-// C: the cache's element, T or int8_t (then each row quantized, its scale at k_scale/v_scale
+// C: the cache's element, T or a quantized one (kv_quant.h: each row quantized, its scale at k_scale/v_scale
 // [block, offset, head]). Block strides in elements of the cache and of the scales.
 template <bool kNeox, typename T, typename C>
 void rotary_store(const int64_t* positions, const T* query, const T* key, const T* value, const float* cos_sin,
@@ -222,7 +212,7 @@ void rotary_store(const int64_t* positions, const T* query, const T* key, const 
                   int64_t num_tokens, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
                   int64_t query_stride, int64_t key_stride, int64_t value_stride, int64_t block_size,
                   int64_t cache_block_stride, int64_t scale_block_stride) {
-  constexpr bool kQuantized = !std::is_same_v<C, T>;
+  constexpr bool kQuantized = inflight_cpu::kIsQuantizedKv<C>;
   const int64_t half = rotary_dim / 2;
   const int64_t kv_width = num_kv_heads * head_dim;
   at::parallel_for(0, num_tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
@@ -249,9 +239,9 @@ void rotary_store(const int64_t* positions, const T* query, const T* key, const 
           rotate_head<kNeox>(key + t * key_stride + h * head_dim, rotated.data(), cos.data(), sin.data(), half,
                              head_dim);
           for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(rotated[d]);
-          quantize_row(row.data(), k_cache + offset + h * head_dim, k_scale + scale_offset + h, head_dim);
+          inflight_cpu::quantize_row(row.data(), k_cache + offset + h * head_dim, k_scale + scale_offset + h, head_dim);
           for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(v[h * head_dim + d]);
-          quantize_row(row.data(), v_cache + offset + h * head_dim, v_scale + scale_offset + h, head_dim);
+          inflight_cpu::quantize_row(row.data(), v_cache + offset + h * head_dim, v_scale + scale_offset + h, head_dim);
         }
       } else {
         for (int64_t h = 0; h < num_kv_heads; ++h)
@@ -274,7 +264,8 @@ void check_heads(const at::Tensor& x, const char* name) {
 // query [T, Hq, D], key and value [T, Hkv, D] (strided over tokens: views of qkv are fine),
 // positions and slot_mapping int64 [T] (slot -1: do not store), cos_sin_cache float32
 // [max_position, rotary_dim], caches [num_blocks, block_size, Hkv, D] with each block contiguous,
-// in the activations' dtype or int8 with k_scale/v_scale float32 [num_blocks, block_size, Hkv]
+// in the activations' dtype or quantized (int8, float8_e4m3fn, float8_e5m2) with k_scale/v_scale
+// float32 [num_blocks, block_size, Hkv]
 // (kernels/kv_store.py's QuantizedKV: each row quantized as it is stored). Stores the rotated
 // key and the value; returns the rotated query, [T, Hq, D] contiguous.
 at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor value,
@@ -285,7 +276,7 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
   check_heads(value, "value");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(2) == query.size(2),
               "rotary_store_kv: query, key and value shapes disagree");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
+  const bool quantized = inflight_cpu::is_quantized_kv(k_cache.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2) && k_cache.stride(3) == 1 &&
                   k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
@@ -293,8 +284,8 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type() &&
                   (quantized || (k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type())) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "rotary_store_kv: activations and caches must share a dtype (or the caches be int8)");
-  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "rotary_store_kv: int8 caches come with scales");
+              "rotary_store_kv: activations and caches must share a dtype (or the caches be int8 or fp8)");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "rotary_store_kv: quantized caches come with scales");
   if (quantized)
     TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->dim() == 3 && k_scale->sizes() == v_scale->sizes() &&
                     k_scale->strides() == v_scale->strides() && k_scale->size(0) == k_cache.size(0) &&
@@ -320,10 +311,12 @@ at::Tensor rotary_store_kv(at::Tensor positions, at::Tensor query, at::Tensor ke
             key.size(1), query.size(2), cos_sin_cache.size(1), query.stride(0), key.stride(0), value.stride(0),
             k_cache.size(1), k_cache.stride(0), scale_block_stride);
     };
-    if (quantized)
-      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
+    const bool stored = inflight_cpu::dispatch_quantized_kv(k_cache.scalar_type(), [&](auto* element) {
+      using C = std::remove_pointer_t<decltype(element)>;
+      run(static_cast<C*>(k_cache.data_ptr()), static_cast<C*>(v_cache.data_ptr()), k_scale->data_ptr<float>(),
           v_scale->data_ptr<float>(), k_scale->stride(0));
-    else
+    });
+    if (!stored)
       run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr, nullptr, 0);
   });
   return query_out;

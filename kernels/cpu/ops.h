@@ -9,7 +9,7 @@
 
 // lanes: the vector width, 8 (AVX2) or 16 (AVX-512, where attention_lanes() says it is built);
 // head sizes that are no multiple of it run the 8-lane (or the plain) loops.
-// k_scale/v_scale: with int8 caches (kernels/kv_store.py's QuantizedKV), each row's float32
+// k_scale/v_scale: with int8 or fp8 caches (kernels/kv_store.py's QuantizedKV), each row's float32
 // scale [num_blocks, block_size, Hkv]; caches and scales may have any block stride.
 // window: each token sees its last `window` positions (0: all); softcap: Gemma 2's tanh cap on
 // the scores (0: none).

@@ -47,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "prefetch.h"
 
@@ -194,8 +195,8 @@ inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
 
 struct Shape {
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  // From one block to the next, in cache elements and in scales (int8 caches: a block's rows
-  // and their scales share its bytes, kernels/kv_store.py's QuantizedKV).
+  // From one block to the next, in cache elements and in scales (quantized caches: a block's
+  // rows and their scales share its bytes, kernels/kv_store.py's QuantizedKV).
   int64_t block_stride, scale_block_stride;
   // Each token sees only its last `window` positions (0: all); scores soft-capped (0: not).
   int64_t window = 0;
@@ -204,10 +205,11 @@ struct Shape {
   int64_t row_width() const { return num_kv_heads * head_dim; }  // one position: every KV head
 };
 
-// The cache's rows as the compute loops read them: a float cache's own dtype, int8 rows
-// de-quantized to float32 (times their scale) as they are copied out of the cache.
+// The cache's rows as the compute loops read them: a float cache's own dtype, quantized rows
+// (int8, fp8) de-quantized to float32 (kv_quant.h's dequantize_row) as they are copied out of
+// the cache.
 template <typename T, typename C>
-using RowOf = std::conditional_t<std::is_same_v<C, int8_t>, float, T>;
+using RowOf = std::conditional_t<inflight_cpu::kIsQuantizedKv<C>, float, T>;
 
 // Query heads of one GQA group scored and summed together, so that each K and V row is
 // loaded (and, for bf16, widened) once for all of them: as many as the registers hold, the
@@ -304,7 +306,7 @@ struct Gatherer {
   const int32_t* table;
   int64_t block_stride, block_size, row_width, column, width;  // the task's columns of a row
   R* local;
-  // int8 caches: the rows' scales [block][row][KV head], and the head size they split rows by.
+  // Quantized caches: the rows' scales [block][row][KV head], and the head size they split rows by.
   const float* scales = nullptr;
   int64_t scale_block_stride = 0, head_dim = 0;
 
@@ -338,13 +340,9 @@ struct Gatherer {
         const int64_t heads = row_width / head_dim, first_head = column / head_dim;
         const float* scale = scales + table[b] * scale_block_stride + first_head;
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t h = 0; h < width / head_dim; ++h) {
-            const float s = scale[r * heads + h];
-            const C* from = src + r * row_width + h * head_dim;
-            R* to = dst + r * width + h * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) to[d] = static_cast<float>(from[d]) * s;
-          }
+          for (int64_t h = 0; h < width / head_dim; ++h)
+            inflight_cpu::dequantize_row(src + r * row_width + h * head_dim, dst + r * width + h * head_dim, head_dim,
+                                         scale[r * heads + h]);
       } else if (width == row_width) {
         std::memcpy(dst, src, rows * row_width * sizeof(C));
       } else {
@@ -365,7 +363,7 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 // heads as float32, [num_tokens][heads_in_task * group][head_dim]. Every token is computed as if
 // alone: its scores, softmax and value sums run in the order its context length sets, whatever
 // tokens and heads share the task.
-// C: the cache's element, T or int8_t (then k_scale and v_scale hold each row's scale).
+// C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale).
 template <typename T, typename C, int L, int kVectors>
 void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
                             const float* v_scale, const int32_t* table, const Task& task, const Task* next,
@@ -489,12 +487,13 @@ void attend_token_scalar(const T* q, const C* k_cache, const C* v_cache, const f
                          std::vector<float>& row) {
   const int64_t head_dim = shape.head_dim, group = shape.group(), row_width = shape.row_width();
   const int64_t block_size = shape.block_size, block_stride = shape.block_stride;
-  // Position pos's row of every KV head into `row`, as float32 (int8 rows times their scales).
+  // Position pos's row of every KV head into `row`, as float32 (quantized rows de-quantized).
   const auto load_position = [&](const C* cache, const float* scales, int64_t pos) {
     const C* src = cache + table[pos / block_size] * block_stride + (pos % block_size) * row_width;
-    if constexpr (std::is_same_v<C, int8_t>) {
+    if constexpr (inflight_cpu::kIsQuantizedKv<C>) {
       const float* s = scales + table[pos / block_size] * shape.scale_block_stride + (pos % block_size) * shape.num_kv_heads;
-      for (int64_t i = 0; i < row_width; ++i) row[i] = static_cast<float>(src[i]) * s[i / head_dim];
+      for (int64_t h = 0; h < shape.num_kv_heads; ++h)
+        inflight_cpu::dequantize_row(src + h * head_dim, row.data() + h * head_dim, head_dim, s[h]);
     } else {
       load_row(src, row.data(), row_width);
     }
@@ -661,8 +660,9 @@ int64_t attention_lanes() {
 // query [T, Hq, D] in the cache's dtype, the new tokens of every sequence concatenated
 // (sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1]); caches [num_blocks,
 // block_size, Hkv, D], each block contiguous, already holding the new tokens' K and V: in the
-// query's dtype, or int8 with k_scale/v_scale float32 [num_blocks, block_size, Hkv] (each row
-// times its scale is the value; the query then float32, bfloat16 or float16); block_tables
+// query's dtype, or quantized (int8, float8_e4m3fn, float8_e5m2) with k_scale/v_scale float32
+// [num_blocks, block_size, Hkv] (each row de-quantized times its scale is the value; the query
+// then float32, bfloat16 or float16); block_tables
 // int32 [S, max_blocks]; seq_lens int32 [S], context length including the new tokens;
 // cu_seqlens_q int32 [S + 1]; window: each token sees its last `window` positions (0: all);
 // softcap: scores become tanh(s / softcap) * softcap before the softmax (0: unchanged).
@@ -671,12 +671,12 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
                            at::Tensor seq_lens, at::Tensor cu_seqlens_q, double scale, int64_t lanes,
                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale, int64_t window,
                            double softcap) {
-  const bool quantized = k_cache.scalar_type() == at::kChar;
+  const bool quantized = inflight_cpu::is_quantized_kv(k_cache.scalar_type());
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.strides() == k_cache.strides(),
               "bad shapes");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (quantized || query.scalar_type() == k_cache.scalar_type()),
-              "query and caches must share a dtype (or the caches be int8)");
+              "query and caches must share a dtype (or the caches be int8 or fp8)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   cu_seqlens_q.scalar_type() == at::kInt,
               "block_tables, seq_lens and cu_seqlens_q int32");
@@ -686,14 +686,14 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
                   k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
               "each cache block must be contiguous");
-  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "int8 caches come with scales, others without");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()), "quantized caches come with scales, others without");
   if (quantized) {
     TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->dim() == 3 && k_scale->sizes() == v_scale->sizes() &&
                     k_scale->strides() == v_scale->strides() && k_scale->size(0) == k_cache.size(0) &&
                     k_scale->size(1) == k_cache.size(1) && k_scale->size(2) == k_cache.size(2) &&
                     k_scale->stride(2) == 1 && k_scale->stride(1) == k_scale->size(2),
                 "scales float32 [num_blocks, block_size, Hkv], each block contiguous");
-    TORCH_CHECK(query.scalar_type() != at::kDouble, "int8 caches take a float32, bfloat16 or float16 query");
+    TORCH_CHECK(query.scalar_type() != at::kDouble, "quantized caches take a float32, bfloat16 or float16 query");
   }
   TORCH_CHECK(lanes == 8 || (lanes == 16 && attention_lanes() == 16), "paged_attention: lanes ", lanes,
               " is not built for this machine (best: ", attention_lanes(), ")");
@@ -714,11 +714,12 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
              static_cast<float>(scale), lanes);
     };
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (quantized) {
-        run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
-            v_scale->data_ptr<float>());
-        return;
-      }
+      const bool attended = inflight_cpu::dispatch_quantized_kv(k_cache.scalar_type(), [&](auto* element) {
+        using C = std::remove_pointer_t<decltype(element)>;
+        run(static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+            k_scale->data_ptr<float>(), v_scale->data_ptr<float>());
+      });
+      if (attended) return;
     }
     run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr, nullptr);
   });

@@ -1,0 +1,200 @@
+// Quantized KV rows (kernels/kv_store.py's KVQuantDtype): each (token, KV head) row of the
+// cache stored as one byte a value, int8 or fp8 (e4m3fn, e5m2), with one float32 scale,
+// value = decode(q) * scale, scale = max|row| / kMax. The RoPE-and-store quantizes with
+// `quantize_row` (layer_ops.cpp) and every attention path de-quantizes with `dequantize_row`
+// (paged_attention.cpp): one encoder and one decoder per format, for every vector width.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace inflight_cpu {
+
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// fp8 with kExp exponent and kMan mantissa bits. Decoding goes through float16, whose format
+// each fp8 one sits inside: `half_bits` moves a code's bits under float16's (one expression for a
+// scalar and for vector lanes), and float16 -> float32 is one instruction per 8 or 16 values
+// (F16C's vcvtph2ps) or, one at a time, a 256-entry table; both are exact, subnormals included.
+template <int kExp, int kMan, uint8_t kMaxCode>
+struct Fp8Format {
+  static constexpr int kBias = (1 << (kExp - 1)) - 1;
+  static constexpr uint8_t kNanCode = 0x7F;  // e4m3fn's only NaN, and one of e5m2's
+
+  // Round to nearest even, saturating at the largest finite value (torch's cast of the value
+  // clamped to [-max, max], to the bit); NaN stays NaN. Integer arithmetic only, so no compiler
+  // flag changes it.
+  static uint8_t encode(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (bits >> 24) & 0x80;
+    const uint32_t magnitude = bits & 0x7FFFFFFFu;
+    if (magnitude > 0x7F800000u) return sign | kNanCode;
+    if (magnitude >= max_bits()) return sign | kMaxCode;
+    if (magnitude < 0x00800000u) return sign;  // float32 subnormals: far below half fp8's smallest
+    const int exponent = int(magnitude >> 23) - 127 + kBias;  // biased as fp8's, were x normal there
+    const uint32_t significand = (magnitude & 0x7FFFFFu) | 0x800000u;
+    // Below fp8's normals the significand loses one more bit per binade (a subnormal result).
+    const int shift = 23 - kMan + (exponent < 1 ? 1 - exponent : 0);
+    if (shift > 24) return sign;  // under half the smallest subnormal: zero
+    uint32_t rounded = significand >> shift;
+    const uint32_t rest = significand & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (rounded & 1u))) ++rounded;
+    // A normal result's implicit bit (and a carry out of the mantissa) lands in the exponent.
+    const uint32_t code = exponent >= 1 ? (uint32_t(exponent - 1) << kMan) + rounded : rounded;
+    return sign | uint8_t(code);
+  }
+
+  static uint32_t max_bits() {
+    const uint32_t code = kMaxCode;
+    const uint32_t exponent = (code >> kMan) - kBias + 127, mantissa = code & ((1u << kMan) - 1);
+    return (exponent << 23) | (mantissa << (23 - kMan));
+  }
+};
+
+struct Fp8E4m3 : Fp8Format<4, 3, 0x7E> {  // largest 448
+  static constexpr float kMax = 448.f;
+  // Exponent and mantissa under float16's, sign on top: float16's bias 15 against e4m3's 7 makes
+  // that the value / 2^8, for normals and subnormals alike. (0x7F, e4m3fn's NaN, which the encoder
+  // never writes, reads as 480.)
+  static constexpr float kHalfFactor = 256.f;
+  template <typename U>
+  static U half_bits(U code) {
+    return ((code & 0x80) << 8) | ((code & 0x7F) << 7);
+  }
+};
+
+struct Fp8E5m2 : Fp8Format<5, 2, 0x7B> {  // largest 57344
+  static constexpr float kMax = 57344.f;
+  static constexpr float kHalfFactor = 1.f;
+  template <typename U>
+  static U half_bits(U code) {
+    return code << 8;  // e5m2 is float16's top byte
+  }
+};
+
+// The cache element C of a quantized cache (int8_t, c10::Float8_e4m3fn, c10::Float8_e5m2):
+// kMax, encode(x / scale) and decode(q) (decode(q) * scale is the value).
+template <typename C>
+struct KvQuant {
+  static constexpr bool kQuantized = false;
+};
+
+template <>
+struct KvQuant<int8_t> {
+  static constexpr bool kQuantized = true;
+  static constexpr float kMax = 127.f;
+  static int8_t encode(float x) { return static_cast<int8_t>(std::clamp(std::nearbyint(x), -kMax, kMax)); }
+};
+
+template <typename Format, typename Storage>
+struct Fp8KvQuant : Format {
+  static constexpr bool kQuantized = true;
+  static Storage encode(float x) { return Storage(Format::encode(x), Storage::from_bits()); }
+  static float half_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
+  static inline const std::array<float, 256> kDecode = [] {
+    std::array<float, 256> table{};
+    for (int code = 0; code < 256; ++code)
+      table[code] = half_to_float(Format::half_bits(uint16_t(code))) * Format::kHalfFactor;
+    return table;
+  }();
+};
+
+template <>
+struct KvQuant<c10::Float8_e4m3fn> : Fp8KvQuant<Fp8E4m3, c10::Float8_e4m3fn> {};
+template <>
+struct KvQuant<c10::Float8_e5m2> : Fp8KvQuant<Fp8E5m2, c10::Float8_e5m2> {};
+
+template <typename C>
+constexpr bool kIsQuantizedKv = KvQuant<C>::kQuantized;
+
+// One row into a quantized cache row and its scale, as kernels/kv_store.py's quantize_kv_rows:
+// scale = max|x| / kMax, each value encode(x / scale).
+template <typename C>
+inline void quantize_row(const float* x, C* q, float* scale, int64_t n) {
+  float peak = 0.f;
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float s = peak / KvQuant<C>::kMax;
+  const float divisor = s > 0.f ? s : 1.f;
+  for (int64_t i = 0; i < n; ++i) q[i] = KvQuant<C>::encode(x[i] / divisor);
+  *scale = s;
+}
+
+// dst[i] = decode(src[i]) * scale, float32; the same bits whichever loop below takes an element
+// (a vector's decode times scale * kHalfFactor is the table's value times scale: both factors are
+// powers of two or exact products).
+template <typename C>
+inline void dequantize_row(const C* src, float* dst, int64_t n, float scale) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  } else {
+    using Q = KvQuant<C>;
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 scale16 = _mm512_set1_ps(scale * Q::kHalfFactor);
+    for (; i + 16 <= n; i += 16) {
+      u8x16 codes;
+      std::memcpy(&codes, bytes + i, sizeof codes);
+      const u16x16 half = Q::half_bits(__builtin_convertvector(codes, u16x16));
+      __m256i packed;
+      std::memcpy(&packed, &half, sizeof packed);
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(packed), scale16));
+    }
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+    const __m256 scale8 = _mm256_set1_ps(scale * Q::kHalfFactor);
+    for (; i + 8 <= n; i += 8) {
+      u8x8 codes;
+      std::memcpy(&codes, bytes + i, sizeof codes);
+      const u16x8 half = Q::half_bits(__builtin_convertvector(codes, u16x8));
+      __m128i packed;
+      std::memcpy(&packed, &half, sizeof packed);
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(packed), scale8));
+    }
+#endif
+    const float* table = Q::kDecode.data();
+    for (; i < n; ++i) dst[i] = table[bytes[i]] * scale;
+  }
+}
+
+// The cache element of a quantized cache's dtype: f(a null C*), true; false for any other dtype.
+template <typename F>
+inline bool dispatch_quantized_kv(c10::ScalarType type, F&& f) {
+  switch (type) {
+    case c10::ScalarType::Char:
+      f(static_cast<int8_t*>(nullptr));
+      return true;
+    case c10::ScalarType::Float8_e4m3fn:
+      f(static_cast<c10::Float8_e4m3fn*>(nullptr));
+      return true;
+    case c10::ScalarType::Float8_e5m2:
+      f(static_cast<c10::Float8_e5m2*>(nullptr));
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline bool is_quantized_kv(c10::ScalarType type) {
+  return dispatch_quantized_kv(type, [](auto*) {});
+}
+
+}  // namespace inflight_cpu

@@ -34,15 +34,21 @@ def longest_match(buffer: np.ndarray, end: int, context: np.ndarray, max_len: in
     """(m, ends): the longest m <= max_len such that context's last m tokens occur in
     buffer[:end], and the positions where those occurrences end. (0, empty) if none."""
     ends = np.flatnonzero(buffer[:end] == context[-1])
-    m = 1
+    return extend_match(buffer, ends, 1, context, max_len) if ends.size else (0, ends)
+
+
+def extend_match(buffer: np.ndarray, ends: np.ndarray, m: int, context: np.ndarray,
+                 max_len: int) -> tuple[int, np.ndarray]:
+    """From occurrences (ending at `ends`) of context's last m tokens, the longest match up to
+    max_len tokens that still occurs, and where its occurrences end."""
     limit = min(max_len, len(context))
-    while ends.size and m < limit:
+    while m < limit:
         candidates = ends[ends >= m]
         extended = candidates[buffer[candidates - m] == context[-1 - m]]
         if not extended.size:
             break
         ends, m = extended, m + 1
-    return (m, ends) if ends.size else (0, ends)
+    return m, ends
 
 
 def follow(buffer: np.ndarray, ends: np.ndarray, limit: int, min_token_prob: float) -> tuple[list[int], float]:
@@ -126,14 +132,10 @@ class _ScopeCache:
             return none
         live = self._spans[0]
         ends = np.asarray(ends[bisect_left(ends, live):], dtype=np.int64) - self._base
-        m, limit = 2, min(max_len, len(context))
-        while ends.size and m < limit:
-            candidates = ends[ends >= m]
-            extended = candidates[buffer[candidates - m] == context[-1 - m]]
-            if not extended.size:
-                break
-            ends, m = extended, m + 1
-        return (m, ends, buffer) if ends.size else none
+        if not ends.size:
+            return none
+        m, ends = extend_match(buffer, ends, 2, context, max_len)
+        return m, ends, buffer
 
 
 class SuffixProposer:

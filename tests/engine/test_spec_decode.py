@@ -456,6 +456,20 @@ def test_a_tenant_is_charged_for_the_tokens_it_gets_not_for_the_drafts_verified(
     assert spec == plain
 
 
+def assert_seeded_request_repeats_beside_others(model_path: str, prompt: list[int], params: SamplingParams) -> dict:
+    """A seeded sampled request, drafting from its own tokens of a run without speculation (one
+    position corrupted), alone and beside other sampled requests: the same tokens, with drafts
+    accepted. The alone run's results."""
+    drafts = propose_from(_run(model_path, [(prompt, params)])["q0"]["tokens"])
+    alone = _run(model_path, [(prompt, params)], on_engine=drafts, speculative_config=NGRAM)
+    busy = _run(model_path, [(prompt, params)] +
+                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[4:7]],
+                on_engine=drafts, speculative_config=NGRAM)
+    assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
+    assert alone["engine"].stats.totals.spec_accepted_tokens > 0
+    return alone
+
+
 def test_penalties_and_min_tokens_apply_to_every_drafted_position(tiny_checkpoint):
     """Repetition, presence and frequency penalties and a pending min_tokens: verification row
     j counts the drafts before it as output, as the plain step after them would, so greedy
@@ -474,13 +488,7 @@ def test_penalties_and_min_tokens_apply_to_every_drafted_position(tiny_checkpoin
     assert_speculated(spec["engine"])
     sampled = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=25, ignore_eos=True,
                              repetition_penalty=1.2, frequency_penalty=0.5)
-    drafts = propose_from(_run(tiny_checkpoint, [(PROMPTS[2], sampled)])["q0"]["tokens"])
-    alone = _run(tiny_checkpoint, [(PROMPTS[2], sampled)], on_engine=drafts, speculative_config=NGRAM)
-    busy = _run(tiny_checkpoint, [(PROMPTS[2], sampled)] +
-                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[4:7]],
-                on_engine=drafts, speculative_config=NGRAM)
-    assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
-    assert alone["engine"].stats.totals.spec_accepted_tokens > 0
+    assert_seeded_request_repeats_beside_others(tiny_checkpoint, PROMPTS[2], sampled)
 
 
 @pytest.mark.parametrize("constraint", [{"json": {"type": "object", "properties": {
@@ -500,13 +508,7 @@ def test_structured_outputs_mask_every_drafted_position(tiny_checkpoint, constra
     assert spec["q0"]["final"].finish_reason == plain["q0"]["final"].finish_reason == "stop"
     assert_speculated(spec["engine"])
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=constraint)
-    drafts = propose_from(_run(tiny_checkpoint, [(PROMPTS[1], sampled)])["q0"]["tokens"])
-    alone = _run(tiny_checkpoint, [(PROMPTS[1], sampled)], on_engine=drafts, speculative_config=NGRAM)
-    busy = _run(tiny_checkpoint, [(PROMPTS[1], sampled)] +
-                [(p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)) for p in PROMPTS[4:7]],
-                on_engine=drafts, speculative_config=NGRAM)
-    assert alone["q0"]["tokens"] == busy["q0"]["tokens"]
-    assert alone["engine"].stats.totals.spec_accepted_tokens > 0
+    alone = assert_seeded_request_repeats_beside_others(tiny_checkpoint, PROMPTS[1], sampled)
     engine = alone["engine"]
     for run, params in ((spec, greedy), (alone, sampled)):
         text = engine.tokenizer.decode(run["q0"]["tokens"], skip_special_tokens=True)

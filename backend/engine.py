@@ -422,9 +422,11 @@ class LLMEngine:
         running = self.scheduler.running
         off = spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
         asking, ks = [], []
+        num_decodes = 0
         for request in running:
             k = min(spec.num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1)
             decoding = request.num_computed_tokens == request.num_tokens - 1
+            num_decodes += decoding
             if not off and k > 0 and decoding and can_speculate(request):
                 asking.append(request)
                 ks.append(k)
@@ -437,7 +439,6 @@ class LLMEngine:
                 if drafts:
                     speculating.append(request)
         if speculating and self.draft_budget is not None:
-            num_decodes = sum(r.num_computed_tokens == r.num_tokens - 1 for r in running)
             base_tokens = min(self.config.max_num_batched_tokens,
                               sum(r.num_tokens - r.num_computed_tokens for r in running))
             proposed = [len(r.spec_token_ids) for r in speculating]
@@ -533,17 +534,24 @@ class LLMEngine:
             if request.is_finished:
                 continue  # ended by a sequence of its group earlier in this pass
             token_id = sampled.token_ids[row]
-            # Fed to the matcher first: it is rebuilt from the request's tokens after a recompute.
-            accepted = request.grammar is None or request.grammar.accept(request, token_id)
-            self.scheduler.append_token(request, token_id, now, plan)
-            if not accepted:  # the mask allows only tokens the grammar accepts: a broken invariant
-                outputs.append(self.finish(request, FinishReason.ERROR, error=RequestError(
-                    RequestError.INTERNAL,
-                    f"internal error: structured_outputs: sampled token {token_id} is outside the grammar")))
+            refused = self._append_token(request, token_id, now, plan)
+            if refused is not None:
+                outputs.append(refused)
                 continue
             outputs.append(self._take_token(request, token_id, sampled, row, now))
         executed.num_generated += len(executed.sample_requests)
         return outputs
+
+    def _append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> RequestOutput | None:
+        """A sampled or verified token into its request, through its grammar first (the matcher is
+        rebuilt from the request's tokens after a recompute); the request's final error output
+        when the grammar refuses it: every row is masked by its grammar, so a broken invariant."""
+        accepted = request.grammar is None or request.grammar.accept(request, token_id)
+        self.scheduler.append_token(request, token_id, now, plan)
+        if accepted:
+            return None
+        return self.finish(request, FinishReason.ERROR, error=RequestError(
+            RequestError.INTERNAL, f"internal error: structured_outputs: token {token_id} is outside the grammar"))
 
     def _take_verified(self, request: Request, verified: Verified, plan: SchedulerOutput, now: float,
                        executed: Executed) -> RequestOutput:
@@ -555,12 +563,9 @@ class LLMEngine:
         wants_logprobs = request.params.logprobs is not None
         logprobs_delta = [] if wants_logprobs else None
         for i, token_id in enumerate(verified.token_ids):
-            accepted = request.grammar is None or request.grammar.accept(request, token_id)
-            self.scheduler.append_token(request, token_id, now, plan)
-            if not accepted:  # every row is masked by its grammar state: a broken invariant
-                return self.finish(request, FinishReason.ERROR, error=RequestError(
-                    RequestError.INTERNAL,
-                    f"internal error: structured_outputs: verified token {token_id} is outside the grammar"))
+            refused = self._append_token(request, token_id, now, plan)
+            if refused is not None:
+                return refused
             stop = check_stop(request, token_id, detok.add_token)
             lp = verified.logprobs[i]
             if lp is not None:

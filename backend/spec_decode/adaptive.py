@@ -71,7 +71,8 @@ class DraftBudget:
     def trim(self, num_drafts: list[int], num_base_tokens: int, num_base_outputs: int) -> list[int]:
         """How many of each request's drafts to keep, for a step that would schedule
         `num_base_tokens` tokens and produce `num_base_outputs` tokens without drafts."""
-        if self.step_seconds(num_base_tokens) is None:
+        seconds = self.step_seconds(num_base_tokens)
+        if seconds is None:
             return list(num_drafts)
         candidates = []
         for index, count in enumerate(num_drafts):
@@ -83,7 +84,6 @@ class DraftBudget:
         kept = [0] * len(num_drafts)
         outputs = float(num_base_outputs)
         extra = 0
-        seconds = self.step_seconds(num_base_tokens)
         for negative_expected, position, index in candidates:
             if kept[index] != position:
                 continue  # an earlier draft of this request was not kept

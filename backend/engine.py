@@ -417,7 +417,9 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for each running request that decodes and may speculate, at most as many
         as its max_tokens leaves room for after the token its verification adds, and (with
-        `adaptive`) only as many as the measured step costs and acceptance say will pay."""
+        `adaptive`) only as many as the measured step costs and acceptance say will pay: a
+        draft model's length is chosen before it runs, since its passes cost whatever the
+        verification keeps; every proposer's drafts are then trimmed to those worth a row."""
         spec = self.speculative
         running = self.scheduler.running
         off = spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size
@@ -432,17 +434,27 @@ class LLMEngine:
                 ks.append(k)
             elif request.spec_token_ids:
                 request.spec_token_ids = []
+        if not asking:
+            return
+        budget = self.draft_budget
+        base_tokens = min(self.config.max_num_batched_tokens,
+                          sum(r.num_tokens - r.num_computed_tokens for r in running))
+        if budget is not None and self.proposer.pass_cost is not None:
+            length = budget.draft_length(len(asking), base_tokens, num_decodes, max(ks), self.proposer.pass_cost)
+            self._totals = self._totals.plus(spec_trimmed_draft_tokens=sum(max(0, k - length) for k in ks))
+            if length == 0:
+                for request in asking:
+                    request.spec_token_ids = []
+                return
+            ks = [min(k, length) for k in ks]
         speculating = []
-        if asking:
-            for request, drafts in zip(asking, self.proposer.propose(asking, ks)):
-                request.spec_token_ids = drafts
-                if drafts:
-                    speculating.append(request)
-        if speculating and self.draft_budget is not None:
-            base_tokens = min(self.config.max_num_batched_tokens,
-                              sum(r.num_tokens - r.num_computed_tokens for r in running))
+        for request, drafts in zip(asking, self.proposer.propose(asking, ks)):
+            request.spec_token_ids = drafts
+            if drafts:
+                speculating.append(request)
+        if speculating and budget is not None:
             proposed = [len(r.spec_token_ids) for r in speculating]
-            kept = self.draft_budget.trim(proposed, base_tokens, num_decodes)
+            kept = budget.trim(proposed, base_tokens, num_decodes)
             for request, count in zip(speculating, kept):
                 request.spec_token_ids = request.spec_token_ids[:count]
             self._totals = self._totals.plus(spec_trimmed_draft_tokens=sum(proposed) - sum(kept))

@@ -112,7 +112,7 @@ class EngineMetrics:
                                                  "Number of accepted tokens.", vllm)),
                 ("spec_trimmed_draft_tokens", counter(
                     "inflight_spec_decode_num_trimmed_draft_tokens_total",
-                    "Draft tokens proposed but not verified: the adaptive budget judged they would not pay.", vllm)),
+                    "Draft tokens not verified (or, for a draft model, not drafted): the adaptive budget judged they would not pay.", vllm)),
             ]
             per_position = family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                                   "Accepted tokens per draft position.", MF.COUNTER)

@@ -14,6 +14,11 @@ output tokens per second, from two measurements the engine feeds it:
 The expected acceptance of a request's j-th draft is the product of the rates up to j; the
 drafts are taken in falling order of it while (tokens + expected accepted) / step seconds
 still grows. With no measured cost yet, nothing is trimmed: the first steps measure.
+
+A draft model costs passes of its own before any of that: a catch-up pass over each request's
+new tokens, then one pass per further draft, whatever the verification later keeps. Those
+seconds are sunk by the time drafts are trimmed, so the draft length is decided before
+drafting (`draft_length`), from the draft's measured pass cost beside the target's step cost.
 """
 
 from __future__ import annotations
@@ -28,35 +33,31 @@ ACCEPTANCE_WEIGHT = 0.02
 PRIOR_ACCEPTANCE = 0.5
 
 
-class DraftBudget:
-    def __init__(self, max_drafts: int) -> None:
-        self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts
-        self._cost: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+class CostCurve:
+    """Seconds of a forward pass as a function of its tokens: a moving average of recent
+    passes in each power-of-two bucket of token counts, interpolated between buckets."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def __init__(self) -> None:
+        self._points: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
         bucket = num_tokens.bit_length()
-        point = self._cost.get(bucket)
+        point = self._points.get(bucket)
         if point is None:
-            self._cost[bucket] = [float(num_tokens), seconds]
+            self._points[bucket] = [float(num_tokens), seconds]
         else:
             point[0] += COST_WEIGHT * (num_tokens - point[0])
             point[1] += COST_WEIGHT * (seconds - point[1])
 
-    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
-        # Positions up to the first rejection were reached; all before it were accepted.
-        for position in range(min(num_drafts, num_accepted + 1, len(self.acceptance))):
-            accepted = 1.0 if position < num_accepted else 0.0
-            self.acceptance[position] += ACCEPTANCE_WEIGHT * (accepted - self.acceptance[position])
-
-    def step_seconds(self, num_tokens: float) -> float | None:
-        """The measured cost of a step of `num_tokens`: interpolated between buckets, flat below
-        the smallest, and past the largest extended by the slope of the last two (flat with one
-        point: a size not yet tried is assumed free, so that it gets tried and measured)."""
-        if not self._cost:
+    def seconds(self, num_tokens: float) -> float | None:
+        """The measured cost of `num_tokens`: flat below the smallest bucket, and past the
+        largest extended by the slope of the last two (flat with one point: a size not yet
+        tried is assumed free, so that it gets tried and measured). None before any pass."""
+        if not self._points:
             return None
-        points = sorted(self._cost.values())
+        points = sorted(self._points.values())
         if num_tokens <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
@@ -67,6 +68,55 @@ class DraftBudget:
         (x0, y0), (x1, y1) = points[-2], points[-1]
         slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
         return y1 + slope * (num_tokens - x1)
+
+
+class DraftBudget:
+    def __init__(self, max_drafts: int) -> None:
+        self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts
+        self.step_cost = CostCurve()
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_cost.observe(num_tokens, seconds)
+
+    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
+        # Positions up to the first rejection were reached; all before it were accepted.
+        for position in range(min(num_drafts, num_accepted + 1, len(self.acceptance))):
+            accepted = 1.0 if position < num_accepted else 0.0
+            self.acceptance[position] += ACCEPTANCE_WEIGHT * (accepted - self.acceptance[position])
+
+    def step_seconds(self, num_tokens: float) -> float | None:
+        return self.step_cost.seconds(num_tokens)
+
+    def expected_accepted(self, num_drafts: int) -> float:
+        """Expected accepted tokens of a request's first `num_drafts` drafts."""
+        total, reached = 0.0, 1.0
+        for rate in self.acceptance[:num_drafts]:
+            reached *= rate
+            total += reached
+        return total
+
+    def draft_length(self, num_speculating: int, num_base_tokens: int, num_base_outputs: int, max_drafts: int,
+                     pass_cost: CostCurve) -> int:
+        """How many drafts a draft model should make for each of `num_speculating` requests,
+        for a step of `num_base_tokens` tokens and `num_base_outputs` outputs without drafts:
+        the length whose expected output tokens per second of the step, the draft's passes
+        included, is highest. Before either cost is measured, all of them (to measure).
+
+        A request's catch-up pass feeds its last token and the drafts accepted since its last
+        pass, about 1 + the expected accepted tokens; every further pass feeds one token."""
+        step = self.step_seconds(num_base_tokens)
+        if step is None or pass_cost.seconds(1) is None or num_speculating <= 0:
+            return max_drafts
+        best, best_rate = 0, num_base_outputs / step
+        for k in range(1, max_drafts + 1):
+            accepted = self.expected_accepted(k)
+            catch_up = pass_cost.seconds(num_speculating * (1.0 + accepted))
+            seconds = (self.step_seconds(num_base_tokens + num_speculating * k) + catch_up
+                       + (k - 1) * pass_cost.seconds(num_speculating))
+            rate = (num_base_outputs + num_speculating * accepted) / seconds
+            if math.isfinite(rate) and rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def trim(self, num_drafts: list[int], num_base_tokens: int, num_base_outputs: int) -> list[int]:
         """How many of each request's drafts to keep, for a step that would schedule

@@ -14,6 +14,7 @@ sampled requests, and it keeps their output distributed as without speculation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ import torch
 from backend.models.llama import AttentionMetadata
 from backend.models.loader import load_arch, load_model, load_tokenizer
 from backend.request import RequestStatus
+from backend.spec_decode.adaptive import CostCurve
 
 if TYPE_CHECKING:
     from backend.request import Request
@@ -68,6 +70,7 @@ class DraftModelProposer:
                           for _ in range(self.model.arch.num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))
         self._states: dict[tuple[str, int], _DraftState] = {}
+        self.pass_cost = CostCurve()
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,7 +96,9 @@ class DraftModelProposer:
             for step in range(max(ks[i] for i, _ in batch)):
                 for (i, state), feed in zip(batch, feeds):
                     state.cached.extend(feed)
-                next_tokens = self._forward(batch, feeds)
+                start = time.perf_counter()
+                next_tokens = self._forward(batch, feeds)  # returns host ints: the pass has ended
+                self.pass_cost.observe(sum(map(len, feeds)), time.perf_counter() - start)
                 for (i, _), token in zip(batch, next_tokens):
                     drafts[i].append(token)
                 still = [n for n, (i, _) in enumerate(batch) if len(drafts[i]) < ks[i]]

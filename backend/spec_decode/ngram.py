@@ -33,6 +33,8 @@ def propose_ngram(token_ids: list[int], k: int, lookup_min: int, lookup_max: int
 
 
 class NgramProposer:
+    pass_cost = None
+
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from backend.request import Request
+from backend.spec_decode.adaptive import CostCurve
 from backend.spec_decode.config import SpeculativeConfig
 from backend.spec_decode.draft_model import DraftModelProposer
 from backend.spec_decode.ngram import NgramProposer
@@ -12,6 +13,11 @@ from backend.spec_decode.suffix import SuffixProposer
 
 
 class Proposer(Protocol):
+    # The measured seconds of the proposer's own model passes by their tokens, for the draft
+    # budget to weigh before drafting; None where no model runs (a scan of token ids, small
+    # beside a step).
+    pass_cost: CostCurve | None
+
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """For each request, up to its `k` draft tokens to follow its tokens."""
 

@@ -144,6 +144,8 @@ class SuffixProposer:
     The cache answers matches of two tokens or more: a one-token match among thousands of
     outputs says little about what comes next."""
 
+    pass_cost = None
+
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
                  min_token_prob: float) -> None:
         self.max_depth = max_tree_depth

@@ -405,6 +405,33 @@ def test_a_different_draft_model_keeps_the_output_exact_and_seeded_sampling_repe
     assert alone["q0"]["tokens"] == busy["q0"]["tokens"] and len(alone["q0"]["tokens"]) == 25
 
 
+def test_adaptive_budget_runs_no_draft_pass_that_would_not_pay(tiny_checkpoint, oracle):
+    """A draft model whose passes cost as much as the target's step, and whose drafts are
+    accepted at a coin toss's rate, never pays: the budget decides before drafting, so the draft
+    model never runs, every draft it would have made counts as trimmed, and the output is
+    transformers'."""
+    passes = []
+
+    def costly_draft(engine: LLMEngine) -> None:
+        budget, proposer = engine.draft_budget, engine.proposer
+        for tokens in (1, 2, 4, 8, 16, 32, 64):
+            budget.observe_step(tokens, 0.01)
+            proposer.pass_cost.observe(tokens, 0.01)
+        budget.observe_step = lambda num_tokens, seconds: None  # keep the measured costs as set
+        proposer.pass_cost.observe = lambda num_tokens, seconds: None
+        forward = proposer._forward
+        proposer._forward = lambda batch, feeds: passes.append(len(batch)) or forward(batch, feeds)
+
+    arrivals = spread_arrivals(len(PROMPTS))
+    spec, spec_out, by_id = run_engine(
+        tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, on_engine=costly_draft, max_num_seqs=4, num_kv_blocks=64,
+        speculative_config=draft_model_config(tiny_checkpoint, adaptive=True))
+    assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
+    totals = spec.stats.totals
+    assert passes == [] and totals.spec_draft_tokens == 0
+    assert totals.spec_trimmed_draft_tokens > 0
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_the_served_model_quantized_drafts_for_itself(tiny_checkpoint, oracle, quantization):
     """The served checkpoint, quantized at load, as its own draft. On this random-weight model

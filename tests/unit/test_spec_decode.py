@@ -15,7 +15,7 @@ from backend.kv_cache import KVCacheManager
 from backend.request import Request, RequestError, SamplingParams
 from backend.sampler import Sampler
 from backend.spec_decode import SpeculativeConfig
-from backend.spec_decode.adaptive import DraftBudget
+from backend.spec_decode.adaptive import CostCurve, DraftBudget
 from backend.spec_decode.ngram import propose_ngram
 from backend.spec_decode.suffix import SuffixProposer
 from backend.spec_decode.verify import verify
@@ -326,6 +326,42 @@ def test_budget_learns_acceptance_per_position_and_cost_by_bucket():
     assert budget.step_seconds(25) == pytest.approx(0.5)
     assert budget.step_seconds(5) == pytest.approx(0.2)
     assert budget.step_seconds(70) == pytest.approx(1.4)
+
+
+def _curve(cost_per_token: float, fixed: float) -> CostCurve:
+    curve = CostCurve()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+        curve.observe(tokens, fixed + cost_per_token * tokens)
+    return curve
+
+
+def test_budget_expects_the_accepted_tokens_of_a_draft_run_as_products_of_the_rates():
+    budget = DraftBudget(3)
+    budget.acceptance = [0.8, 0.5, 0.25]
+    assert budget.expected_accepted(0) == 0.0
+    assert budget.expected_accepted(3) == pytest.approx(0.8 + 0.4 + 0.1)
+
+
+def test_draft_length_is_the_longest_until_both_costs_are_measured():
+    assert DraftBudget(4).draft_length(8, 8, 8, 4, _curve(0.0, 0.01)) == 4
+    assert _budget(0.0, 0.05, [0.9] * 4).draft_length(8, 8, 8, 4, CostCurve()) == 4
+
+
+def test_draft_length_counts_the_draft_models_own_passes():
+    # A bandwidth-bound target (every step 50 ms) and a draft at a tenth of it accepted 90%:
+    # every further draft adds more than it costs.
+    assert _budget(0.0, 0.050, [0.9] * 4).draft_length(1, 1, 1, 4, _curve(0.0, 0.005)) == 4
+    # The same rows are free for the target, but a draft pass costs as much as its step:
+    # one draft earns at most 0.9 tokens for two passes' time, so none pays.
+    assert _budget(0.0, 0.050, [0.9] * 4).draft_length(1, 1, 1, 4, _curve(0.0, 0.050)) == 0
+    # At 32 decodes on a compute-bound target, verification rows alone would keep the 0.9
+    # drafts (see the trim test above), but a draft pass of 32 tokens at half the target's
+    # per-token cost tips it: drafting does not pay.
+    step = _budget(0.001, 0.030, [0.9, 0.5, 0.2, 0.1])
+    assert step.trim([4] * 32, 32, 32)[0] >= 1
+    assert step.draft_length(32, 32, 32, 4, _curve(0.0005, 0.015)) == 0
+    # Alone on that target with a cheap draft, the first drafts pay and the fourth does not.
+    assert 1 <= step.draft_length(1, 1, 1, 4, _curve(0.0001, 0.002)) < 4
 
 
 @pytest.mark.parametrize("value, names", [

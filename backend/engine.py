@@ -109,10 +109,19 @@ class LLMEngine:
             log.info("LoRA adapter %r: r=%d on %s (%s)", adapter.name, adapter.rank,
                      "/".join(adapter.target_modules), adapter.path)
 
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        # Before the pool is sized: a draft model's weights and its KV come out of the same memory.
+        self.proposer = make_proposer(
+            self.speculative, target_vocab_size=self.vocab_size, target_vocab=self.tokenizer.get_vocab(),
+            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+        ) if self.speculative is not None else None
         block_bytes = kv_block_bytes(self.arch, config.block_size, self.dtype, config.kv_cache_dtype)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes)
+        draft_block_bytes = self.proposer.kv_block_bytes(config.block_size, self.dtype) if self.proposer else 0
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(block_bytes + draft_block_bytes)
         if num_blocks < 1:
-            raise ValueError(f"KV pool too small: {num_blocks} blocks of {block_bytes} bytes")
+            raise ValueError(f"KV pool too small: {num_blocks} blocks of {block_bytes + draft_block_bytes} bytes")
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks, config.block_size)
         num_host_blocks = config.swap_space_mb * 2**20 // block_bytes if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  record_events=bool(config.kv_events_endpoint))
@@ -127,12 +136,6 @@ class LLMEngine:
         self.kv_layout = KVLayout.of(self.runner.kv_blocks, config.block_size)
         # (KV bytes, seconds) of each transfer made since the last step's stats.
         self._kv_transfers: list[tuple[int, float]] = []
-        self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = make_proposer(
-            self.speculative, target_vocab_size=self.vocab_size, target_vocab=self.tokenizer.get_vocab(),
-            dtype=self.dtype, device=self.device, num_blocks=num_blocks, block_size=config.block_size,
-            max_model_len=self.max_model_len,
-        ) if self.speculative is not None else None
         self.draft_budget = (DraftBudget(self.speculative.num_speculative_tokens)
                              if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
@@ -169,7 +172,8 @@ class LLMEngine:
             "inflight engine: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB, kv_cache_dtype %s), max_model_len %d, "
             "batch_invariant %s, CPU GEMM path %s",
             self.arch.architecture, self.device, self.dtype, num_blocks, config.block_size,
-            num_blocks * block_bytes / 2**20, config.kv_cache_dtype, self.max_model_len, self.runner.batch_invariant,
+            num_blocks * (block_bytes + draft_block_bytes) / 2**20, config.kv_cache_dtype, self.max_model_len,
+            self.runner.batch_invariant,
             cpu_ext.isa().name.lower() if self.device.type == "cpu" else "-",
         )
 

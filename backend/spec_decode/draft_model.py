@@ -25,6 +25,7 @@ from backend.models.llama import AttentionMetadata
 from backend.models.loader import load_arch, load_model, load_tokenizer
 from backend.request import RequestStatus
 from backend.spec_decode.adaptive import CostCurve
+from backend.spec_decode.base import Proposer
 
 if TYPE_CHECKING:
     from backend.request import Request
@@ -47,11 +48,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return int(mismatch[0])
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, *, target_vocab_size: int, target_vocab: dict[str, int],
-                 dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        from backend.model_runner import make_kv_cache  # the runner imports the engine's pieces
-
+                 dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
         path = config.model
         arch, _ = load_arch(path)
         if arch.vocab_size != target_vocab_size:
@@ -61,16 +60,28 @@ class DraftModelProposer:
             raise ValueError(f"invalid engine parameter: speculative_config: model={path!r} has another "
                              "tokenizer than the served model (its token ids mean other text)")
         self.model, _ = load_model(path, dtype, device, max_model_len, quantization=config.quantization)
+        self.dtype = dtype
         self.device = device
-        self.block_size = block_size
-        # As many blocks as the target's pool: every token a running request holds in the
-        # target's cache, drafts included, has room in the draft's.
-        self.kv_caches = [(make_kv_cache(num_blocks, block_size, self.model.arch, dtype, "auto", device),
-                           make_kv_cache(num_blocks, block_size, self.model.arch, dtype, "auto", device))
-                          for _ in range(self.model.arch.num_layers)]
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.kv_caches: list = []
+        self._free: list[int] = []
         self._states: dict[tuple[str, int], _DraftState] = {}
         self.pass_cost = CostCurve()
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        from backend.model_runner import kv_block_bytes  # the runner imports the engine's pieces
+
+        return kv_block_bytes(self.model.arch, block_size, dtype)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """As many blocks as the target's pool: every token a running request holds in the
+        target's cache, drafts included, has room in the draft's."""
+        from backend.model_runner import make_kv_cache
+
+        self.block_size = block_size
+        self.kv_caches = [(make_kv_cache(num_blocks, block_size, self.model.arch, self.dtype, "auto", self.device),
+                           make_kv_cache(num_blocks, block_size, self.model.arch, self.dtype, "auto", self.device))
+                          for _ in range(self.model.arch.num_layers)]
+        self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:

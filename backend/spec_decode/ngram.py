@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from backend.spec_decode.base import Proposer
+
 if TYPE_CHECKING:
     from backend.request import Request
 
@@ -32,9 +34,7 @@ def propose_ngram(token_ids: list[int], k: int, lookup_min: int, lookup_max: int
     return []
 
 
-class NgramProposer:
-    pass_cost = None
-
+class NgramProposer(Proposer):
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 

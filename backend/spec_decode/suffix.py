@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from backend.spec_decode.base import Proposer
+
 if TYPE_CHECKING:
     from backend.request import Request
 
@@ -138,13 +140,11 @@ class _ScopeCache:
         return m, ends, buffer
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Drafts for a request from its own tokens and from its scope's cache of the outputs of
     the last `max_cached_requests` requests that ended (all scopes together; 0: no cache).
     The cache answers matches of two tokens or more: a one-token match among thousands of
     outputs says little about what comes next."""
-
-    pass_cost = None
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
                  min_token_prob: float) -> None:

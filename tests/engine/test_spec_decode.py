@@ -432,6 +432,22 @@ def test_adaptive_budget_runs_no_draft_pass_that_would_not_pay(tiny_checkpoint, 
     assert totals.spec_trimmed_draft_tokens > 0
 
 
+def test_a_draft_models_kv_comes_out_of_the_pools_memory(tiny_checkpoint):
+    """With kv_cache_memory_mb, the served model's blocks and the draft's together fit in it:
+    a self-draft of the same shape halves the blocks instead of doubling the memory."""
+    from backend.model_runner import kv_block_bytes
+
+    alone = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", kv_cache_memory_mb=4))
+    drafted = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", kv_cache_memory_mb=4,
+                                     speculative_config=draft_model_config(tiny_checkpoint)))
+    block_bytes = kv_block_bytes(alone.arch, alone.config.block_size, alone.dtype)
+    assert alone.num_kv_blocks == 4 * 2**20 // block_bytes
+    assert drafted.num_kv_blocks == 4 * 2**20 // (2 * block_bytes)
+    draft_kv = drafted.proposer.kv_caches
+    assert drafted.proposer.num_free_blocks == drafted.num_kv_blocks
+    assert sum(k.nbytes + v.nbytes for k, v in draft_kv) == drafted.num_kv_blocks * block_bytes
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_the_served_model_quantized_drafts_for_itself(tiny_checkpoint, oracle, quantization):
     """The served checkpoint, quantized at load, as its own draft. On this random-weight model

@@ -26,14 +26,13 @@ import json
 import os
 import queue
 import random
-import re
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from backend.protocol import SAMPLING_PARAMETERS, STREAM, TEXT_INPUT
+from client.metrics import metric_sum, read_metrics
 from client.triton import grpc_input, is_final, make_inputs, output_value
 
 RSS_GROWTH_LIMIT_MB = 50.0
@@ -153,27 +152,13 @@ def process_tree_rss_mb(pid: int) -> tuple[float, float]:
     return total_kb / 1024.0, anon_kb / 1024.0
 
 
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\}\s+(\S+)$')
-
-
 def engine_gauges(metrics_url: str, model: str) -> dict[str, float]:
     """Used KV blocks and running/waiting requests of `model`'s engine, from /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
-    wanted = {
-        ("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="used"'): "used_blocks",
-        ("inflight_requests_running", ""): "running",
-        ("inflight_requests_waiting", ""): "waiting",
-    }
-    found = {name: 0.0 for name in wanted.values()}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or f'model="{model}"' not in match.group(2):
-            continue
-        for (metric, label), name in wanted.items():
-            if match.group(1) == metric and label in match.group(2):
-                found[name] += float(match.group(3))
-    return found
+    samples = read_metrics(metrics_url)
+    return {"used_blocks": metric_sum(samples, "nv_trt_llm_kv_cache_block_metrics", model=model,
+                                      kv_cache_block_type="used"),
+            "running": metric_sum(samples, "inflight_requests_running", model=model),
+            "waiting": metric_sum(samples, "inflight_requests_waiting", model=model)}
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -22,11 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from backend.paths import REPO_ROOT
 from client.bench.records import git_commit, machine
+from client.metrics import metric_sum, read_metrics
 from tools import scaleout
 
 W4_POLICIES = ("kv_aware", "cache_aware", "round_robin")
@@ -38,25 +38,16 @@ def bench(args: list[str]) -> None:
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
 
 
-# What each replica's /metrics says about its prefix cache and load: key -> (family, label filter).
-REPLICA_METRICS = {"hit_rate": ("inflight_prefix_cache_hit_rate", ""),
-                   "reused_blocks": ("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="reused"'),
-                   "requests": ("vllm:request_success_total", ""),
-                   "prompt_tokens": ("vllm:prompt_tokens_total", "")}
+# What each replica's /metrics says about its prefix cache and load: key -> (family, labels).
+REPLICA_METRICS = {"hit_rate": ("inflight_prefix_cache_hit_rate", {}),
+                   "reused_blocks": ("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": "reused"}),
+                   "requests": ("vllm:request_success_total", {}),
+                   "prompt_tokens": ("vllm:prompt_tokens_total", {})}
 
 
 def replica_prefix_stats(replica: scaleout.Replica) -> dict[str, float]:
-    with urllib.request.urlopen(replica.metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
-    values = dict.fromkeys(REPLICA_METRICS, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        sample, value = line.rsplit(" ", 1)
-        for key, (family, label) in REPLICA_METRICS.items():
-            if sample.split("{", 1)[0] == family and label in sample:
-                values[key] += float(value)
-    return values
+    samples = read_metrics(replica.metrics_url)
+    return {key: metric_sum(samples, family, **labels) for key, (family, labels) in REPLICA_METRICS.items()}
 
 
 def cluster(args, policy: str = "round_robin", kv_events: bool = False,

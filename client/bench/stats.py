@@ -62,6 +62,21 @@ def _tpot(r: RequestRecord) -> float | None:
     return (_e2el(r) - _ttft(r)) / (r.num_output_tokens - 1)
 
 
+def _meets(r: RequestRecord, slo: dict) -> bool:
+    return _ttft(r) * 1e3 <= slo["ttft_ms"] and (_tpot(r) is None or _tpot(r) * 1e3 <= slo["tpot_ms"])
+
+
+def _latencies(completed: list[RequestRecord]) -> dict:
+    """TTFT, TPOT, ITL and E2EL of completed requests (those that streamed a token)."""
+    streamed = [r for r in completed if r.token_times]
+    return {
+        "ttft_ms": _stats_ms([_ttft(r) for r in streamed]),
+        "tpot_ms": _stats_ms([t for t in map(_tpot, streamed) if t is not None]),
+        "itl_ms": _stats_ms([b - a for r in completed for a, b in zip(r.token_times, r.token_times[1:])]),
+        "e2el_ms": _stats_ms([_e2el(r) for r in streamed]),
+    }
+
+
 def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> dict:
     """Every metric of docs/benchmarks.md for one run; goodput against `slo` (DEFAULT_SLO's keys, in ms).
 
@@ -74,12 +89,7 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
     streamed = [r for r in completed if r.token_times]
     output_tokens = sum(r.num_output_tokens for r in completed)
     prompt_tokens = sum(len(workload.requests[i].prompt_token_ids) for i, r in enumerate(records) if r.finish_reason)
-    ttft = [_ttft(r) for r in streamed]
-    e2el = [_e2el(r) for r in streamed]
-    tpot = [t for t in map(_tpot, streamed) if t is not None]
-    itl = [b - a for r in completed for a, b in zip(r.token_times, r.token_times[1:])]
-    good = [r for r in streamed if _ttft(r) * 1e3 <= slo["ttft_ms"]
-            and (_tpot(r) is None or _tpot(r) * 1e3 <= slo["tpot_ms"])]
+    good = [r for r in streamed if _meets(r, slo)]
     errors = [r.error for r in records if r.error]
     result = {
         "system": run.system,
@@ -98,10 +108,7 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
         "goodput_requests_per_s": len(good) / run.duration_s,
         "slo": slo,
         "slo_met": len(good),
-        "ttft_ms": _stats_ms(ttft),
-        "tpot_ms": _stats_ms(tpot),
-        "itl_ms": _stats_ms(itl),
-        "e2el_ms": _stats_ms(e2el),
+        **_latencies(completed),
         "queue_time_ms": _stats_ms([r.queue_time for r in completed if r.queue_time is not None]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **run.engine_kpis,
@@ -114,11 +121,12 @@ def summarize(run: SystemRun, workload: Workload, slo: dict | None = None) -> di
     if labels:
         result["by_class"] = {}
         for label in labels:
-            mine = [r for r in streamed if r.label == label]
-            tokens = sum(r.num_output_tokens for r in completed if r.label == label)
+            mine = [r for r in completed if r.label == label]
+            tokens = sum(r.num_output_tokens for r in mine)
             result["by_class"][label] = {
-                "ttft_ms": _stats_ms([_ttft(r) for r in mine]), "e2el_ms": _stats_ms([_e2el(r) for r in mine]),
-                "output_tokens": tokens, "output_token_share": safe_ratio(tokens, output_tokens),
+                **_latencies(mine), "output_tokens": tokens, "output_token_share": safe_ratio(tokens, output_tokens),
+                "num_completed": len(mine),
+                "goodput_requests_per_s": sum(1 for r in mine if r.token_times and _meets(r, slo)) / run.duration_s,
             }
     return result
 

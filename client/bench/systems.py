@@ -50,6 +50,9 @@ DEFAULT_SYSTEMS = {
     "W7": ["continuous", "separate-no-prefix-cache"],
     "W8a": ["fcfs", "fair"],
     "W8b": ["fcfs", "priority", "fair"],
+    # In process the engine serves both phases; the disaggregated systems are servers
+    # (python -m client.bench.disaggregated).
+    "W10": ["continuous"],
 }
 
 

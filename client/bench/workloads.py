@@ -367,6 +367,34 @@ def w8b_long_job(seed: int = 0, num_requests: int = 60, rate_per_s: float = 4.0,
     )
 
 
+def w10_disaggregated(seed: int = 0, duration_s: float = 90.0, chat_rate_per_s: float = 1.0,
+                      long_every_s: float = 15.0, long_input: int = 2000, long_output: int = 16,
+                      chat_input: int = 128, chat_output: int = 256, source: PromptSource | None = None) -> Workload:
+    """Long prompts (`long_input` in, `long_output` out, label "long") one every `long_every_s`
+    seconds, the first half an interval in, among chats (`chat_input` in, `chat_output` out,
+    label "chat", Poisson at `chat_rate_per_s`) over `duration_s`: every long prefill lands on
+    running decodes, whose inter-token latency it stretches unless prefill runs elsewhere."""
+    rng = np.random.default_rng(seed)
+    source = source or SyntheticTokens()
+    chat_arrivals = [t for t in _poisson_arrivals(rng, int(duration_s * chat_rate_per_s * 2) + 1, chat_rate_per_s)
+                     if t < duration_s]
+    long_arrivals = np.arange(long_every_s / 2, duration_s, long_every_s).tolist()
+    requests = [BenchRequest(source.tokens(rng, chat_input), chat_output, arrival_s=t, label="chat")
+                for t in chat_arrivals]
+    requests += [BenchRequest(source.tokens(rng, long_input), long_output, arrival_s=t, label="long")
+                 for t in long_arrivals]
+    requests.sort(key=lambda r: r.arrival_s)
+    return Workload(
+        "W10", f"{len(long_arrivals)} long prompts ({long_input} in / {long_output} out, one every {long_every_s:g} s) "
+        f"among {len(chat_arrivals)} chats ({chat_input} / {chat_output}, Poisson {chat_rate_per_s:g}/s) "
+        f"over {duration_s:g} s",
+        requests, {},
+        {"seed": seed, "duration_s": duration_s, "chat_rate_per_s": chat_rate_per_s, "long_every_s": long_every_s,
+         "long_input": long_input, "long_output": long_output, "chat_input": chat_input, "chat_output": chat_output},
+        prompt_source=source.name,
+    )
+
+
 def attach_text(workload: Workload, tokenizer, source: PromptSource | None = None, seed: int = 0) -> Workload:
     """Give every request a `prompt_text` that `tokenizer.encode` turns into exactly its ids.
 
@@ -415,4 +443,5 @@ WORKLOADS = {
     "W7": w7_parallel_sampling,
     "W8a": w8a_flood,
     "W8b": w8b_long_job,
+    "W10": w10_disaggregated,
 }

@@ -119,6 +119,78 @@ def test_goodput_and_latency_arithmetic():
     assert strict["slo_met"] == 1 and strict["slo"] == {"ttft_ms": 200.0, "tpot_ms": 1000.0}
 
 
+def test_each_class_gets_its_own_latencies_and_goodput():
+    w = workloads.Workload("T", "test", [workloads.BenchRequest([1], 3) for _ in range(3)])
+    records = [
+        RequestRecord(arrival=0.0, token_times=[0.1, 0.2, 0.3], num_output_tokens=3, expected_output_tokens=3,
+                      finish_reason="length", label="chat"),
+        # ITL 1 s and TPOT 1 s: misses the TPOT half of the SLO.
+        RequestRecord(arrival=0.0, token_times=[0.1, 1.1, 2.1], num_output_tokens=3, expected_output_tokens=3,
+                      finish_reason="length", label="chat"),
+        RequestRecord(arrival=0.0, token_times=[3.0, 3.01, 3.02], num_output_tokens=3, expected_output_tokens=3,
+                      finish_reason="length", label="long"),
+    ]
+    result = summarize(SystemRun("s", records, duration_s=2.0), w, {"ttft_ms": 5000.0, "tpot_ms": 100.0})
+    chat, long = result["by_class"]["chat"], result["by_class"]["long"]
+    assert chat["num_completed"] == 2 and chat["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert chat["itl_ms"]["mean"] == pytest.approx(1e3 * (0.1 + 0.1 + 1.0 + 1.0) / 4)
+    assert chat["tpot_ms"]["p50"] == pytest.approx(1e3 * (0.1 + 1.0) / 2)
+    assert long["ttft_ms"]["p50"] == pytest.approx(3000.0) and long["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert result["goodput_requests_per_s"] == pytest.approx(1.0)
+
+
+def test_w10_sends_long_prompts_at_a_steady_interval_among_poisson_chats():
+    w = workloads.WORKLOADS["W10"](seed=3, duration_s=60.0, chat_rate_per_s=2.0, long_every_s=20.0)
+    longs = [r for r in w.requests if r.label == "long"]
+    chats = [r for r in w.requests if r.label == "chat"]
+    assert [r.arrival_s for r in longs] == [10.0, 30.0, 50.0]
+    assert all(len(r.prompt_token_ids) == 2000 and r.max_tokens == 16 for r in longs)
+    assert all(len(r.prompt_token_ids) == 128 and r.max_tokens == 256 for r in chats)
+    assert 80 <= len(chats) <= 160 and all(0 <= r.arrival_s < 60.0 for r in chats)
+    assert [r.arrival_s for r in w.requests] == sorted(r.arrival_s for r in w.requests)
+    again = workloads.WORKLOADS["W10"](seed=3, duration_s=60.0, chat_rate_per_s=2.0, long_every_s=20.0)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in w.requests]
+
+
+def test_w10_systems_give_each_role_its_half_of_the_cores_and_serve_only_their_models(tmp_path):
+    from client.bench import disaggregated
+
+    chosen = {s.name: s for s in disaggregated.systems([4, 5, 6, 7], caps=[64])}
+    assert set(chosen) == {"disaggregated", "aggregated", "aggregated-cap64"}
+    disagg = chosen["disaggregated"]
+    assert disagg.threads == 2 and chosen["aggregated"].threads == 4
+    repository = disaggregated.prepare_repository(disagg, tmp_path / "d", {"dtype": "float32"})
+    assert sorted(p.name for p in repository.iterdir()) == ["llm", "llm_decode", "llm_prefill"]
+    prefill = (repository / "llm_prefill" / "config.pbtxt").read_text()
+    decode = (repository / "llm_decode" / "config.pbtxt").read_text()
+    assert '"omp_threads_bind", value: { string_value: "4,5" }' in prefill
+    assert '"omp_threads_bind", value: { string_value: "6,7" }' in decode
+    assert '"dtype", value: { string_value: "float32" }' in decode
+    assert "dtype" not in (repository / "llm" / "config.pbtxt").read_text()  # the BLS model takes none
+    capped = disaggregated.prepare_repository(chosen["aggregated-cap64"], tmp_path / "c", {})
+    assert [p.name for p in capped.iterdir()] == ["llm"]
+    assert '"long_prefill_token_threshold", value: { string_value: "64" }' in \
+        (capped / "llm" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="at least 2 cores"):
+        disaggregated.systems([0], caps=[])
+
+
+def test_metrics_are_summed_over_the_samples_with_the_asked_labels():
+    from client.metrics import metric_sum, parse_metrics
+
+    samples = parse_metrics(
+        '# HELP x y\n'
+        'inflight_kv_transfers_total{model="llm_prefill",version="1"} 3\n'
+        'inflight_kv_transfers_total{model="llm_decode",version="1"} 4\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="llm"} 7\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="llm"} 9\n'
+        'process_open_fds 12\n')
+    assert metric_sum(samples, "inflight_kv_transfers_total") == 7
+    assert metric_sum(samples, "inflight_kv_transfers_total", model="llm_decode") == 4
+    assert metric_sum(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 7
+    assert metric_sum(samples, "process_open_fds") == 12 and metric_sum(samples, "absent") == 0
+
+
 def test_g3_is_w2_at_gpu_size():
     g3 = workloads.WORKLOADS["G3"](seed=2)
     assert g3.name == "G3" and len(g3.requests) == 256 and g3.engine_overrides == {"max_num_seqs": 256}

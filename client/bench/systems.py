@@ -33,6 +33,9 @@ ENGINE_SYSTEMS = {
     "swap": {"preemption_mode": "swap"},
     "batch-invariant": {"batch_invariant": True},
     "not-batch-invariant": {"batch_invariant": False},
+    # KV quantization (W6 with the pool's memory fixed: --engine num_kv_blocks=0 kv_cache_memory_mb=M).
+    "kv-int8": {"kv_cache_dtype": "int8"},
+    "kv-fp8": {"kv_cache_dtype": "fp8_e4m3"},
 }
 # System name -> (engine overrides, the constraint every other request carries): a mixed
 # batch of constrained and free requests, against the same engine with all requests free.

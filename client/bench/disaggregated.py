@@ -7,7 +7,9 @@ sent over gRPC streams to three kinds of tritonserver, one after another, each o
 cores (`--cores`, the first of this process's CPUs):
 
 - `disaggregated`: model_repository_disaggregated/, the BLS `llm` in front of `llm_prefill` on
-  the first half of the cores and `llm_decode` on the second half;
+  the first half of the cores and `llm_decode` on the second half (`disaggregated-cap<N>` with
+  `--prefill-cap N`: the prefill engine's chunks capped at N tokens, so that a chat's prompt
+  waits less behind a long one's chunk);
 - `aggregated`: model_repository/'s `llm` on all of them, as shipped;
 - `aggregated-cap<N>` for each `--caps` N: the same with `long_prefill_token_threshold` N, so a
   long prompt's prefill is cut into chunks of N tokens that stretch each decode step less.
@@ -60,16 +62,21 @@ class ServerSystem:
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def systems(cores: list[int], caps: list[int]) -> list[ServerSystem]:
+def systems(cores: list[int], caps: list[int], prefill_cap: int | None = None) -> list[ServerSystem]:
+    """The W10 systems on `cores`: `caps` are the capped aggregated systems' chunk caps, and
+    `prefill_cap` the disaggregated prefill engine's (None: the repository's)."""
     half = len(cores) // 2
     if half < 1:
         raise ValueError(f"--cores {len(cores)}: the disaggregated system needs at least 2 cores, one per role")
     cpu_list = ",".join(map(str, cores))
     aggregated = {"llm": {"omp_threads_bind": cpu_list}}
+    prefill = {"omp_threads_bind": ",".join(map(str, cores[:half]))}
+    if prefill_cap is not None:
+        prefill["long_prefill_token_threshold"] = str(prefill_cap)
     found = [
-        ServerSystem("disaggregated", REPO_ROOT / "model_repository_disaggregated", ["llm", "llm_prefill", "llm_decode"],
-                     half, {"llm_prefill": {"omp_threads_bind": ",".join(map(str, cores[:half]))},
-                            "llm_decode": {"omp_threads_bind": ",".join(map(str, cores[half: 2 * half]))}}),
+        ServerSystem("disaggregated" if prefill_cap is None else f"disaggregated-cap{prefill_cap}",
+                     REPO_ROOT / "model_repository_disaggregated", ["llm", "llm_prefill", "llm_decode"], half,
+                     {"llm_prefill": prefill, "llm_decode": {"omp_threads_bind": ",".join(map(str, cores[half: 2 * half]))}}),
         ServerSystem("aggregated", REPO_ROOT / "model_repository", ["llm"], len(cores), aggregated),
     ]
     for cap in caps:
@@ -156,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype parameter")
     parser.add_argument("--cores", type=int, default=2, help="how many of this process's CPUs the servers use")
     parser.add_argument("--caps", default="128", help="long_prefill_token_threshold of each capped aggregated system")
+    parser.add_argument("--prefill-cap", type=int, help="long_prefill_token_threshold of the disaggregated prefill "
+                        "engine (default: the repository's)")
     parser.add_argument("--systems", default="", help="comma-separated subset of the systems, by name")
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals")
     parser.add_argument("--chat-rate", type=float, default=1.0, help="chats per second (Poisson)")
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cores > len(available):
         parser.error(f"--cores {args.cores}: this process may use {len(available)} CPUs")
     try:
-        chosen = systems(available[: args.cores], [int(c) for c in args.caps.split(",") if c])
+        chosen = systems(available[: args.cores], [int(c) for c in args.caps.split(",") if c], args.prefill_cap)
     except ValueError as exc:
         parser.error(str(exc))
     if args.systems:

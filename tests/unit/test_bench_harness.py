@@ -171,6 +171,10 @@ def test_w10_systems_give_each_role_its_half_of_the_cores_and_serve_only_their_m
     assert [p.name for p in capped.iterdir()] == ["llm"]
     assert '"long_prefill_token_threshold", value: { string_value: "64" }' in \
         (capped / "llm" / "config.pbtxt").read_text()
+    capped_prefill = disaggregated.systems([0, 1], caps=[], prefill_cap=128)[0]
+    assert capped_prefill.name == "disaggregated-cap128"
+    assert capped_prefill.model_parameters["llm_prefill"] == {"omp_threads_bind": "0",
+                                                              "long_prefill_token_threshold": "128"}
     with pytest.raises(ValueError, match="at least 2 cores"):
         disaggregated.systems([0], caps=[])
 

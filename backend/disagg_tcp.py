@@ -174,6 +174,7 @@ class TransferPuller:
         self._executor = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-transfer-pull")
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._closed = False
 
     @property
     def num_in_flight(self) -> int:
@@ -182,8 +183,12 @@ class TransferPuller:
 
     def pull(self, handle: str, on_done: Callable[[Transfer | RequestError], None]) -> None:
         with self._lock:
-            self._in_flight += 1
-        self._executor.submit(self._pull, handle, on_done)
+            closed = self._closed
+            if not closed:
+                self._in_flight += 1
+                self._executor.submit(self._pull, handle, on_done)
+        if closed:
+            on_done(RequestError(RequestError.UNAVAILABLE, "the model is shutting down"))
 
     def _pull(self, handle: str, on_done: Callable[[Transfer | RequestError], None]) -> None:
         try:
@@ -198,7 +203,9 @@ class TransferPuller:
                 self._in_flight -= 1
         on_done(result)
 
-    def close(self, wait: bool = True) -> None:
-        """No more pulls: those not started are dropped; `wait` for those under way (each
-        ends within kv_transfer_timeout_s)."""
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+    def close(self) -> None:
+        """No more pulls: a new one ends at once with UNAVAILABLE, those not started are
+        dropped, and nothing waits for those under way (each ends within kv_transfer_timeout_s)."""
+        with self._lock:
+            self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -97,6 +97,8 @@ class EngineLoop:
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[str, SubmitRequest] = {}
+        # Imports whose transfer is being pulled over TCP, by request id.
+        self._pulling: dict[str, ImportRequest] = {}
         self._stop = threading.Event()
         # When the loop last came round (monotonic): a step that never returns stops it.
         self._last_progress = time.monotonic()
@@ -188,9 +190,12 @@ class EngineLoop:
             case ImportRequest(transfer=transfer, request_id=request_id, on_output=on_output):
                 if is_tcp_handle(transfer) and self.engine.transfer_puller is not None:
                     # The steps go on while its KV crosses; it joins the batch once arrived.
+                    self._pulling[request_id] = command
                     self.engine.transfer_puller.pull(transfer, lambda pulled, command=command: self._commands.put(
                         dataclasses.replace(command, transfer=pulled)))
                     return
+                if not isinstance(transfer, str) and self._pulling.pop(request_id, None) is None:
+                    return  # pulled after the shutdown answered its request
                 if isinstance(transfer, RequestError):  # its pull failed
                     self._call_back(on_output, RequestOutput.refused(request_id, transfer))
                     return
@@ -284,11 +289,14 @@ class EngineLoop:
             self._dispatch([output for output in outputs if not output.finished])
             self._observe(self.observer.on_step if self.observer else None)
             self._dispatch([output for output in outputs if output.finished])
-        # Shutdown: every live request gets its one final response (one still being pulled
-        # gets it from the Triton adapter, which answers every request the loop leaves).
+        # Shutdown: every live request gets its one final response, one still being pulled too.
         if self.engine.transfer_puller is not None:
-            self.engine.transfer_puller.close(wait=False)
+            self.engine.transfer_puller.close()
         self._drain_commands(block=False)
+        for request_id, command in list(self._pulling.items()):
+            del self._pulling[request_id]
+            self._call_back(command.on_output, RequestOutput.refused(
+                request_id, RequestError(RequestError.UNAVAILABLE, "the model is shutting down")))
         for request_id in list(self._handlers):
             self.engine.abort(request_id)
         self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])

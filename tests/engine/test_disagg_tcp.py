@@ -302,3 +302,27 @@ def test_the_transfer_crosses_a_real_link_between_two_hosts(hosts, tiny_checkpoi
         worker.kill()
         worker.wait()
         decode.close()
+
+
+def test_a_request_still_being_pulled_at_shutdown_gets_one_final_error(tiny_checkpoint):
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    # The pull's thread lives on after the shutdown, until this timeout: short, for the session's exit.
+    loop = EngineLoop(lambda: _engine(tiny_checkpoint, "decode", kv_transfer_timeout_s=5.0))
+    collector = Collector()
+    try:
+        loop.submit_transfer("stalled", f"tcp://127.0.0.1:{port}/inflight-kv-{'0' * 24}", "",
+                             collector.callback("stalled"))
+        wait_until(lambda: silent.poll(0))
+        started = time.monotonic()
+        loop.shutdown()
+        assert time.monotonic() - started < 10, "the shutdown waited for the pull"
+        assert collector.done["stalled"].is_set()
+        (final,) = collector.finals("stalled")
+        assert final.error.code == RequestError.UNAVAILABLE and "shutting down" in str(final.error)
+        assert len(collector.outputs["stalled"]) == 1
+    finally:
+        loop.shutdown()
+        silent.close(linger=0)
+        context.term()

@@ -46,8 +46,9 @@ ROLES = ("both", "prefill", "decode")
 # segment on one host (backend/disagg.py); "tcp", pulled from the prefill engine over ZeroMQ,
 # across hosts (backend/disagg_tcp.py). The decode engine takes either: the handle says which.
 KV_TRANSFERS = ("shm", "tcp")
-# An address to listen on, as ZeroMQ takes it: an IPv4 address, a host name, or "*" (all).
-KV_TRANSFER_ADDRESS_PATTERN = r"\*|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?"
+# The address a prefill engine listens on and names in its handles, so one that its decode
+# engines reach (not a wildcard): an IPv4 address or a host name.
+KV_TRANSFER_ADDRESS_PATTERN = r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?"
 GROUP_SIZES = (32, 64, 128)
 # A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
 # printable, since it becomes a metric label.

@@ -152,6 +152,7 @@ def test_bad_transfer_parameters_are_refused_at_load_by_name(tiny_checkpoint):
              (dict(kv_transfer="tcp", role="both"), r"kv_transfer='tcp' needs role 'prefill'"),
              (dict(kv_transfer_port=70000), r"kv_transfer_port=70000 must be in \[0, 65535\]"),
              (dict(kv_transfer_address="tcp://h:1"), r"kv_transfer_address='tcp://h:1' must be"),
+             (dict(kv_transfer_address="*"), r"kv_transfer_address='\*' must be an IPv4 address or a host name"),
              (dict(kv_transfer_timeout_s=0.0), r"kv_transfer_timeout_s=0.0 must be in \(0, 3600\]")]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -42,6 +42,13 @@ KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # runs its prompt and first token, then exports it; "decode" imports such a request and
 # generates the rest.
 ROLES = ("both", "prefill", "decode")
+# How a transfer crosses from a prefill engine to a decode engine: "shm", a POSIX shared-memory
+# segment on one host (backend/disagg.py); "tcp", pulled from the prefill engine over ZeroMQ,
+# across hosts (backend/disagg_tcp.py). The decode engine takes either: the handle says which.
+KV_TRANSFERS = ("shm", "tcp")
+# The address a prefill engine listens on and names in its handles, so one that its decode
+# engines reach (not a wildcard): an IPv4 address or a host name.
+KV_TRANSFER_ADDRESS_PATTERN = r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?"
 GROUP_SIZES = (32, 64, 128)
 # A tenant name (sampling_parameters `tenant`, config.pbtxt `tenant_weights`): short and
 # printable, since it becomes a metric label.
@@ -142,6 +149,16 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Disaggregated serving (ROLES): this engine's part of a request.
     role: str = "both"
+    # Role prefill: how it hands its transfers over (KV_TRANSFERS; a decode engine takes
+    # either, whatever its own). With "tcp" it serves them
+    # on kv_transfer_address:kv_transfer_port (0: a free port), the address decode instances
+    # reach it at (it goes into each handle).
+    kv_transfer: str = "shm"
+    kv_transfer_address: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    # A TCP transfer nobody pulls is freed after this long (role prefill); a pull that gets no
+    # answer for this long ends its request with UNAVAILABLE (role decode).
+    kv_transfer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -196,6 +213,15 @@ class EngineConfig:
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         check(self.role in ROLES, f"role={self.role!r}, expected one of {ROLES}")
+        check(self.kv_transfer in KV_TRANSFERS, f"kv_transfer={self.kv_transfer!r}, expected one of {KV_TRANSFERS}")
+        check(self.kv_transfer == "shm" or self.role != "both",
+              f"kv_transfer={self.kv_transfer!r} needs role 'prefill' (or 'decode'), not {self.role!r}")
+        check(isinstance(self.kv_transfer_address, str)
+              and re.fullmatch(KV_TRANSFER_ADDRESS_PATTERN, self.kv_transfer_address) is not None,
+              f"kv_transfer_address={self.kv_transfer_address!r} must be an IPv4 address or a host name")
+        check(0 <= self.kv_transfer_port <= 65535, f"kv_transfer_port={self.kv_transfer_port} must be in [0, 65535]")
+        check(0 < self.kv_transfer_timeout_s <= 3600,
+              f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be in (0, 3600]")
         SpeculativeConfig.parse(self.speculative_config)  # refuses a bad one, naming the key
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)
         check(bind_problem is None, str(bind_problem))

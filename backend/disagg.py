@@ -13,10 +13,13 @@ and the layout of the blocks. The blocks are the prompt's KV as the pool stores 
 (`kernels.kv_store.kv_storage`: whatever the KV dtype, int8 rows with their scales
 included), as raw bytes: per layer, its K blocks then its V blocks, in the prompt's order. The decode side refuses a transfer whose layout is not its own.
 
-On one host a transfer lives in a POSIX shared-memory segment (/dev/shm) named by its
-handle: the prefill side gathers its blocks into a numpy view of the segment, the decode
-side copies them from such a view straight into its pool, and unlinks the segment (whatever
-the import's outcome; `discard_transfer` for a handle that is never imported).
+On one host (`kv_transfer: shm`, the default) a transfer lives in a POSIX shared-memory
+segment (/dev/shm) named by its handle: the prefill side gathers its blocks into a numpy view
+of the segment, the decode side copies them from such a view straight into its pool, and
+unlinks the segment (whatever the import's outcome; `discard_transfer` for a handle that is
+never imported). Across hosts (`kv_transfer: tcp`) the same bytes are written into a buffer
+the prefill engine serves and the decode engine pulls (backend/disagg_tcp.py); `write_transfer`
+and `Transfer` are the one writer and reader of the format for both.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import _posixshmem
 import base64
 import secrets
 import struct
+import warnings
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -132,21 +136,36 @@ def _blocks_offset(header_bytes: int) -> int:
     return -(-(HEADER_LENGTH.size + header_bytes) // ALIGNMENT) * ALIGNMENT
 
 
+def encode_header(layout: KVLayout, num_blocks: int, header: dict[str, Any]) -> bytes:
+    """A transfer's msgpack header: the wire version, the blocks' layout and count, the request."""
+    return msgspec.msgpack.encode({"version": WIRE_VERSION, "layout": layout.to_wire(),
+                                   "num_blocks": num_blocks, "request": header})
+
+
+def transfer_size(body: bytes, num_blocks: int, layout: KVLayout) -> int:
+    return _blocks_offset(len(body)) + num_blocks * layout.block_bytes
+
+
+def write_transfer(buffer, body: bytes, block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tensor]],
+                   layout: KVLayout) -> None:
+    """A transfer (header `body`, then the pool's blocks `block_ids`) into `buffer`, a writable
+    buffer of `transfer_size` bytes: a shared-memory segment here, a TCP send buffer in
+    backend/disagg_tcp.py. The blocks are gathered in one copy per layer and K/V."""
+    view = memoryview(buffer).cast("B")
+    HEADER_LENGTH.pack_into(view, 0, len(body))
+    view[HEADER_LENGTH.size:HEADER_LENGTH.size + len(body)] = body
+    _gather(block_ids, kv_blocks, _blocks_view(view, _blocks_offset(len(body)), len(block_ids), layout), layout)
+
+
 def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]],
                    layout: KVLayout, header: dict[str, Any]) -> str:
     """Write `request`'s first `num_blocks` KV blocks and `header` into a new shared-memory
-    transfer; its handle. The blocks are gathered from the pool into the segment's view in
-    one copy per layer and K/V."""
-    body = msgspec.msgpack.encode({"version": WIRE_VERSION, "layout": layout.to_wire(),
-                                   "num_blocks": num_blocks, "request": header})
-    offset = _blocks_offset(len(body))
-    size = offset + num_blocks * layout.block_bytes
+    transfer; its handle."""
+    body = encode_header(layout, num_blocks, header)
     name = SHM_PREFIX + secrets.token_hex(12)
-    segment = _segment(name, create=True, size=size)
+    segment = _segment(name, create=True, size=transfer_size(body, num_blocks, layout))
     try:
-        HEADER_LENGTH.pack_into(segment.buf, 0, len(body))
-        segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + len(body)] = body
-        _gather(request.block_ids[:num_blocks], kv_blocks, _blocks_view(segment, offset, num_blocks, layout), layout)
+        write_transfer(segment.buf, body, request.block_ids[:num_blocks], kv_blocks, layout)
     except BaseException:
         segment.close()
         _unlink(segment)
@@ -155,11 +174,11 @@ def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torc
     return name
 
 
-def _blocks_view(segment: shared_memory.SharedMemory, offset: int, num_blocks: int, layout: KVLayout) -> np.ndarray:
-    """[num_layers, 2 (K, V), num_blocks, *row_shape] over the segment's bytes (no copy):
+def _blocks_view(buffer, offset: int, num_blocks: int, layout: KVLayout) -> np.ndarray:
+    """[num_layers, 2 (K, V), num_blocks, *row_shape] over a transfer's bytes (no copy):
     each layer's K (and V) blocks are contiguous, one gather or scatter each."""
     shape = (layout.num_layers, 2, num_blocks, *layout.row_shape)
-    return np.ndarray(shape, dtype=_numpy_dtype(layout.dtype), buffer=segment.buf, offset=offset)
+    return np.ndarray(shape, dtype=_numpy_dtype(layout.dtype), buffer=buffer, offset=offset)
 
 
 def _gather(block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tensor]], blocks: np.ndarray,
@@ -177,7 +196,8 @@ def _gather(block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tens
 
 class Transfer:
     """An exported request opened on the decode side: its header, and its blocks as a view of
-    the segment. `close` unlinks the segment: a transfer is imported at most once."""
+    the transfer's bytes (a shared-memory segment, or a buffer received over TCP:
+    `Transfer.of_buffer`). `close` unlinks a segment: a transfer is imported at most once."""
 
     def __init__(self, handle: str):
         if not isinstance(handle, str) or not handle.startswith(SHM_PREFIX):
@@ -190,31 +210,55 @@ class Transfer:
                                "or discarded)", "transfer") from None
         except (OSError, ValueError) as exc:  # a name the system refuses
             raise RequestError.invalid("transfer", f"cannot open KV transfer {handle[:80]!r}: {exc}") from None
+        self._parse(self._segment.buf, handle)
+
+    @classmethod
+    def of_buffer(cls, buffer, handle: str) -> Transfer:
+        """The transfer whose bytes are `buffer` (read-only is fine: it is only read)."""
+        transfer = cls.__new__(cls)
+        transfer._segment = None
+        transfer._parse(buffer, handle)
+        return transfer
+
+    def _parse(self, buffer, handle: str) -> None:
+        self._buffer = memoryview(buffer).cast("B")
+        # Seconds it took to move here before its import (a TCP pull), for the transfer time.
+        self.pull_s = 0.0
         try:
-            (length,) = HEADER_LENGTH.unpack_from(self._segment.buf, 0)
-            body = msgspec.msgpack.decode(bytes(self._segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + length]))
+            (length,) = HEADER_LENGTH.unpack_from(self._buffer, 0)
+            body = msgspec.msgpack.decode(self._buffer[HEADER_LENGTH.size:HEADER_LENGTH.size + length])
             if body.get("version") != WIRE_VERSION:
                 raise ValueError(f"wire version {body.get('version')!r}, expected {WIRE_VERSION}")
             self.layout = KVLayout.from_wire(body["layout"])
             self.num_blocks = int(body["num_blocks"])
             self.header: dict[str, Any] = body["request"]
             self._offset = _blocks_offset(length)
+            if len(self._buffer) < self._offset + self.num_blocks * self.layout.block_bytes:
+                raise ValueError(f"{len(self._buffer)} bytes, short of its {self.num_blocks} blocks")
         except Exception as exc:
             self.close()
             raise RequestError(RequestError.INVALID_ARG, f"transfer: {handle!r} is not a readable KV transfer: {exc}",
                                "transfer") from None
 
+    @property
+    def nbytes(self) -> int:
+        return len(self._buffer)
+
     def write_blocks(self, block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The transfer's blocks into the pool's blocks `block_ids` (one per transferred block)."""
         assert len(block_ids) == self.num_blocks
-        blocks = _blocks_view(self._segment, self._offset, self.num_blocks, self.layout)
+        blocks = _blocks_view(self._buffer, self._offset, self.num_blocks, self.layout)
         ids = torch.tensor(block_ids, dtype=torch.long)
-        for layer, (k, v) in enumerate(kv_blocks):
-            for kind, pool in enumerate((k, v)):
-                source = _as_torch(blocks[layer, kind], self.layout.dtype)
-                pool.index_copy_(0, ids.to(pool.device), source.to(pool.device))
+        with warnings.catch_warnings():
+            # A buffer received over TCP is read-only; its tensors are only read from.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for layer, (k, v) in enumerate(kv_blocks):
+                for kind, pool in enumerate((k, v)):
+                    source = _as_torch(blocks[layer, kind], self.layout.dtype)
+                    pool.index_copy_(0, ids.to(pool.device), source.to(pool.device))
 
     def close(self) -> None:
+        self._buffer = None
         segment, self._segment = getattr(self, "_segment", None), None
         if segment is not None:
             segment.close()
@@ -226,7 +270,10 @@ class Transfer:
 
 def discard_transfer(handle: str) -> bool:
     """Unlink a transfer that will not be imported (its request failed or was cancelled in
-    between); False when there was none."""
+    between); False when there was none. A TCP transfer is its server's to free
+    (backend/disagg_tcp.py: unpulled, after kv_transfer_timeout_s)."""
+    if not handle.startswith(SHM_PREFIX):
+        return False
     try:
         segment = _segment(handle)
     except (FileNotFoundError, ValueError):

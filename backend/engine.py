@@ -28,6 +28,7 @@ import torch
 from backend.config import EngineConfig, resolve_max_model_len, token_budget
 from backend.detokenizer import IncrementalDetokenizer, SharedTokenizer
 from backend.disagg import KVLayout, Transfer, export_request, request_header, restore_generator
+from backend.disagg_tcp import TransferPuller, TransferServer, is_tcp_handle
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
 from backend.lora import install_adapters, load_adapter
@@ -136,6 +137,12 @@ class LLMEngine:
         self.kv_layout = KVLayout.of(self.runner.kv_blocks, config.block_size)
         # (KV bytes, seconds) of each transfer made since the last step's stats.
         self._kv_transfers: list[tuple[int, float]] = []
+        # kv_transfer tcp (backend/disagg_tcp.py): a prefill engine serves its transfers, a
+        # decode engine pulls them off its step loop (EngineLoop).
+        self.transfer_server = TransferServer(
+            config.kv_transfer_address, config.kv_transfer_port, config.kv_transfer_timeout_s,
+        ) if config.role == "prefill" and config.kv_transfer == "tcp" else None
+        self.transfer_puller = TransferPuller(config.kv_transfer_timeout_s) if config.role == "decode" else None
         self.draft_budget = (DraftBudget(self.speculative.num_speculative_tokens)
                              if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
@@ -378,6 +385,18 @@ class LLMEngine:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
             self.kv_event_publisher = None
+        for transport in (self.transfer_server, self.transfer_puller):
+            if transport is not None:
+                transport.close()
+        self.transfer_server = self.transfer_puller = None
+
+    @property
+    def num_pending_transfers(self) -> int:
+        """TCP transfers between here and the other engine: exported and not yet pulled (role
+        prefill), or being pulled (role decode)."""
+        if self.transfer_server is not None:
+            return self.transfer_server.num_held
+        return self.transfer_puller.num_in_flight if self.transfer_puller is not None else 0
 
     # ---- the step: schedule -> execute -> update ---------------------------------------
 
@@ -624,10 +643,11 @@ class LLMEngine:
         transfer, and it ends here (its blocks freed) with a final output carrying the handle."""
         started = time.perf_counter()
         num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
+        export = self.transfer_server.export if self.transfer_server is not None else export_request
         try:
-            handle = export_request(request, num_blocks, self.runner.kv_blocks, self.kv_layout,
-                                    request_header(request, logprob, top_logprobs))
-        except OSError as exc:  # /dev/shm full
+            handle = export(request, num_blocks, self.runner.kv_blocks, self.kv_layout,
+                            request_header(request, logprob, top_logprobs))
+        except (OSError, MemoryError) as exc:  # /dev/shm or memory full
             return self.finish(request, FinishReason.ERROR, error=RequestError(
                 RequestError.UNAVAILABLE, f"could not export the request's KV for its decode instance: {exc}"))
         self._kv_transfers.append((num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
@@ -635,9 +655,10 @@ class LLMEngine:
         output.transfer = handle  # before anyone else sees the output
         return output
 
-    def import_request(self, handle: str, request_id: str | None = None, prompt_text: str = "",
+    def import_request(self, handle: str | Transfer, request_id: str | None = None, prompt_text: str = "",
                        arrival_time: float | None = None) -> tuple[Request, RequestOutput]:
-        """role decode: the request a prefill engine exported as `handle`, straight into the
+        """role decode: the request a prefill engine exported as `handle` (a shared-memory
+        handle, or a TCP transfer already pulled: `transfer_puller`), straight into the
         running batch after its first token (the transfer is consumed, whatever the outcome);
         the request and its first output, which carries the first token. RequestError:
         INVALID_ARG for a handle that names no transfer, or one of another KV layout or a
@@ -645,8 +666,10 @@ class LLMEngine:
         if self.config.role != "decode":
             raise RequestError.invalid("transfer", f"this model's role is {self.config.role!r}; only role 'decode' "
                                        "imports a transfer")
+        if is_tcp_handle(handle):
+            raise RequestError.invalid("transfer", "a TCP transfer is pulled (transfer_puller) before its import")
         started = time.perf_counter()
-        transfer = Transfer(handle)
+        transfer = handle if isinstance(handle, Transfer) else Transfer(handle)
         try:
             if transfer.layout != self.kv_layout:
                 raise RequestError.invalid("transfer", f"KV layout {transfer.layout} is not this engine's "
@@ -663,7 +686,8 @@ class LLMEngine:
             transfer.write_blocks(request.block_ids[: transfer.num_blocks], self.runner.kv_blocks)
         finally:
             transfer.close()
-        self._kv_transfers.append((transfer.num_blocks * self.kv_layout.block_bytes, time.perf_counter() - started))
+        self._kv_transfers.append((transfer.num_blocks * self.kv_layout.block_bytes,
+                                   transfer.pull_s + time.perf_counter() - started))
         request.prompt_text = prompt_text
         request.generator = restore_generator(header["generator_state"])
         request.num_cached_prompt_tokens = header["num_cached_prompt_tokens"]

@@ -8,6 +8,7 @@ request's callback, on the loop thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backend import thread_binding
+from backend.disagg import Transfer
+from backend.disagg_tcp import is_tcp_handle
 from backend.engine import LLMEngine
 from backend.output import RequestOutput
 from backend.request import FinishReason, Request, RequestError, RequestStatus, SamplingParams
@@ -40,9 +43,11 @@ class SubmitRequest:
 @dataclass(frozen=True)
 class ImportRequest:
     """A request a prefill engine exported (`transfer`, backend/disagg.py), for a role-decode
-    engine to take into its running batch (LLMEngine.import_request); then as SubmitRequest."""
+    engine to take into its running batch (LLMEngine.import_request); then as SubmitRequest.
+    A TCP handle is pulled first, off the loop thread: the command comes back with the
+    pulled transfer, or the error that ended its pull."""
 
-    transfer: str
+    transfer: str | Transfer | RequestError
     request_id: str
     prompt_text: str
     on_output: OutputCallback
@@ -92,6 +97,8 @@ class EngineLoop:
         self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handlers: dict[str, SubmitRequest] = {}
+        # Imports whose transfer is being pulled over TCP, by request id.
+        self._pulling: dict[str, ImportRequest] = {}
         self._stop = threading.Event()
         # When the loop last came round (monotonic): a step that never returns stops it.
         self._last_progress = time.monotonic()
@@ -181,6 +188,17 @@ class EngineLoop:
                     return
                 self._handlers[request.request_id] = command
             case ImportRequest(transfer=transfer, request_id=request_id, on_output=on_output):
+                if is_tcp_handle(transfer) and self.engine.transfer_puller is not None:
+                    # The steps go on while its KV crosses; it joins the batch once arrived.
+                    self._pulling[request_id] = command
+                    self.engine.transfer_puller.pull(transfer, lambda pulled, command=command: self._commands.put(
+                        dataclasses.replace(command, transfer=pulled)))
+                    return
+                if not isinstance(transfer, str) and self._pulling.pop(request_id, None) is None:
+                    return  # pulled after the shutdown answered its request
+                if isinstance(transfer, RequestError):  # its pull failed
+                    self._call_back(on_output, RequestOutput.refused(request_id, transfer))
+                    return
                 try:
                     request, first = self.engine.import_request(transfer, request_id, command.prompt_text)
                 except RequestError as exc:  # refused: its one output, an error
@@ -271,8 +289,14 @@ class EngineLoop:
             self._dispatch([output for output in outputs if not output.finished])
             self._observe(self.observer.on_step if self.observer else None)
             self._dispatch([output for output in outputs if output.finished])
-        # Shutdown: every live request gets its one final response.
+        # Shutdown: every live request gets its one final response, one still being pulled too.
+        if self.engine.transfer_puller is not None:
+            self.engine.transfer_puller.close()
         self._drain_commands(block=False)
+        for request_id, command in list(self._pulling.items()):
+            del self._pulling[request_id]
+            self._call_back(command.on_output, RequestOutput.refused(
+                request_id, RequestError(RequestError.UNAVAILABLE, "the model is shutting down")))
         for request_id in list(self._handlers):
             self.engine.abort(request_id)
         self._dispatch(self.engine.step() if self.engine.has_unfinished() else [])
@@ -281,3 +305,4 @@ class EngineLoop:
         for request_id, handler in list(self._handlers.items()):
             del self._handlers[request_id]
             self._call_back(handler.on_output, self.engine.finish(handler.request, FinishReason.ABORT))
+        self.engine.close()  # its sockets: a prefill engine's transfer server, its KV events

@@ -153,7 +153,14 @@ class EngineMetrics:
         # Disaggregated serving (backend/disagg.py), only for a model of role prefill or decode.
         self.kv_transfer_counters: list[tuple[str, object]] = []
         self.kv_transfer_time = None
+        self.kv_transfers_pending = self.kv_transfers_expired = None
         if engine.config.role != "both":
+            self.kv_transfers_pending = our_gauge(
+                "inflight_kv_transfers_pending",
+                "TCP KV transfers exported and not yet pulled (role prefill), or being pulled (role decode).")
+            self.kv_transfers_expired = counter(
+                "inflight_kv_transfers_expired_total",
+                "TCP KV transfers freed unpulled after kv_transfer_timeout_s (role prefill).")
             self.kv_transfer_counters = [
                 ("kv_transfers", counter("inflight_kv_transfers_total",
                                          "Requests whose KV this model exported (role prefill) or imported (role decode).")),
@@ -184,7 +191,7 @@ class EngineMetrics:
         self._recent_service = dict.fromkeys(tenant_labels, 0.0)
         self._last = {"prefilled_prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "aborts": 0, "steps": 0,
                       "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_trimmed_draft_tokens": 0,
-                      "kv_transfers": 0, "kv_transfer_bytes": 0}
+                      "kv_transfers": 0, "kv_transfer_bytes": 0, "kv_transfers_expired": 0}
         self._last_per_position = [0] * len(self.spec_per_position)
         # Last value set on each gauge (by id): every set is an IPC round trip to the Triton
         # process, so only changes go.
@@ -235,6 +242,11 @@ class EngineMetrics:
             if value > self._last[name]:
                 updates.append((metric.increment, value - self._last[name]))
                 self._last[name] = value
+        if self.kv_transfers_expired is not None and self.engine.transfer_server is not None:
+            expired = self.engine.transfer_server.num_expired
+            if expired > self._last["kv_transfers_expired"]:
+                updates.append((self.kv_transfers_expired.increment, expired - self._last["kv_transfers_expired"]))
+                self._last["kv_transfers_expired"] = expired
         for position, value in enumerate(totals.spec_accepted_per_position[: len(self.spec_per_position)]):
             if value > self._last_per_position[position]:
                 updates.append((self.spec_per_position[position].increment, value - self._last_per_position[position]))
@@ -270,6 +282,8 @@ class EngineMetrics:
         shares = [self._recent_service[label] / self._weights[label] for label, (_, waiting_n) in by_label.items()
                   if waiting_n]
         gauges.append((self.fairness, jain_index(shares)))
+        if self.kv_transfers_pending is not None:
+            gauges.append((self.kv_transfers_pending, self.engine.num_pending_transfers))
         for metric, value in gauges:
             if self._published.get(id(metric)) != value:
                 updates.append((metric.set, value))

@@ -202,8 +202,8 @@ class Metrics:
         return any(n == name for n, _, _ in self.samples)
 
 
-def scrape(metrics_port: int) -> Metrics:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as resp:
+def scrape(metrics_port: int, host: str = "127.0.0.1") -> Metrics:
+    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     samples = []
     for line in text.splitlines():
@@ -234,7 +234,7 @@ def engine_state(m: Metrics, model: str) -> dict[str, float]:
     }
 
 
-def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
+def wait_idle(metrics_port: int, model: str, timeout: float = 60.0, host: str = "127.0.0.1") -> Metrics:
     """Poll /metrics until the model's engine holds no KV block and no request, and the
     model's series read the same on two scrapes in a row; returns the last scrape.
 
@@ -245,7 +245,7 @@ def wait_idle(metrics_port: int, model: str, timeout: float = 60.0) -> Metrics:
     previous: list = []
 
     def idle():
-        m = scrape(metrics_port)
+        m = scrape(metrics_port, host)
         last.update(engine_state(m, model))
         if any(last.values()):
             previous.clear()

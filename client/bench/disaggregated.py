@@ -62,19 +62,22 @@ class ServerSystem:
     model_parameters: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def systems(cores: list[int], caps: list[int], prefill_cap: int | None = None) -> list[ServerSystem]:
-    """The W10 systems on `cores`: `caps` are the capped aggregated systems' chunk caps, and
-    `prefill_cap` the disaggregated prefill engine's (None: the repository's)."""
+def systems(cores: list[int], caps: list[int], prefill_cap: int | None = None,
+            kv_transfer: str = "shm") -> list[ServerSystem]:
+    """The W10 systems on `cores`: `caps` are the capped aggregated systems' chunk caps,
+    `prefill_cap` the disaggregated prefill engine's (None: the repository's), and `kv_transfer`
+    how its KV reaches the decode engine (shared memory, or TCP as across hosts)."""
     half = len(cores) // 2
     if half < 1:
         raise ValueError(f"--cores {len(cores)}: the disaggregated system needs at least 2 cores, one per role")
     cpu_list = ",".join(map(str, cores))
     aggregated = {"llm": {"omp_threads_bind": cpu_list}}
-    prefill = {"omp_threads_bind": ",".join(map(str, cores[:half]))}
+    prefill = {"omp_threads_bind": ",".join(map(str, cores[:half])), "kv_transfer": kv_transfer}
     if prefill_cap is not None:
         prefill["long_prefill_token_threshold"] = str(prefill_cap)
     found = [
-        ServerSystem("disaggregated" if prefill_cap is None else f"disaggregated-cap{prefill_cap}",
+        ServerSystem("disaggregated" + ("" if prefill_cap is None else f"-cap{prefill_cap}")
+                     + ("" if kv_transfer == "shm" else f"-{kv_transfer}"),
                      REPO_ROOT / "model_repository_disaggregated", ["llm", "llm_prefill", "llm_decode"], half,
                      {"llm_prefill": prefill, "llm_decode": {"omp_threads_bind": ",".join(map(str, cores[half: 2 * half]))}}),
         ServerSystem("aggregated", REPO_ROOT / "model_repository", ["llm"], len(cores), aggregated),
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype parameter")
     parser.add_argument("--cores", type=int, default=2, help="how many of this process's CPUs the servers use")
     parser.add_argument("--caps", default="128", help="long_prefill_token_threshold of each capped aggregated system")
+    parser.add_argument("--kv-transfer", choices=["shm", "tcp"], default="shm",
+                        help="the disaggregated system's KV transfer")
     parser.add_argument("--prefill-cap", type=int, help="long_prefill_token_threshold of the disaggregated prefill "
                         "engine (default: the repository's)")
     parser.add_argument("--systems", default="", help="comma-separated subset of the systems, by name")
@@ -183,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cores > len(available):
         parser.error(f"--cores {args.cores}: this process may use {len(available)} CPUs")
     try:
-        chosen = systems(available[: args.cores], [int(c) for c in args.caps.split(",") if c], args.prefill_cap)
+        chosen = systems(available[: args.cores], [int(c) for c in args.caps.split(",") if c], args.prefill_cap,
+                         args.kv_transfer)
     except ValueError as exc:
         parser.error(str(exc))
     if args.systems:

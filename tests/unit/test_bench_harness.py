@@ -173,8 +173,9 @@ def test_w10_systems_give_each_role_its_half_of_the_cores_and_serve_only_their_m
         (capped / "llm" / "config.pbtxt").read_text()
     capped_prefill = disaggregated.systems([0, 1], caps=[], prefill_cap=128)[0]
     assert capped_prefill.name == "disaggregated-cap128"
-    assert capped_prefill.model_parameters["llm_prefill"] == {"omp_threads_bind": "0",
+    assert capped_prefill.model_parameters["llm_prefill"] == {"omp_threads_bind": "0", "kv_transfer": "shm",
                                                               "long_prefill_token_threshold": "128"}
+    assert disaggregated.systems([0, 1], caps=[], kv_transfer="tcp")[0].name == "disaggregated-tcp"
     with pytest.raises(ValueError, match="at least 2 cores"):
         disaggregated.systems([0], caps=[])
 

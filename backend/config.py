@@ -142,6 +142,12 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Disaggregated serving (ROLES): this engine's part of a request.
     role: str = "both"
+    # role decode: how long a handed-over request waits, its transfer held, for room in a full
+    # running batch or KV pool before it is refused with UNAVAILABLE; 0 refuses it at once.
+    kv_transfer_wait_timeout_s: float = 30.0
+    # role prefill: how long an exported transfer waits to be claimed by a decode engine; past
+    # it, any engine of role prefill or decode on the host removes it (backend/disagg.py).
+    kv_transfer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -196,6 +202,10 @@ class EngineConfig:
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         check(self.role in ROLES, f"role={self.role!r}, expected one of {ROLES}")
+        check(0 <= self.kv_transfer_wait_timeout_s <= 3600,
+              f"kv_transfer_wait_timeout_s={self.kv_transfer_wait_timeout_s} must be in [0, 3600]")
+        check(0 < self.kv_transfer_timeout_s <= 86400,
+              f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be in (0, 86400]")
         SpeculativeConfig.parse(self.speculative_config)  # refuses a bad one, naming the key
         bind_problem = thread_binding.check_spec(self.omp_threads_bind)
         check(bind_problem is None, str(bind_problem))

@@ -15,16 +15,22 @@ included), as raw bytes: per layer, its K blocks then its V blocks, in the promp
 
 On one host a transfer lives in a POSIX shared-memory segment (/dev/shm) named by its
 handle: the prefill side gathers its blocks into a numpy view of the segment, the decode
-side copies them from such a view straight into its pool, and unlinks the segment (whatever
-the import's outcome; `discard_transfer` for a handle that is never imported).
+side copies them from such a view straight into its pool. Opening a transfer claims it: the
+decode side unlinks the name at once and keeps its mapping (the memory lives as long as the
+mapping, also while the request waits for room, and goes with the process if it dies);
+`discard_transfer` removes a handle that is never imported. The name carries the time past
+which an unclaimed transfer is dead (its request failed on the way, or its exporter died):
+`sweep_expired_transfers` removes those, whoever left them.
 """
 
 from __future__ import annotations
 
 import _posixshmem
 import base64
+import os
 import secrets
 import struct
+import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -37,6 +43,9 @@ from backend.request import Request, RequestError
 
 # Every transfer's segment name starts so (and the handle is the name): a stale one is findable.
 SHM_PREFIX = "inflight-kv-"
+SHM_DIR = "/dev/shm"
+# How long an exported transfer waits to be claimed, unless the exporter says otherwise.
+DEFAULT_LIFETIME_S = 60.0
 HEADER_LENGTH = struct.Struct("<Q")
 ALIGNMENT = 64
 WIRE_VERSION = 1
@@ -133,15 +142,15 @@ def _blocks_offset(header_bytes: int) -> int:
 
 
 def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]],
-                   layout: KVLayout, header: dict[str, Any]) -> str:
+                   layout: KVLayout, header: dict[str, Any], lifetime_s: float = DEFAULT_LIFETIME_S) -> str:
     """Write `request`'s first `num_blocks` KV blocks and `header` into a new shared-memory
-    transfer; its handle. The blocks are gathered from the pool into the segment's view in
-    one copy per layer and K/V."""
+    transfer, which expires unclaimed after `lifetime_s`; its handle. The blocks are gathered
+    from the pool into the segment's view in one copy per layer and K/V."""
     body = msgspec.msgpack.encode({"version": WIRE_VERSION, "layout": layout.to_wire(),
                                    "num_blocks": num_blocks, "request": header})
     offset = _blocks_offset(len(body))
     size = offset + num_blocks * layout.block_bytes
-    name = SHM_PREFIX + secrets.token_hex(12)
+    name = _transfer_name(time.time() + lifetime_s)
     segment = _segment(name, create=True, size=size)
     try:
         HEADER_LENGTH.pack_into(segment.buf, 0, len(body))
@@ -153,6 +162,42 @@ def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torc
         raise
     segment.close()
     return name
+
+
+def _transfer_name(expires_at: float) -> str:
+    # The expiry in the name (wall-clock milliseconds, hex): any process on the host can tell
+    # a dead transfer from a live one without asking its exporter, which may be gone.
+    return f"{SHM_PREFIX}{int(expires_at * 1000):x}-{secrets.token_hex(12)}"
+
+
+def _expires_at(name: str) -> float | None:
+    stamp, dash, _ = name.removeprefix(SHM_PREFIX).partition("-")
+    try:
+        return int(stamp, 16) / 1000 if dash else None
+    except ValueError:
+        return None
+
+
+def sweep_expired_transfers(now: float | None = None) -> list[str]:
+    """Remove every transfer on this host that has outlived its lifetime unclaimed (never
+    imported, or left by a process that died); the handles removed. A claimed transfer has
+    no name left to remove, and a name without an expiry is not one of ours to judge."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        expires_at = _expires_at(name) if name.startswith(SHM_PREFIX) else None
+        if expires_at is None or expires_at > now:
+            continue
+        try:
+            _posixshmem.shm_unlink(name)
+        except FileNotFoundError:  # claimed or removed meanwhile
+            continue
+        removed.append(name)
+    return removed
 
 
 def _blocks_view(segment: shared_memory.SharedMemory, offset: int, num_blocks: int, layout: KVLayout) -> np.ndarray:
@@ -176,8 +221,9 @@ def _gather(block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tens
 
 
 class Transfer:
-    """An exported request opened on the decode side: its header, and its blocks as a view of
-    the segment. `close` unlinks the segment: a transfer is imported at most once."""
+    """An exported request opened, and so claimed, on the decode side: its header, and its
+    blocks as a view of the segment, whose name is unlinked on opening (a transfer is
+    imported at most once, and a claimed one is never swept). `close` lets go of its memory."""
 
     def __init__(self, handle: str):
         if not isinstance(handle, str) or not handle.startswith(SHM_PREFIX):
@@ -186,10 +232,14 @@ class Transfer:
             self._segment = _segment(handle)
         except FileNotFoundError:
             raise RequestError(RequestError.INVALID_ARG,
-                               f"transfer: no KV transfer named {handle!r} (never exported, already imported "
-                               "or discarded)", "transfer") from None
+                               f"transfer: no KV transfer named {handle!r} (never exported, already imported, "
+                               "discarded or expired)", "transfer") from None
         except (OSError, ValueError) as exc:  # a name the system refuses
             raise RequestError.invalid("transfer", f"cannot open KV transfer {handle[:80]!r}: {exc}") from None
+        try:
+            _unlink(self._segment)
+        except FileNotFoundError:  # swept between our open and now: the mapping holds it all the same
+            pass
         try:
             (length,) = HEADER_LENGTH.unpack_from(self._segment.buf, 0)
             body = msgspec.msgpack.decode(bytes(self._segment.buf[HEADER_LENGTH.size:HEADER_LENGTH.size + length]))

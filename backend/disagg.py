@@ -268,10 +268,6 @@ class Transfer:
         segment, self._segment = getattr(self, "_segment", None), None
         if segment is not None:
             segment.close()
-            try:
-                _unlink(segment)
-            except FileNotFoundError:
-                pass
 
 
 def discard_transfer(handle: str) -> bool:

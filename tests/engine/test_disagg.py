@@ -192,6 +192,14 @@ def test_role_is_checked_by_name():
         EngineConfig(model_path="/nonexistent", role="mixed")
 
 
+@pytest.mark.parametrize("name, value, limits", [("kv_transfer_wait_timeout_s", -1, r"\[0, 3600\]"),
+                                                 ("kv_transfer_wait_timeout_s", 4000, r"\[0, 3600\]"),
+                                                 ("kv_transfer_timeout_s", 0, r"\(0, 86400\]")])
+def test_the_transfer_timeouts_are_checked_by_name(name, value, limits):
+    with pytest.raises(ValueError, match=rf"{name}={value} must be in {limits}"):
+        EngineConfig(model_path="/nonexistent", **{name: value})
+
+
 # ---- the two engines together ------------------------------------------------------------
 
 
@@ -320,6 +328,45 @@ def test_a_request_that_waits_past_kv_transfer_wait_timeout_s_is_refused_naming_
     assert outputs["r0"][-1].num_output_tokens == 200
     assert_no_blocks_held(prefill, decode)
     assert _shm_transfers() == before
+
+
+def test_through_the_engine_loop_a_waiting_request_gets_its_stream_and_one_final_output(tiny_checkpoint, oracle):
+    """The loop's side of waiting (EngineLoop.submit_transfer): a request that waits for room
+    has its handler from the start, and its first token, its others and its one final
+    output reach its callback once it runs; a cancelled waiting one gets one final output."""
+    import threading
+
+    from backend.engine_loop import EngineLoop
+
+    prefill = _engine(tiny_checkpoint, "prefill")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = PROMPTS[1:4]
+    handles = exported(prefill, prompts, params)
+    loop = EngineLoop(lambda: _engine(tiny_checkpoint, "decode", max_num_seqs=1))
+    outputs: dict[str, list] = {}
+    done = threading.Event()
+    cancelled = threading.Event()
+
+    def collect(out):
+        outputs.setdefault(out.request_id, []).append(out)
+        if sum(o.finished for outs in outputs.values() for o in outs) == len(prompts):
+            done.set()
+
+    try:
+        for i, handle in enumerate(handles):
+            loop.submit_transfer(f"r{i}", handle, "", collect, is_cancelled=cancelled.is_set if i == 2 else None)
+        cancelled.set()  # r2 is cancelled while r0 runs and r1 waits ahead of it
+        assert done.wait(60)
+        time.sleep(0.1)  # anything after a final output would show by now
+    finally:
+        loop.shutdown()
+    for i, prompt in enumerate(prompts[:2]):
+        outs = outputs[f"r{i}"]
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished and outs[-1].error is None
+        assert [t for o in outs for t in o.token_ids_delta] == oracle[tuple(prompt)]
+    [r2] = outputs["r2"]
+    assert r2.finished and r2.finish_reason == FinishReason.ABORT.value
+    assert_no_blocks_held(prefill, loop.engine)
 
 
 def test_a_waiting_request_aborted_lets_its_transfer_go(tiny_checkpoint):

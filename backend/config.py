@@ -156,8 +156,13 @@ class EngineConfig:
     kv_transfer: str = "shm"
     kv_transfer_address: str = "127.0.0.1"
     kv_transfer_port: int = 0
-    # A TCP transfer nobody pulls is freed after this long (role prefill); a pull that gets no
-    # answer for this long ends its request with UNAVAILABLE (role decode).
+    # role decode: how long a handed-over request waits, its transfer held, for room in a full
+    # running batch or KV pool before it is refused with UNAVAILABLE; 0 refuses it at once.
+    kv_transfer_wait_timeout_s: float = 30.0
+    # How long an exported transfer waits to be taken by a decode engine (role prefill): a
+    # shared-memory one is then removed by any engine of role prefill or decode on the host
+    # (backend/disagg.py), a TCP one freed by its server. A pull that gets no answer for this
+    # long ends its request with UNAVAILABLE (role decode).
     kv_transfer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -220,6 +225,8 @@ class EngineConfig:
               and re.fullmatch(KV_TRANSFER_ADDRESS_PATTERN, self.kv_transfer_address) is not None,
               f"kv_transfer_address={self.kv_transfer_address!r} must be an IPv4 address or a host name")
         check(0 <= self.kv_transfer_port <= 65535, f"kv_transfer_port={self.kv_transfer_port} must be in [0, 65535]")
+        check(0 <= self.kv_transfer_wait_timeout_s <= 3600,
+              f"kv_transfer_wait_timeout_s={self.kv_transfer_wait_timeout_s} must be in [0, 3600]")
         check(0 < self.kv_transfer_timeout_s <= 3600,
               f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be in (0, 3600]")
         SpeculativeConfig.parse(self.speculative_config)  # refuses a bad one, naming the key

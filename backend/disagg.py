@@ -15,19 +15,25 @@ included), as raw bytes: per layer, its K blocks then its V blocks, in the promp
 
 On one host (`kv_transfer: shm`, the default) a transfer lives in a POSIX shared-memory
 segment (/dev/shm) named by its handle: the prefill side gathers its blocks into a numpy view
-of the segment, the decode side copies them from such a view straight into its pool, and
-unlinks the segment (whatever the import's outcome; `discard_transfer` for a handle that is
-never imported). Across hosts (`kv_transfer: tcp`) the same bytes are written into a buffer
-the prefill engine serves and the decode engine pulls (backend/disagg_tcp.py); `write_transfer`
-and `Transfer` are the one writer and reader of the format for both.
+of the segment, the decode side copies them from such a view straight into its pool. Opening a
+transfer claims it: the decode side unlinks the name at once and keeps its mapping (the memory
+lives as long as the mapping, also while the request waits for room, and goes with the process
+if it dies); `discard_transfer` removes a handle that is never imported. The name carries the
+time past which an unclaimed transfer is dead (its request failed on the way, or its exporter
+died): `sweep_expired_transfers` removes those, whoever left them. Across hosts (`kv_transfer:
+tcp`) the same bytes are written into a buffer the prefill engine serves and the decode engine
+pulls (backend/disagg_tcp.py); `write_transfer` and `Transfer` are the one writer and reader of
+the format for both.
 """
 
 from __future__ import annotations
 
 import _posixshmem
 import base64
+import os
 import secrets
 import struct
+import time
 import warnings
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -41,6 +47,9 @@ from backend.request import Request, RequestError
 
 # Every transfer's segment name starts so (and the handle is the name): a stale one is findable.
 SHM_PREFIX = "inflight-kv-"
+SHM_DIR = "/dev/shm"
+# How long an exported transfer waits to be claimed, unless the exporter says otherwise.
+DEFAULT_LIFETIME_S = 60.0
 HEADER_LENGTH = struct.Struct("<Q")
 ALIGNMENT = 64
 WIRE_VERSION = 1
@@ -158,11 +167,11 @@ def write_transfer(buffer, body: bytes, block_ids: list[int], kv_blocks: list[tu
 
 
 def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torch.Tensor, torch.Tensor]],
-                   layout: KVLayout, header: dict[str, Any]) -> str:
+                   layout: KVLayout, header: dict[str, Any], lifetime_s: float = DEFAULT_LIFETIME_S) -> str:
     """Write `request`'s first `num_blocks` KV blocks and `header` into a new shared-memory
-    transfer; its handle."""
+    transfer, which expires unclaimed after `lifetime_s`; its handle."""
     body = encode_header(layout, num_blocks, header)
-    name = SHM_PREFIX + secrets.token_hex(12)
+    name = _transfer_name(time.time() + lifetime_s)
     segment = _segment(name, create=True, size=transfer_size(body, num_blocks, layout))
     try:
         write_transfer(segment.buf, body, request.block_ids[:num_blocks], kv_blocks, layout)
@@ -172,6 +181,42 @@ def export_request(request: Request, num_blocks: int, kv_blocks: list[tuple[torc
         raise
     segment.close()
     return name
+
+
+def _transfer_name(expires_at: float) -> str:
+    # The expiry in the name (wall-clock milliseconds, hex): any process on the host can tell
+    # a dead transfer from a live one without asking its exporter, which may be gone.
+    return f"{SHM_PREFIX}{int(expires_at * 1000):x}-{secrets.token_hex(12)}"
+
+
+def _expires_at(name: str) -> float | None:
+    stamp, dash, _ = name.removeprefix(SHM_PREFIX).partition("-")
+    try:
+        return int(stamp, 16) / 1000 if dash else None
+    except ValueError:
+        return None
+
+
+def sweep_expired_transfers(now: float | None = None) -> list[str]:
+    """Remove every transfer on this host that has outlived its lifetime unclaimed (never
+    imported, or left by a process that died); the handles removed. A claimed transfer has
+    no name left to remove, and a name without an expiry is not one of ours to judge."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        expires_at = _expires_at(name) if name.startswith(SHM_PREFIX) else None
+        if expires_at is None or expires_at > now:
+            continue
+        try:
+            _posixshmem.shm_unlink(name)
+        except FileNotFoundError:  # claimed or removed meanwhile
+            continue
+        removed.append(name)
+    return removed
 
 
 def _blocks_view(buffer, offset: int, num_blocks: int, layout: KVLayout) -> np.ndarray:
@@ -195,9 +240,10 @@ def _gather(block_ids: list[int], kv_blocks: list[tuple[torch.Tensor, torch.Tens
 
 
 class Transfer:
-    """An exported request opened on the decode side: its header, and its blocks as a view of
-    the transfer's bytes (a shared-memory segment, or a buffer received over TCP:
-    `Transfer.of_buffer`). `close` unlinks a segment: a transfer is imported at most once."""
+    """An exported request opened, and so claimed, on the decode side: its header, and its
+    blocks as a view of the transfer's bytes (a shared-memory segment, whose name is unlinked on
+    opening, so that a transfer is imported at most once and a claimed one is never swept; or a
+    buffer received over TCP: `Transfer.of_buffer`). `close` lets go of its memory."""
 
     def __init__(self, handle: str):
         if not isinstance(handle, str) or not handle.startswith(SHM_PREFIX):
@@ -206,10 +252,14 @@ class Transfer:
             self._segment = _segment(handle)
         except FileNotFoundError:
             raise RequestError(RequestError.INVALID_ARG,
-                               f"transfer: no KV transfer named {handle!r} (never exported, already imported "
-                               "or discarded)", "transfer") from None
+                               f"transfer: no KV transfer named {handle!r} (never exported, already imported, "
+                               "discarded or expired)", "transfer") from None
         except (OSError, ValueError) as exc:  # a name the system refuses
             raise RequestError.invalid("transfer", f"cannot open KV transfer {handle[:80]!r}: {exc}") from None
+        try:
+            _unlink(self._segment)
+        except FileNotFoundError:  # swept between our open and now: the mapping holds it all the same
+            pass
         self._parse(self._segment.buf, handle)
 
     @classmethod
@@ -262,10 +312,6 @@ class Transfer:
         segment, self._segment = getattr(self, "_segment", None), None
         if segment is not None:
             segment.close()
-            try:
-                _unlink(segment)
-            except FileNotFoundError:
-                pass
 
 
 def discard_transfer(handle: str) -> bool:

@@ -27,7 +27,14 @@ import torch
 
 from backend.config import EngineConfig, resolve_max_model_len, token_budget
 from backend.detokenizer import IncrementalDetokenizer, SharedTokenizer
-from backend.disagg import KVLayout, Transfer, export_request, request_header, restore_generator
+from backend.disagg import (
+    KVLayout,
+    Transfer,
+    export_request,
+    request_header,
+    restore_generator,
+    sweep_expired_transfers,
+)
 from backend.disagg_tcp import TransferPuller, TransferServer, is_tcp_handle
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
@@ -54,6 +61,21 @@ log = logging.getLogger("inflight")
 
 # How long an idle step waits for a grammar under compilation before it returns to the loop.
 GRAMMAR_IDLE_WAIT_S = 0.05
+# How often, at most, an engine of role prefill or decode looks for expired KV transfers on
+# its host (a listing of /dev/shm).
+TRANSFER_SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass
+class AwaitingImport:
+    """role decode: a handed-over request that found the engine full. Its transfer stays
+    claimed and open, not yet in the pool, until a step finds it room or `deadline`
+    (monotonic) passes."""
+
+    request: Request
+    transfer: Transfer
+    header: dict
+    deadline: float
 
 
 @dataclass
@@ -143,6 +165,11 @@ class LLMEngine:
             config.kv_transfer_address, config.kv_transfer_port, config.kv_transfer_timeout_s,
         ) if config.role == "prefill" and config.kv_transfer == "tcp" else None
         self.transfer_puller = TransferPuller(config.kv_transfer_timeout_s) if config.role == "decode" else None
+        # role decode: handed-over requests waiting for room (import_request), in arrival order.
+        self._awaiting_import: dict[str, AwaitingImport] = {}
+        # role prefill or decode: the first sweep, at startup, removes what a dead process left.
+        self._next_transfer_sweep = 0.0
+        self._sweep_transfers(time.monotonic())
         self.draft_budget = (DraftBudget(self.speculative.num_speculative_tokens)
                              if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
@@ -323,6 +350,8 @@ class LLMEngine:
             request = next((r for r in group.seqs if not r.is_finished), None)
         else:
             request = self.scheduler.requests.get(request_id) or self._awaiting_grammar.get(request_id)
+            if request is None and request_id in self._awaiting_import:
+                request = self._awaiting_import[request_id].request
         if request is None:
             return False
         self._pending.append(self.finish(request, FinishReason.ABORT))
@@ -341,6 +370,10 @@ class LLMEngine:
             request.trace.finished(self._step_index, reason=reason.value,
                                    output_tokens=request.num_output_tokens)
         was_compiling = self._awaiting_grammar.pop(request.request_id, None) is request
+        awaiting = self._awaiting_import.get(request.request_id)
+        if awaiting is not None and awaiting.request is request:  # its transfer is let go, unimported
+            del self._awaiting_import[request.request_id]
+            awaiting.transfer.close()
         request.grammar = None  # a finished request keeps no matcher
         if self.scheduler.finish_request(request, reason, stop_reason) or was_compiling:
             if self.proposer is not None and error is None:
@@ -358,12 +391,14 @@ class LLMEngine:
         return RequestOutput.of(request, text, token_ids or [], logprobs_delta, error, now=time.monotonic())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or bool(self._awaiting_grammar)
+        return (self.scheduler.has_work() or bool(self._pending) or bool(self._awaiting_grammar)
+                or bool(self._awaiting_import))
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: queued, or waiting for their grammar."""
-        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
+        """Requests not yet running: queued, waiting for their grammar, or (role decode)
+        handed over and waiting for room."""
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar) + len(self._awaiting_import)
 
     @property
     def num_running(self) -> int:
@@ -435,6 +470,9 @@ class LLMEngine:
                 wait_futures([r.grammar.compiled for r in self._awaiting_grammar.values()],
                              timeout=GRAMMAR_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             outputs.extend(self._admit_compiled())
+        if self._awaiting_import:
+            outputs.extend(self._admit_imports())
+        self._sweep_transfers(time.monotonic())
         return outputs
 
     def _propose(self) -> None:
@@ -643,10 +681,12 @@ class LLMEngine:
         transfer, and it ends here (its blocks freed) with a final output carrying the handle."""
         started = time.perf_counter()
         num_blocks = self.kv.blocks_needed(request.num_prompt_tokens)
-        export = self.transfer_server.export if self.transfer_server is not None else export_request
+        header = request_header(request, logprob, top_logprobs)
         try:
-            handle = export(request, num_blocks, self.runner.kv_blocks, self.kv_layout,
-                            request_header(request, logprob, top_logprobs))
+            handle = (self.transfer_server.export(request, num_blocks, self.runner.kv_blocks, self.kv_layout, header)
+                      if self.transfer_server is not None else
+                      export_request(request, num_blocks, self.runner.kv_blocks, self.kv_layout, header,
+                                     self.config.kv_transfer_timeout_s))
         except (OSError, MemoryError) as exc:  # /dev/shm or memory full
             return self.finish(request, FinishReason.ERROR, error=RequestError(
                 RequestError.UNAVAILABLE, f"could not export the request's KV for its decode instance: {exc}"))
@@ -656,19 +696,22 @@ class LLMEngine:
         return output
 
     def import_request(self, handle: str | Transfer, request_id: str | None = None, prompt_text: str = "",
-                       arrival_time: float | None = None) -> tuple[Request, RequestOutput]:
+                       arrival_time: float | None = None) -> tuple[Request, RequestOutput | None]:
         """role decode: the request a prefill engine exported as `handle` (a shared-memory
         handle, or a TCP transfer already pulled: `transfer_puller`), straight into the
-        running batch after its first token (the transfer is consumed, whatever the outcome);
-        the request and its first output, which carries the first token. RequestError:
-        INVALID_ARG for a handle that names no transfer, or one of another KV layout or a
-        request this engine refuses; UNAVAILABLE when the batch or the KV pool is full."""
+        running batch after its first token; the request and its first output, which carries
+        the first token. When the running batch or the KV pool is full (or requests already
+        wait), the request waits, its transfer claimed and held, and its first output is None
+        here: a later step takes it in (its first output among that step's) or, once it has
+        waited kv_transfer_wait_timeout_s, ends it with UNAVAILABLE naming that limit.
+        RequestError, the transfer let go: INVALID_ARG for a handle that names no transfer, or
+        one of another KV layout or a request this engine refuses; UNAVAILABLE when the engine
+        is full and kv_transfer_wait_timeout_s is 0, or the waiting queue is (max_queue_len)."""
         if self.config.role != "decode":
             raise RequestError.invalid("transfer", f"this model's role is {self.config.role!r}; only role 'decode' "
                                        "imports a transfer")
         if is_tcp_handle(handle):
             raise RequestError.invalid("transfer", "a TCP transfer is pulled (transfer_puller) before its import")
-        started = time.perf_counter()
         transfer = handle if isinstance(handle, Transfer) else Transfer(handle)
         try:
             if transfer.layout != self.kv_layout:
@@ -678,17 +721,58 @@ class LLMEngine:
             params = SamplingParams.model_validate(header["params"])
             request = self.make_request(request_id or header["request_id"], header["prompt_token_ids"], params,
                                         header["needs_logprobs"], arrival_time)
-            check_not_in_flight(request.request_id, request.request_id in self.scheduler.requests)
-            if not self.scheduler.adopt(request, request.num_prompt_tokens):
-                raise RequestError(RequestError.UNAVAILABLE, (
-                    f"this decode instance is full: {self.num_running} of max_num_seqs={self.config.max_num_seqs} "
-                    f"running, {self.kv.pool.num_free} KV blocks free, {transfer.num_blocks} needed; retry later"))
+            request.prompt_text = prompt_text
+            check_not_in_flight(request.request_id, request.request_id in self.scheduler.requests
+                                or request.request_id in self._awaiting_import)
+            # In arrival order: none overtakes a request already waiting.
+            if not self._awaiting_import and self.scheduler.adopt(request, request.num_prompt_tokens):
+                return request, self._take_imported(request, transfer, header)
+            if self.config.kv_transfer_wait_timeout_s == 0:
+                raise RequestError(RequestError.UNAVAILABLE, f"{self._why_full(transfer)}; retry later")
+            self.check_queue_room()
+        except BaseException:
+            transfer.close()
+            raise
+        deadline = time.monotonic() + self.config.kv_transfer_wait_timeout_s
+        self._awaiting_import[request.request_id] = AwaitingImport(request, transfer, header, deadline)
+        return request, None
+
+    def _why_full(self, transfer: Transfer) -> str:
+        return (f"this decode instance is full: {self.num_running} of max_num_seqs={self.config.max_num_seqs} "
+                f"running, {self.kv.pool.num_free} KV blocks free, {transfer.num_blocks} needed")
+
+    def _admit_imports(self) -> list[RequestOutput]:
+        """role decode: take in the waiting handed-over requests that fit now, in arrival order
+        (their first outputs), and end with UNAVAILABLE those that have waited their limit."""
+        outputs = []
+        now = time.monotonic()
+        blocked = False
+        for request_id, waiting in list(self._awaiting_import.items()):
+            request = waiting.request
+            if not blocked and self.scheduler.adopt(request, request.num_prompt_tokens):
+                del self._awaiting_import[request_id]
+                outputs.append(self._take_imported(request, waiting.transfer, waiting.header))
+                continue
+            blocked = True
+            if now >= waiting.deadline:
+                limit = self.config.kv_transfer_wait_timeout_s
+                outputs.append(self.finish(request, FinishReason.ERROR, error=RequestError(RequestError.UNAVAILABLE, (
+                    f"{self._why_full(waiting.transfer)}, for all of kv_transfer_wait_timeout_s={limit:g}s; "
+                    "retry later"))))
+        return outputs
+
+    def _take_imported(self, request: Request, transfer: Transfer, header: dict) -> RequestOutput:
+        """`request`, adopted into the running batch, gets its transfer's blocks and state; its
+        first output."""
+        started = time.perf_counter()
+        try:
             transfer.write_blocks(request.block_ids[: transfer.num_blocks], self.runner.kv_blocks)
         finally:
             transfer.close()
+        # A TCP transfer's time includes its pull.
         self._kv_transfers.append((transfer.num_blocks * self.kv_layout.block_bytes,
                                    transfer.pull_s + time.perf_counter() - started))
-        request.prompt_text = prompt_text
+        params = request.params
         request.generator = restore_generator(header["generator_state"])
         request.num_cached_prompt_tokens = header["num_cached_prompt_tokens"]
         request.cumulative_logprob = header["cumulative_logprob"]
@@ -707,7 +791,18 @@ class LLMEngine:
             top = header["first_top_logprobs"]
             logprobs_delta = [logprob_entry(first, header["first_logprob"], [tuple(t) for t in top] if top else None,
                                             self.shared_tokenizer.decoder())]
-        return request, RequestOutput.of(request, detok.take_delta(finished=False), [first], logprobs_delta, now=now)
+        return RequestOutput.of(request, detok.take_delta(finished=False), [first], logprobs_delta, now=now)
+
+    def _sweep_transfers(self, now: float) -> None:
+        """role prefill or decode: remove the host's expired KV transfers (backend/disagg.py),
+        at most once every TRANSFER_SWEEP_INTERVAL_S."""
+        if self.config.role == "both" or now < self._next_transfer_sweep:
+            return
+        self._next_transfer_sweep = now + TRANSFER_SWEEP_INTERVAL_S
+        removed = sweep_expired_transfers()
+        if removed:
+            log.warning("removed %d KV transfer(s) that no decode engine claimed in time: %s", len(removed),
+                        ", ".join(removed[:4]))
 
     def _fail_scheduled(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A failed forward pass ends every request it carried; the engine stays usable."""

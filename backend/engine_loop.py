@@ -205,7 +205,8 @@ class EngineLoop:
                     self._call_back(on_output, RequestOutput.refused(request_id, exc))
                     return
                 self._handlers[request_id] = SubmitRequest(request, on_output, command.is_cancelled)
-                self._dispatch([first])
+                if first is not None:  # None: it waits for room, and a later step brings it
+                    self._dispatch([first])
             case AbortRequest(request_id=request_id):
                 self.engine.abort(request_id)
             case Wake():

@@ -2,15 +2,34 @@
 `llm` (a BLS model) sends each request to llm_prefill and its KV transfer to llm_decode, in
 one server. A tritonclient gRPC stream must see the aggregated engine's tokens in one
 ordinary stream with exactly one final response, and both engines end holding no block.
+Under pressure (a full decode model) requests wait, or past kv_transfer_wait_timeout_s get
+UNAVAILABLE; the prefill model's process SIGKILLed mid-request ends that request with one
+error while the decode model's requests finish, and no block or transfer is left behind.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
 
 import pytest
 
 from backend.disagg import SHM_PREFIX
 from backend.paths import REPO_ROOT
-from tests.e2e.e2e_util import generate, greedy_tokens_and_texts, inputs_for, output, tensor, wait_idle
+from tests.e2e.e2e_util import (
+    Stream,
+    generate,
+    greedy_tokens_and_texts,
+    inputs_for,
+    output,
+    scrape,
+    tensor,
+    wait_for,
+    wait_idle,
+    wait_until,
+)
 from tests.e2e.server import E2E_PARAMETERS
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
@@ -86,12 +105,37 @@ def test_an_invalid_request_is_refused_by_name_through_the_bls_model(disaggregat
     assert outcome.message.startswith("temperature")
 
 
-def test_a_full_decode_model_refuses_with_unavailable_and_nothing_leaks(disaggregated_server):
+def _shm_transfers() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)]
+
+
+class WaitingWatch:
+    """Polls a model's waiting-queue gauge on a thread of its own; `peak` is the most seen."""
+
+    def __init__(self, metrics_port: int, model: str):
+        self.peak = 0.0
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, scrape(metrics_port).get("vllm:num_requests_waiting", model_name=model))
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def test_a_full_decode_model_makes_requests_wait_and_nothing_leaks(disaggregated_server):
     """12 requests at once against a decode model of max_num_seqs 8: the prefill model hands
     over the first 8 together, and the 4 after them reach a decode batch still busy with those
-    8 for dozens of steps. Each request ends with exactly one final response: all its tokens,
-    or UNAVAILABLE naming what is full; then neither engine holds a block or a transfer."""
-    import os
+    8 for dozens of steps. They wait in the decode model (its waiting gauge shows them), each
+    request ends with exactly one final response and all its tokens; then neither engine holds
+    a block or a transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
     sampling = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
@@ -100,17 +144,121 @@ def test_a_full_decode_model_refuses_with_unavailable_and_nothing_leaks(disaggre
         return generate(disaggregated_server.grpc_url, "llm", inputs_for(f"{PROMPTS[2]} ({i})", sampling, stream=True),
                         timeout=300)
 
+    watch = WaitingWatch(disaggregated_server.metrics_port, "llm_decode")
     with ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(ask, range(12)))
-    refused = [o for o in outcomes if o.error is not None]
+    peak = watch.stop()
     assert all(o.finals == 1 and o.after_final == 0 for o in outcomes)
-    assert refused and len(refused) <= 4
-    for outcome in refused:
-        assert "decode instance is full" in outcome.message and "max_num_seqs=8" in outcome.message
-        assert "retry later" in outcome.message  # how a gRPC stream tells UNAVAILABLE from a bad request
-    for outcome in outcomes:
-        if outcome.error is None:
-            assert outcome.total("num_output_tokens") == 48
+    assert [o.message for o in outcomes if o.error is not None] == []
+    assert all(o.total("num_output_tokens") == 48 for o in outcomes)
+    assert 1 <= peak <= 4, peak  # the decode model's queue: handed-over requests waiting for room
     for model in ("llm_prefill", "llm_decode"):
         wait_idle(disaggregated_server.metrics_port, model)
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)]
+    assert not _shm_transfers()
+
+
+# ---- pressure and failure, on a server of their own (its prefill model's process is killed) ----
+
+PRESSURE_WAIT_S = 1.0  # llm_decode's kv_transfer_wait_timeout_s
+PRESSURE_LIFETIME_S = 3.0  # llm_prefill's kv_transfer_timeout_s
+# A prompt that takes llm_prefill a second or more in chunks of 8 tokens.
+LONG_PROMPT = " ".join(f"item {i} is a number of some interest;" for i in range(150))
+
+
+@pytest.fixture(scope="module")
+def pressure_server(tritonserver):
+    """A decode model with room for one request, which waits PRESSURE_WAIT_S for room; a
+    prefill model whose transfers live PRESSURE_LIFETIME_S unclaimed."""
+    engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8", kv_transfer_timeout_s=str(PRESSURE_LIFETIME_S))
+    server = tritonserver({"llm": {}, "llm_prefill": engine,
+                           "llm_decode": dict(engine, max_num_seqs="1", kv_transfer_wait_timeout_s=str(PRESSURE_WAIT_S))},
+                          source_repository=REPO_ROOT / "model_repository_disaggregated",
+                          sources={name: name for name in ("llm", "llm_prefill", "llm_decode")})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _long_decode(stream: Stream, max_tokens: int = 400):
+    """A request that holds llm_decode's one place for seconds, once its first token is out."""
+    outcome = stream.send("llm", inputs_for(PROMPTS[0], {"temperature": 0, "max_tokens": max_tokens,
+                                                         "ignore_eos": True}, stream=True))
+    wait_until(lambda: outcome.responses, 120, 0.02, "the first request's first token")
+    return outcome
+
+
+def test_a_request_that_waits_past_kv_transfer_wait_timeout_s_gets_unavailable(pressure_server):
+    url = pressure_server.grpc_url
+    with Stream(url) as stream:
+        running = _long_decode(stream)
+        t0 = time.monotonic()
+        refused = generate(url, "llm", inputs_for(PROMPTS[1], {"temperature": 0, "max_tokens": 8}, stream=True),
+                           timeout=60)
+        waited = time.monotonic() - t0
+        assert refused.finals == 1 and refused.after_final == 0 and not refused.responses
+        assert "decode instance is full" in refused.message and "max_num_seqs=1" in refused.message
+        assert f"kv_transfer_wait_timeout_s={PRESSURE_WAIT_S:g}s" in refused.message
+        assert refused.message.endswith("retry later")
+        assert waited >= PRESSURE_WAIT_S
+        wait_for(running, 300)
+    assert running.error is None and running.finals == 1 and running.total("num_output_tokens") == 400
+    for model in ("llm_prefill", "llm_decode"):
+        wait_idle(pressure_server.metrics_port, model)
+    assert not _shm_transfers()
+
+
+def _stub_pid(server, model: str) -> int:
+    """The Python backend stub that serves `model`'s one instance."""
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"{model}_0_0".encode() in args:
+            pids.append(int(pid))
+    assert len(pids) == 1, (model, pids)
+    return pids[0]
+
+
+def test_a_prefill_process_killed_mid_request_ends_it_with_one_error_and_nothing_leaks(pressure_server):
+    """A request in llm_decode, and one whose long prompt llm_prefill is running: llm_prefill's
+    stub is SIGKILLed. The second ends with one UNAVAILABLE error naming llm_prefill within
+    seconds (tritonserver 2.51 itself would never answer it), the first streams on to its
+    last token; then the decode model holds no block and no transfer is left on the host."""
+    url, metrics_port = pressure_server.grpc_url, pressure_server.metrics_port
+    with Stream(url) as stream:
+        running = _long_decode(stream, max_tokens=200)
+        with Stream(url) as doomed_stream:
+            doomed = doomed_stream.send("llm", inputs_for(LONG_PROMPT, {"temperature": 0, "max_tokens": 8},
+                                                          stream=True))
+            wait_until(lambda: scrape(metrics_port).get("inflight_requests_running", model="llm_prefill") >= 1,
+                       60, 0.02, "llm_prefill running the long prompt")
+            pid = _stub_pid(pressure_server, "llm_prefill")
+            os.kill(pid, 9)
+            t0 = time.monotonic()
+            wait_for(doomed, 30)
+            ended_s = time.monotonic() - t0
+            time.sleep(0.3)
+        if pressure_server.proc.poll() is not None:
+            # The other outcome tritonserver 2.51 has (docs/operations.md, Reliability): the
+            # stub died holding a shared-memory mutex and the server aborted; the stream ends
+            # with the connection's one error all the same.
+            assert "boost::interprocess::lock_exception" in pressure_server.log(), pressure_server.log_tail(40)
+            assert doomed.finals == 1 and doomed.error is not None
+            return
+        assert doomed.finals == 1 and doomed.after_final == 0 and not doomed.responses
+        assert f"llm_prefill: its process (pid {pid}) died while serving this request" in doomed.message
+        assert ended_s < 5, ended_s
+        print(f"llm_prefill's stub SIGKILLed mid-prefill: the request's one error came {ended_s:.2f}s after the kill")
+        wait_for(running, 300)
+    assert running.error is None and running.finals == 1 and running.total("num_output_tokens") == 200
+    wait_idle(metrics_port, "llm_decode")
+    # A transfer the dead process had exported would be swept once expired, by llm_decode.
+    wait_until(lambda: not _shm_transfers(), PRESSURE_LIFETIME_S + 5, 0.2, "no KV transfer left")
+    # The dead model refuses at once from now on, with one error; nothing hangs.
+    refused = generate(url, "llm", inputs_for(PROMPTS[1], {"max_tokens": 4}, stream=True), timeout=30)
+    assert refused.finals == 1 and refused.error is not None

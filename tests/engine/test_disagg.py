@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from backend.disagg import (
     export_request,
     request_header,
     restore_generator,
+    sweep_expired_transfers,
 )
 from backend.engine import LLMEngine
 from backend.request import FinishReason, Request, RequestError, SamplingParams
@@ -103,6 +105,25 @@ def assert_no_blocks_held(*engines: LLMEngine) -> None:
     for engine in engines:
         assert engine.kv.pool.num_used == 0
         assert not engine.scheduler.requests
+        assert not engine.has_unfinished() and engine.num_waiting == 0
+
+
+def exported(prefill: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    """Each prompt run on the prefill engine and handed over: the transfers' handles, in order."""
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params)
+    handles = []
+    while prefill.has_unfinished():
+        handles.extend(out.transfer for out in prefill.step() if out.transfer is not None)
+    assert len(handles) == len(prompts)
+    return handles
+
+
+def drain(engine: LLMEngine, outputs: dict[str, list]) -> None:
+    """Step `engine` until it holds nothing, collecting every output by request."""
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +192,14 @@ def test_role_is_checked_by_name():
         EngineConfig(model_path="/nonexistent", role="mixed")
 
 
+@pytest.mark.parametrize("name, value, limits", [("kv_transfer_wait_timeout_s", -1, r"\[0, 3600\]"),
+                                                 ("kv_transfer_wait_timeout_s", 4000, r"\[0, 3600\]"),
+                                                 ("kv_transfer_timeout_s", 0, r"\(0, 3600\]")])
+def test_the_transfer_timeouts_are_checked_by_name(name, value, limits):
+    with pytest.raises(ValueError, match=rf"{name}={value} must be in {limits}"):
+        EngineConfig(model_path="/nonexistent", **{name: value})
+
+
 # ---- the two engines together ------------------------------------------------------------
 
 
@@ -220,9 +249,10 @@ def test_a_first_token_that_ends_the_request_ends_it_on_the_prefill_engine(tiny_
     assert_no_blocks_held(prefill, decode)
 
 
-def test_a_full_decode_instance_refuses_with_unavailable(tiny_checkpoint):
+def test_a_full_decode_instance_refuses_with_unavailable_when_it_may_not_wait(tiny_checkpoint):
     before = _shm_transfers()
-    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode", max_num_seqs=1)
+    prefill = _engine(tiny_checkpoint, "prefill")
+    decode = _engine(tiny_checkpoint, "decode", max_num_seqs=1, kv_transfer_wait_timeout_s=0)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prefill.add_request("a", PROMPTS[1], params)
     prefill.add_request("b", PROMPTS[2], params)
@@ -240,6 +270,154 @@ def test_a_full_decode_instance_refuses_with_unavailable(tiny_checkpoint):
         decode.step()
     assert_no_blocks_held(prefill, decode)
     assert _shm_transfers() == before
+
+
+def test_a_full_decode_instance_makes_the_request_wait_holding_its_transfer(tiny_checkpoint, oracle):
+    """Room for one request: the second waits (counted among the waiting), its transfer
+    claimed (gone from /dev/shm) but held, and runs once the first ends; both give the
+    aggregated engine's greedy tokens, each with one final output."""
+    before = _shm_transfers()
+    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode", max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[4], PROMPTS[3]]
+    handles = exported(prefill, prompts, params)
+    outputs: dict[str, list] = {}
+    request, first = decode.import_request(handles[0])
+    outputs[request.request_id] = [first]
+    for handle in handles[1:]:
+        request, first = decode.import_request(handle)
+        assert first is None and handle not in _shm_transfers()
+    assert decode.num_running == 1 and decode.num_waiting == 2
+    for out in decode.step():  # the first request runs; the others still wait, in arrival order
+        outputs[out.request_id].append(out)
+    assert decode.stats.num_waiting == 2
+    drain(decode, outputs)
+    for i, prompt in enumerate(prompts):
+        outs = outputs[f"r{i}"]
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+        assert all(o.error is None for o in outs)
+        assert [t for o in outs for t in o.token_ids_delta] == oracle[tuple(prompt)]
+    assert decode.stats.totals.kv_transfers == 3
+    assert_no_blocks_held(prefill, decode)
+    assert _shm_transfers() == before
+
+
+def test_a_request_that_waits_past_kv_transfer_wait_timeout_s_is_refused_naming_it(tiny_checkpoint):
+    before = _shm_transfers()
+    prefill = _engine(tiny_checkpoint, "prefill")
+    decode = _engine(tiny_checkpoint, "decode", max_num_seqs=1, kv_transfer_wait_timeout_s=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    handles = exported(prefill, PROMPTS[1:3], params)
+    decode.import_request(handles[0])
+    _, first = decode.import_request(handles[1])
+    assert first is None
+    outputs: dict[str, list] = {}
+    for out in decode.step():  # still in time: it waits on
+        outputs.setdefault(out.request_id, []).append(out)
+    assert "r1" not in outputs and decode.num_waiting == 1
+    time.sleep(0.25)  # the first request still runs (it has 200 tokens to go)
+    for out in decode.step():
+        outputs.setdefault(out.request_id, []).append(out)
+    [refused] = outputs["r1"]
+    assert refused.finished and refused.error is not None and refused.error.code == RequestError.UNAVAILABLE
+    assert "kv_transfer_wait_timeout_s=0.2s" in str(refused.error) and "max_num_seqs=1" in str(refused.error)
+    assert str(refused.error).endswith("retry later") and not refused.token_ids_delta
+    assert decode.num_running == 1 and decode.num_waiting == 0  # the first goes on
+    drain(decode, outputs)
+    assert [o.finished for o in outputs["r0"]].count(True) == 1 and outputs["r0"][-1].error is None
+    assert outputs["r0"][-1].num_output_tokens == 200
+    assert_no_blocks_held(prefill, decode)
+    assert _shm_transfers() == before
+
+
+def test_through_the_engine_loop_a_waiting_request_gets_its_stream_and_one_final_output(tiny_checkpoint, oracle):
+    """The loop's side of waiting (EngineLoop.submit_transfer): a request that waits for room
+    has its handler from the start, and its first token, its others and its one final
+    output reach its callback once it runs; a cancelled waiting one gets one final output."""
+    import threading
+
+    from backend.engine_loop import EngineLoop
+
+    prefill = _engine(tiny_checkpoint, "prefill")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = PROMPTS[1:4]
+    handles = exported(prefill, prompts, params)
+    loop = EngineLoop(lambda: _engine(tiny_checkpoint, "decode", max_num_seqs=1))
+    outputs: dict[str, list] = {}
+    done = threading.Event()
+    cancelled = threading.Event()
+
+    def collect(out):
+        outputs.setdefault(out.request_id, []).append(out)
+        if sum(o.finished for outs in outputs.values() for o in outs) == len(prompts):
+            done.set()
+
+    try:
+        for i, handle in enumerate(handles):
+            loop.submit_transfer(f"r{i}", handle, "", collect, is_cancelled=cancelled.is_set if i == 2 else None)
+        cancelled.set()  # r2 is cancelled while r0 runs and r1 waits ahead of it
+        assert done.wait(60)
+        time.sleep(0.1)  # anything after a final output would show by now
+    finally:
+        loop.shutdown()
+    for i, prompt in enumerate(prompts[:2]):
+        outs = outputs[f"r{i}"]
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished and outs[-1].error is None
+        assert [t for o in outs for t in o.token_ids_delta] == oracle[tuple(prompt)]
+    [r2] = outputs["r2"]
+    assert r2.finished and r2.finish_reason == FinishReason.ABORT.value
+    assert_no_blocks_held(prefill, loop.engine)
+
+
+def test_a_waiting_request_aborted_lets_its_transfer_go(tiny_checkpoint):
+    prefill = _engine(tiny_checkpoint, "prefill")
+    decode = _engine(tiny_checkpoint, "decode", max_num_seqs=1)
+    handles = exported(prefill, PROMPTS[1:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    decode.import_request(handles[0])
+    decode.import_request(handles[1])
+    assert decode.abort("r1") and decode.num_waiting == 0
+    outputs: dict[str, list] = {}
+    drain(decode, outputs)
+    [aborted] = outputs["r1"]
+    assert aborted.finished and aborted.finish_reason == FinishReason.ABORT.value and aborted.error is None
+    assert outputs["r0"][-1].num_output_tokens == 8
+    assert_no_blocks_held(prefill, decode)
+
+
+def test_a_transfer_never_claimed_expires_and_any_engine_sweeps_it(tiny_checkpoint):
+    """The exporter names the lifetime (kv_transfer_timeout_s); an unclaimed transfer past it
+    is removed by the next sweep, at an engine's startup (what a dead process left) or between
+    its steps. A claimed one has no name left to sweep, and a live one stays."""
+    prefill = _engine(tiny_checkpoint, "prefill", kv_transfer_timeout_s=1.0)
+    decode = _engine(tiny_checkpoint, "decode")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    started = time.monotonic()
+    [expiring, claimed] = exported(prefill, PROMPTS[1:3], params)
+    exported_by = time.monotonic()
+    live = export_request(  # a transfer of the default lifetime, as another prefill engine's
+        Request(request_id="live", prompt_token_ids=[5], params=params, max_tokens=4, arrival_time=0.0,
+                arrival_seq=0), 0, prefill.runner.kv_blocks, prefill.kv_layout, {})
+    request, first = decode.import_request(claimed)  # claimed before its expiry
+    assert first is not None and {expiring, live} <= _shm_transfers()
+    assert time.monotonic() - started < 1.0, "too slow to claim the transfer in its lifetime"
+    time.sleep(max(0.0, exported_by + 1.05 - time.monotonic()))
+    assert claimed not in sweep_expired_transfers()
+    assert expiring not in _shm_transfers() and live in _shm_transfers()
+    with pytest.raises(RequestError, match="no KV transfer named .*expired"):
+        decode.import_request(expiring)
+    outputs: dict[str, list] = {}
+    drain(decode, outputs)
+    assert outputs["r1"][-1].num_output_tokens == 4
+    assert discard_transfer(live)
+    assert_no_blocks_held(prefill, decode)
+
+    # Startup: what a dead exporter left past its lifetime goes at once.
+    stale = export_request(Request(request_id="stale", prompt_token_ids=[5], params=params, max_tokens=4,
+                                   arrival_time=0.0, arrival_seq=0), 0, prefill.runner.kv_blocks, prefill.kv_layout,
+                           {}, lifetime_s=0.0)
+    assert stale in _shm_transfers()
+    _engine(tiny_checkpoint, "decode")
+    assert stale not in _shm_transfers()
 
 
 def test_requests_a_transfer_cannot_carry_yet_are_refused_by_name(tiny_checkpoint):

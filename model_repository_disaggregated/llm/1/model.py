@@ -10,11 +10,21 @@ streams every token from the first, as the `llm` model of model_repository/ woul
 responses are the client's. Each response is passed on once the next has arrived, so the
 final flag rides on the last response that carries data, and the client gets exactly one
 final response whatever happens on the way.
+
+A stub process that dies leaves its requests unanswered (tritonserver 2.51 neither ends
+them nor marks the model not ready), so while a request waits on llm_prefill or llm_decode
+this model watches the processes serving that model: when one dies, the request ends with
+one UNAVAILABLE error naming the model and the process (no retry: there is one instance of
+each). A transfer the dead prefill process had exported but not yet answered with expires
+and is swept (backend/disagg.py); one a dead decode process had claimed went with it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
 import threading
 import traceback
 
@@ -24,6 +34,13 @@ import triton_python_backend_utils as pb_utils
 from backend.protocol import TRANSFER_TENSOR
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often a request waiting on a model asks whether the model's processes still live.
+LIVENESS_POLL_S = 0.5
+_END = object()
+
+
+class ModelProcessDied(Exception):
+    """A process serving the model a request waits on has died: no answer will come."""
 
 
 class TritonPythonModel:
@@ -79,6 +96,10 @@ class TritonPythonModel:
                 finally:
                     if not relay.forwarded_any:  # never imported: its segment is this model's to remove
                         _discard(transfer)
+        except ModelProcessDied as exc:
+            self.logger.log_error(f"[disaggregated llm] {exc}")
+            relay.fail(str(exc), pb_utils.TritonError.UNAVAILABLE)
+            return
         except Exception as exc:
             self.logger.log_error(f"[disaggregated llm] {traceback.format_exc()}")
             relay.fail(f"internal error in the disaggregated `llm` model: {exc}")
@@ -89,11 +110,68 @@ class TritonPythonModel:
         relay.close()
 
     def _exec(self, model: str, inputs, requested: list[str]):
-        """The responses of `model` to one request, as they come (empty ones skipped)."""
+        """The responses of `model` to one request, as they come (empty ones skipped); raises
+        ModelProcessDied when a process serving `model` dies before the last one. The
+        responses are read on a thread of their own, so that this one can watch meanwhile."""
+        stubs = _stub_pids(model)
         bls = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=requested)
-        for response in bls.exec(decoupled=True):
-            if response.has_error() or response.output_tensors():
-                yield response
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for response in bls.exec(decoupled=True):
+                    responses.put(response)
+            except Exception as exc:  # raised on the serving thread
+                responses.put(exc)
+            responses.put(_END)
+
+        threading.Thread(target=read, name=f"bls-{model}", daemon=True).start()
+        while True:
+            try:
+                item = responses.get(timeout=LIVENESS_POLL_S)
+            except queue.Empty:
+                dead = [pid for pid in stubs if not _alive(pid)]
+                if dead:  # the reader thread stays blocked on the dead stub: nothing will wake it
+                    raise ModelProcessDied(f"{model}: its process (pid {dead[0]}) died while serving this request; "
+                                           "the request is lost, retry it") from None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            if item.has_error() or item.output_tensors():
+                yield item
+
+
+def _stub_pids(model: str) -> list[int]:
+    """The Python backend stubs serving `model`'s instances: tritonserver's (this stub's
+    parent's) children whose command line names an instance of it (`<model>_<group>_<index>`)."""
+    instance = re.compile(rf"{re.escape(model)}_\d+_\d+".encode())
+    parent = str(os.getppid())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[1].decode() != parent:
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if b"stub" in args[0] and any(instance.fullmatch(arg) for arg in args):
+            pids.append(int(entry))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Alive, not a zombie waiting for tritonserver to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _discard(transfer) -> None:
@@ -124,12 +202,12 @@ class _Relay:
             self.sender.send(self.held, flags=0)
         self.held = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, code=None) -> None:
         if not self.ended:
             self.ended = True
             self.held = None
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
-                             flags=FINAL)
+            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
     def close(self) -> None:
         if self.ended:

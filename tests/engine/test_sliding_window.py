@@ -186,3 +186,20 @@ def test_a_prefix_hit_on_blocks_released_behind_the_window(windowed):
     Run(engine).until_idle()
     assert b.num_cached_prompt_tokens >= len(first)
     assert b.output_token_ids == hf_greedy(path, [second], MAX_NEW)[0]
+
+
+def test_speculative_decoding_past_the_window(windowed):
+    """Suffix-decoding drafts verified past the window: a prompt, then the same prompt once the
+    first has ended, whose output the suffix cache drafts. Accepted drafts are computed tokens,
+    after which the blocks behind the window go; rejected ones leave no block. Both equal
+    transformers', and the pool's invariants hold after every step."""
+    from tests.engine.test_spec_decode import SUFFIX, assert_speculated, check_every_step
+
+    path, _ = windowed
+    prompt = CHOSEN[-1]
+    expected = hf_greedy(path, [prompt], 150)[0]
+    engine, streamed, _ = run_engine(path, [prompt, prompt], [150, 150], [0, 200], on_engine=check_every_step,
+                                     block_size=8, num_kv_blocks=64, long_prefill_token_threshold=13,
+                                     max_model_len=256, speculative_config=SUFFIX)
+    assert streamed["r0"] == streamed["r1"] == expected
+    assert_speculated(engine)

@@ -26,6 +26,7 @@ from tests.engine.test_engine_equivalence import (
     PROMPTS,
     SHARED_PROMPTS,
     assert_matches_oracle,
+    probe_logprobs,
     run_engine,
     spread_arrivals,
 )
@@ -203,3 +204,21 @@ def test_speculative_decoding_past_the_window(windowed):
                                      max_model_len=256, speculative_config=SUFFIX)
     assert streamed["r0"] == streamed["r1"] == expected
     assert_speculated(engine)
+
+
+def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(windowed):
+    """Batch invariance past the window: the probe's released blocks read as block 0, whatever
+    another request wrote there, and weigh exactly 0."""
+    path, _ = windowed
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    probe = max(CHOSEN, key=len)
+
+    def logprobs_beside(others: list[list[int]]) -> list[float]:
+        engine = make_engine(path, batch_invariant=True, block_size=8, num_kv_blocks=64, max_model_len=256,
+                             max_num_batched_tokens=40, long_prefill_token_threshold=16)
+        return probe_logprobs(engine, probe, params,
+                              [(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)) for p in others])
+
+    alone = logprobs_beside([])
+    assert len(alone) == 40
+    assert logprobs_beside(CHOSEN[:6]) == alone

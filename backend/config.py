@@ -67,17 +67,13 @@ MULTI_LORA_FILE = "multi_lora.json"
 
 def resolve_max_model_len(max_model_len: int, arch) -> int:
     """The engine's max_model_len: `max_model_len` when given (within the model's
-    max_position_embeddings), else the model's, capped at MAX_MODEL_LEN_CAP and, for a
-    sliding-window model, at its window (honoured only within it)."""
+    max_position_embeddings), else the model's, capped at MAX_MODEL_LEN_CAP."""
     model_max = arch.max_position_embeddings
     if max_model_len:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
         return max_model_len
-    default = min(model_max, MAX_MODEL_LEN_CAP)
-    if arch.sliding_window is not None:
-        default = min(default, arch.sliding_window)
-    return default
+    return min(model_max, MAX_MODEL_LEN_CAP)
 
 
 @dataclass(frozen=True)

@@ -146,8 +146,10 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks, config.block_size)
         num_host_blocks = config.swap_space_mb * 2**20 // block_bytes if config.preemption_mode == "swap" else 0
+        # A prefill-role engine exports its prompts' every block (backend/disagg.py): it keeps them.
+        window = self.arch.sliding_window if config.role != "prefill" else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 record_events=bool(config.kv_events_endpoint))
+                                 record_events=bool(config.kv_events_endpoint), window=window)
         self.kv_event_publisher = ZmqEventPublisher(
             config.kv_events_endpoint, config.kv_events_replay_endpoint or None, config.kv_events_topic,
         ) if config.kv_events_endpoint else None

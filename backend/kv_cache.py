@@ -6,6 +6,15 @@ reference counted: full blocks between requests through the prefix cache, and an
 a prompt between the sequences of one parallel-sampling group (`fork`). A sequence about to
 write into a block it shares gets its own copy first (`copy_on_write`): a block's reference
 count is the number of block tables that hold it, and the prefix cache holds none.
+
+On a model whose every layer slides with one window (ModelArch.sliding_window: Mistral, Phi-3
+with a window), a running request releases the blocks that lie wholly behind its window
+(`free_behind_window`), so a long sequence holds O(window) blocks. Its block list keeps its
+positions: a released entry is NULL_BLOCK. A released block goes back to the pool like any
+freed one, keeping its prefix-cache entry: its KV is still that of its whole prefix, so a later
+hit on it is as good as on any cached block (a hit always covers a prefix from its first block).
+Models that mix windowed and global layers (Gemma, Qwen with max_window_layers) keep every
+block: their global layers read the whole context.
 """
 
 from __future__ import annotations
@@ -23,6 +32,11 @@ from backend.request import Request
 
 # Chain root: the parent hash of a sequence's first block (with no LoRA adapter).
 ROOT_HASH = b""
+# A request's block-list entry for a block released behind the sliding window. In the runner's
+# block table (BlockTable) it reads as block 0: attention masks every position behind the
+# window, and the pool starts zeroed and is only ever written with finite KV, so what it
+# reads there is finite and weighs exactly 0.
+NULL_BLOCK = -1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,7 +194,8 @@ class BlockTable:
     step with the lists, which change little: while a request holds blocks its list only
     grows (`allocate` appends, a decode once every `block_size` steps; a prefix-cache hit
     fills an empty list) but for the tail a rejected draft leaves (`truncate`, which
-    shortens the row with it), and `free` empties it at once (finish, abort, preemption by
+    shortens the row with it) and the front a sliding window leaves behind (`release_front`,
+    whose entries read 0), and `free` empties it at once (finish, abort, preemption by
     recompute or swap-out) and releases the row. So a list that is replaced, by a
     re-admission or a swap-in, is always written into a fresh row from its first block:
     no stale ids, whatever the new list's length or first block.
@@ -208,7 +223,13 @@ class BlockTable:
         if end > self.ids.shape[1]:
             self._grow(self.ids.shape[0], max(end, 2 * self.ids.shape[1]))
         self.ids[row, start:end] = block_ids[start:]
+        if start < request.num_freed_blocks:  # re-admitted from swap, its front released
+            self.ids[row, start : request.num_freed_blocks] = 0
         self.lengths[row] = end
+
+    def release_front(self, request: Request, start: int, end: int) -> None:
+        """Entries `start:end` of the request's row were released behind the window (NULL_BLOCK)."""
+        self.ids[self.row_of[request], start:end] = 0
 
     def replace(self, request: Request, index: int) -> None:
         """Rewrite entry `index` of the request's row (copy-on-write swapped that block)."""
@@ -260,7 +281,8 @@ class BlockTable:
         for request, row in self.row_of.items():
             n = len(request.block_ids)
             assert n > 0 and self.lengths[row] == n, (request.request_id, n, int(self.lengths[row]))
-            assert self.ids[row, :n].tolist() == request.block_ids, f"{request.request_id}: stale row"
+            want = [0 if b == NULL_BLOCK else b for b in request.block_ids]
+            assert self.ids[row, :n].tolist() == want, f"{request.request_id}: stale row"
         padding = np.arange(self.ids.shape[1]) >= self.lengths[:, None]
         assert not self.ids[padding].any(), "nonzero entry past a row's length"
 
@@ -274,8 +296,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
+                 record_events: bool = False, window: int | None = None):
         self.block_size = block_size
+        # Every layer's sliding window, when they share one: blocks behind it are released.
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_table = BlockTable()
@@ -325,7 +349,8 @@ class KVCacheManager:
     def _num_blocks_to_take(self, request: Request, num_new_tokens: int, cached_blocks: list[int]) -> int:
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         total = self.blocks_needed(num_computed + num_new_tokens)
-        fresh = max(0, total - len(request.block_ids) - len(cached_blocks))
+        # A request back from swap space re-takes none of the blocks released behind its window.
+        fresh = max(0, total - max(len(request.block_ids), request.num_freed_blocks) - len(cached_blocks))
         # A hit on a free cached block takes it off the free list too.
         revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         return fresh + revived
@@ -351,6 +376,8 @@ class KVCacheManager:
             request.block_ids.extend(cached_blocks)
             request.num_computed_tokens = len(cached_blocks) * self.block_size
             request.num_registered_blocks = len(cached_blocks)
+        if not request.block_ids and request.num_freed_blocks:
+            request.block_ids.extend([NULL_BLOCK] * request.num_freed_blocks)
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         fresh = total - len(request.block_ids)
         if fresh > 0:
@@ -370,7 +397,9 @@ class KVCacheManager:
         tokens = request.token_ids
         # vLLM's LoRA ids count from 1; the events name the adapter a block was computed under.
         lora_id = request.lora_index + 1 if request.lora_name is not None else None
-        for i in range(request.num_registered_blocks, num_full):
+        # Blocks released behind the window are gone from the list (back from swap space, the
+        # request registers the rest again; the pool keeps one block per hash).
+        for i in range(max(request.num_registered_blocks, request.num_freed_blocks), num_full):
             # A first block has no parent in the events, as vLLM's, whatever its adapter.
             parent = request.block_hashes[i - 1] if i else ROOT_HASH
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]),
@@ -383,7 +412,8 @@ class KVCacheManager:
         sequences' lives; a shared partial block is copied by the first writer (`copy_on_write`)."""
         assert not child.block_ids
         shared = parent.block_ids[: self.blocks_needed(child.num_computed_tokens)]
-        self.pool.touch(shared)
+        child.num_freed_blocks = min(parent.num_freed_blocks, len(shared))
+        self.pool.touch(shared[child.num_freed_blocks :])
         child.block_ids.extend(shared)
         child.block_hashes = list(parent.block_hashes)
         self.block_table.sync(child)
@@ -421,9 +451,26 @@ class KVCacheManager:
         self.pool.free(list(reversed(tail)))
         self.block_table.truncate(request)
 
+    def free_behind_window(self, request: Request) -> None:
+        """Release the request's blocks that lie wholly behind its window: the next token it
+        computes, at position num_computed_tokens, sees keys from num_computed_tokens - window + 1
+        on, and so does every later one. Called once its computed tokens are registered, so a
+        released block keeps its prefix-cache entry."""
+        if self.window is None:
+            return
+        start = request.num_freed_blocks
+        end = min((request.num_computed_tokens - self.window + 1) // self.block_size, len(request.block_ids))
+        if end <= start:
+            return
+        released = request.block_ids[start:end]
+        request.block_ids[start:end] = [NULL_BLOCK] * (end - start)
+        request.num_freed_blocks = end
+        self.block_table.release_front(request, start, end)
+        self.pool.free(list(reversed(released)))  # the front last: a hit needs the first blocks most
+
     def free(self, request: Request) -> None:
         self.block_table.release(request)
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free(list(reversed(request.block_ids[request.num_freed_blocks :])))
         request.block_ids.clear()
         request.num_registered_blocks = 0
 
@@ -432,8 +479,12 @@ class KVCacheManager:
         block tables (requests) that hold it; the prefix cache holds no reference."""
         self.pool.check_invariants()
         self.block_table.check_invariants()
+        for r in self.block_table.row_of:
+            freed = r.num_freed_blocks
+            assert all(b == NULL_BLOCK for b in r.block_ids[:freed]), f"{r.request_id}: a released entry holds a block"
+            assert NULL_BLOCK not in r.block_ids[freed:], f"{r.request_id}: a NULL_BLOCK past the released front"
         holders = np.bincount(
-            np.fromiter((b for r in self.block_table.row_of for b in r.block_ids), dtype=np.int64),
+            np.fromiter((b for r in self.block_table.row_of for b in r.block_ids[r.num_freed_blocks :]), dtype=np.int64),
             minlength=self.pool.num_blocks,
         )
         for block in self.pool.blocks:

@@ -153,28 +153,29 @@ class PriorityPolicy(Policy):
     preempts_for_waiting = True
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
+        # A group's sequences share priority and arrival: seq_index keeps their entries apart.
+        self._heap: list[tuple[int, int, int, Request]] = []
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter([entry[2] for entry in sorted(self._heap)])
+        return iter([entry[3] for entry in sorted(self._heap)])
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_seq, request))
+        heapq.heappush(self._heap, (request.priority, request.arrival_seq, request.seq_index, request))
 
     def push_front(self, request: Request) -> None:
         self.push(request)
 
     def peek(self) -> Request:
-        return self._heap[0][2]
+        return self._heap[0][3]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self._heap)[3]
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[2] is not request]
+        self._heap = [entry for entry in self._heap if entry[3] is not request]
         heapq.heapify(self._heap)
 
     def order_running(self, running: list[Request]) -> None:

@@ -302,6 +302,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading blocks already registered in the prefix cache (or found there).
     num_registered_blocks: int = 0
+    # Leading blocks released behind the model's sliding window (KVCacheManager.free_behind_window):
+    # their entries in block_ids are NULL_BLOCK. Kept through a swap-out (the host blocks hold
+    # the others), back to 0 when a preemption by recompute drops every computed token.
+    num_freed_blocks: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     # Swap mode: host blocks holding this request's KV while it is preempted.

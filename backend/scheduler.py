@@ -217,27 +217,29 @@ class Scheduler:
         returned = granted.pop(victim, 0)
         if returned:
             self._charge(victim, returned, plan, sign=-1)
+        held = victim.block_ids[victim.num_freed_blocks :]  # not those released behind the window
         use_swap = (
             self.swap is not None
             and victim.num_computed_tokens > 0
-            and self.swap.num_free >= len(victim.block_ids)
+            and self.swap.num_free >= len(held)
         )
         copies = plan.block_copies
         if use_swap:
-            host_ids = self.swap.allocate(len(victim.block_ids))
+            host_ids = self.swap.allocate(len(held))
             # A block copied-on-write this step holds nothing yet: swap out its source, and
             # drop the copy into a block that is being freed.
-            device_ids = [copies.pop(b, b) for b in victim.block_ids] if copies else victim.block_ids
+            device_ids = [copies.pop(b, b) for b in held] if copies else held
             plan.swap_out.extend(zip(device_ids, host_ids))
             victim.swapped_block_ids = host_ids
             # Its device blocks hold valid KV until this step's forward pass, and the
             # runner copies them out before that; a cached block keeps its hash for the same reason.
             self.kv.free(victim)
         else:
-            for b in victim.block_ids if copies else ():
+            for b in held if copies else ():
                 copies.pop(b, None)
             self.kv.free(victim)
             victim.num_computed_tokens = 0
+            victim.num_freed_blocks = 0
         victim.status = RequestStatus.WAITING
         victim.spec_token_ids = []
         victim.num_preemptions += 1
@@ -352,7 +354,8 @@ class Scheduler:
             host_ids = request.swapped_block_ids
             if not self.kv.allocate(request, num_new, reserve_tokens=reserve):
                 return 0, False
-            plan.swap_in.extend(zip(host_ids, request.block_ids[: len(host_ids)]))
+            freed = request.num_freed_blocks  # the host blocks hold the blocks after those
+            plan.swap_in.extend(zip(host_ids, request.block_ids[freed : freed + len(host_ids)]))
             self._host_blocks_to_free.extend(host_ids)
             request.swapped_block_ids = []
             plan.swapped_in.append(request)
@@ -379,12 +382,13 @@ class Scheduler:
         return True
 
     def advance(self, plan: SchedulerOutput) -> None:
-        """The plan's forward pass has run: its tokens are computed, and the full blocks
-        they fill join the prefix cache."""
+        """The plan's forward pass has run: its tokens are computed, the full blocks they fill
+        join the prefix cache, and the blocks that fell behind a sliding window are released."""
         for request, num_new in plan.scheduled:
             # Drafts are computed only once accepted (`accept_drafts`).
             request.num_computed_tokens = min(request.num_computed_tokens + num_new, request.num_tokens)
             self.kv.cache_computed_blocks(request)
+            self.kv.free_behind_window(request)
 
     def accept_drafts(self, request: Request, num_accepted: int) -> None:
         """`request`'s verification step accepted its first `num_accepted` drafts (already
@@ -394,6 +398,7 @@ class Scheduler:
         # A protected request keeps the blocks it reserved for its whole life.
         self.kv.truncate(request, request.max_total_tokens if self.is_protected(request) else request.num_tokens)
         self.kv.cache_computed_blocks(request)
+        self.kv.free_behind_window(request)
 
     def append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> None:
         """Append a sampled token to `request` and time it (into `plan`, for the step's

@@ -6,7 +6,7 @@ calls, the wrappers' checks and no-op conversions): ~120 us a layer, a quarter o
 at batch 1 for SmolLM2-135M.
 
     layer = cpu_decoder_layer(input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
-                              num_kv_heads, head_dim, scale, q_norm=None, k_norm=None)
+                              num_kv_heads, head_dim, scale, q_norm=None, k_norm=None, window=0)
     step = cpu_step_meta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
                          seg_indptr=None, seg_adapter=None)
     hidden, residual = layer.forward(hidden, residual_or_None, k_cache, v_cache, step)
@@ -17,7 +17,8 @@ Each projection is a `(PackedWeight, bias, lora)` triple, `lora` None or, where 
 are loaded on it, `(packed, slice_offsets, rank)` in kernels/lora.py's terms (`packed[a]`:
 adapter a's `(lora_a, [lora_b per slice])`); a step's LoRA segments (`seg_indptr`,
 `seg_adapter`) then go into its `cpu_step_meta`, and each segment's delta is added as
-`lora_delta_cpu` adds it. `cpu_decoder_layer` answers None where the layer cannot run in one
+`lora_delta_cpu` adds it. `window` > 0: a sliding-window layer, each token attending to its last
+`window` positions (paged_attention's). `cpu_decoder_layer` answers None where the layer cannot run in one
 call: no C++ kernels, a weight not in a panel GEMM's layout (the float one's, or quantized
 weights' `quant_panels`: LoRA adapters stay float over a quantized base), or norm weights of another dtype
 than the layer's.
@@ -56,7 +57,7 @@ def _lora_projection(module, lora):
 def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                       qkv: tuple, o: tuple, gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int,
                       head_dim: int, scale: float, q_norm: torch.Tensor | None = None,
-                      k_norm: torch.Tensor | None = None, is_neox: bool = True):
+                      k_norm: torch.Tensor | None = None, is_neox: bool = True, window: int = 0):
     module = cpu_ext.load()
     if module is None:
         return None
@@ -70,7 +71,7 @@ def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: fl
         return None
     lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
     return module.DecoderLayer(input_norm, post_norm, eps, *projections, num_heads, num_kv_heads, head_dim, scale,
-                               q_norm, k_norm, is_neox, lanes, loras)
+                               q_norm, k_norm, is_neox, lanes, loras, window)
 
 
 def cpu_step_meta(positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,

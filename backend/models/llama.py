@@ -43,9 +43,6 @@ class ModelArch:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
     o_proj_bias: bool = False  # Llama/Qwen3 with attention_bias: o_proj has a bias too
     mlp_bias: bool = False  # Llama with mlp_bias: gate, up and down projections have biases
-    # Sliding-window attention span (Mistral v0.1, Qwen with use_sliding_window), or None.
-    # The engine honours it only by never holding more tokens than the window.
-    sliding_window: int | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): the layers in `moe_layers` route each token to
     # `num_experts_per_tok` of `num_experts` SwiGLU experts of `moe_intermediate_size`; the
     # others hold a dense MLP.
@@ -71,9 +68,19 @@ class ModelArch:
     final_logit_softcapping: float = 0.0
     # Per layer, the sliding window attention masks to (each token sees its last `window`
     # positions, at any context length), 0: full attention. Empty: every layer full.
+    # Mistral, Phi-3, Mixtral, Qwen with use_sliding_window, Gemma 2/3 (backend/models/loader.py).
     layer_windows: tuple[int, ...] = ()
     # Gemma 3: the RoPE base of its sliding-window layers (the others take rope_theta and rope_scaling).
     local_rope_theta: float | None = None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every layer slides with, when all share one (Mistral, Phi-3 with a window,
+        Qwen with every layer sliding): then no token ever reads a key more than `window - 1`
+        positions back, and the KV cache may release the blocks behind that. None when some
+        layer attends to the whole context (Gemma's global layers, Qwen's full layers)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and 0 not in windows else None
 
 
 @dataclass
@@ -487,6 +494,7 @@ class LlamaForCausalLM(nn.Module):
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
+            window=attn.window,
         )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,

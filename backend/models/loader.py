@@ -45,8 +45,9 @@ class _Family:
     o_proj_bias: bool | str
     mlp_bias: bool | str
     qk_norm: bool
-    # Where the sliding window comes from: "always" (Mistral, Phi-3: every layer when
-    # sliding_window is set), "layer_types" (Qwen2/3: layers marked sliding_attention), or None.
+    # Where the sliding window comes from (_layer_windows): "always" (Mistral, Phi-3, Mixtral,
+    # Qwen3-MoE: every layer when sliding_window is set), "layer_types" (Qwen2, Qwen3, Qwen2-MoE:
+    # the layers marked sliding_attention), or None (no window, or Gemma's own reading).
     sliding: str | None
     # Whether the checkpoint stores q|k|v and gate|up fused, as this model holds them (Phi-3).
     fused_checkpoint: bool = False
@@ -69,7 +70,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types"),
     "Phi3ForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", fused_checkpoint=True),
     "MixtralForCausalLM": _Family(False, False, False, qk_norm=False, sliding="always", moe="mixtral"),
-    "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="layer_types",
+    "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, qk_norm=True, sliding="always",
                                    moe="qwen3_moe"),
     "Qwen2MoeForCausalLM": _Family(True, False, False, qk_norm=False, sliding="layer_types", moe="qwen2_moe"),
     "OlmoeForCausalLM": _Family(False, False, False, qk_norm=False, sliding=None, moe="olmoe", qk_norm_over_heads=True),
@@ -186,7 +187,7 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
             check_packed_config(qcfg, f"{model_path}/config.json")
         except QuantizationError as exc:
             raise CheckpointError(str(exc)) from None
-    sliding_window = _sliding_window(hf, family, refuse)
+    layer_windows = gemma.pop("layer_windows") if family.gemma else _layer_windows(hf, family, refuse)
     num_heads = hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
@@ -211,8 +212,8 @@ def load_arch(model_path: str) -> tuple[ModelArch, object]:
         qk_norm_over_heads=family.qk_norm_over_heads,
         o_proj_bias=_flag(hf, family.o_proj_bias),
         mlp_bias=_flag(hf, family.mlp_bias),
-        sliding_window=sliding_window,
         **_moe_fields(hf, family, refuse),
+        layer_windows=layer_windows,
         **gemma,
     )
     return arch, hf
@@ -282,25 +283,35 @@ def packed_quantization_config(hf) -> dict | None:
     return qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
 
 
-def _sliding_window(hf, family: _Family, refuse) -> int | None:
-    """The attention window the checkpoint asks for, or None when attention is full.
+def _layer_windows(hf, family: _Family, refuse) -> tuple[int, ...]:
+    """Per layer, the sliding window its attention masks to (0: full), as transformers reads the
+    config; () when every layer attends to the whole context.
 
-    A window at least as long as max_position_embeddings can never be reached, so it is
-    full attention.
+    "always" families (Mistral, Phi-3, Mixtral, Qwen3-MoE) slide every layer whenever
+    `sliding_window` is set (Qwen3-MoE's config clears it unless `use_sliding_window`);
+    "layer_types" families (Qwen2, Qwen3, Qwen2-MoE) slide the layers `layer_types` marks, which
+    their configs derive from `use_sliding_window` and `max_window_layers` when it is absent.
+    A window at least as long as max_position_embeddings can never be reached (max_model_len is
+    within it), so it is full attention.
     """
-    window = getattr(hf, "sliding_window", None)
     if family.sliding is None:
-        return None
+        return ()
+    window = getattr(hf, "sliding_window", None)
     if family.sliding == "layer_types":
         layer_types = list(getattr(hf, "layer_types", None) or [])
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise refuse("layer_types", unknown, "only full_attention and sliding_attention layers exist here")
-        if "sliding_attention" not in layer_types:
-            return None
-    if not window or window >= hf.max_position_embeddings:
-        return None
-    return int(window)
+        sliding = [t == "sliding_attention" for t in layer_types]
+    else:
+        sliding = [window is not None] * hf.num_hidden_layers
+    if not any(sliding):
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise refuse("sliding_window", window, "sliding-window layers need a window of at least 1 position")
+    if window >= hf.max_position_embeddings:
+        return ()
+    return tuple(window if s else 0 for s in sliding)
 
 
 def _rope_parameters(hf, family: _Family | None = None) -> dict:
@@ -533,12 +544,6 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     one copy of the weights. Raises CheckpointError naming what is wrong.
     """
     arch, hf_config = load_arch(model_path)
-    if arch.sliding_window is not None and max_positions > arch.sliding_window:
-        raise CheckpointError(
-            f"{arch.architecture} in {model_path} uses sliding-window attention (sliding_window="
-            f"{arch.sliding_window}), which this engine implements only for contexts within the window: "
-            f"set max_model_len <= {arch.sliding_window} (it is {max_positions})"
-        )
     rope = arch.rope_scaling or {}
     if rope.get("rope_type") == "longrope" and max_positions > rope["original_max_position_embeddings"]:
         raise CheckpointError(

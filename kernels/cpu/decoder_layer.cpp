@@ -82,7 +82,7 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
                            Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, double scale, std::optional<at::Tensor> q_norm,
                            std::optional<at::Tensor> k_norm, bool is_neox, int64_t lanes,
-                           std::vector<std::optional<LoraProjection>> lora)
+                           std::vector<std::optional<LoraProjection>> lora, int64_t window)
     : input_norm_(std::move(input_norm)),
       post_norm_(std::move(post_norm)),
       eps_(eps),
@@ -97,7 +97,9 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
       q_norm_(std::move(q_norm)),
       k_norm_(std::move(k_norm)),
       is_neox_(is_neox),
-      lanes_(lanes) {
+      lanes_(lanes),
+      window_(window) {
+  TORCH_CHECK(window >= 0, "DecoderLayer: window is 0 (off) or positive");
   lora_ = std::move(lora);
   lora_.resize(4);
   for (const auto& projection : lora_) {
@@ -138,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayer::forward(at::Tensor hidden, std:
   q = rotary_store_kv(meta.positions, q, k, v, meta.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox_,
                       k_scale, v_scale);
   const at::Tensor attention = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                               meta.cu_seqlens_q, scale_, lanes_, k_scale, v_scale);
+                                               meta.cu_seqlens_q, scale_, lanes_, k_scale, v_scale, window_);
   const at::Tensor o = project(o_, lora_[1], attention.reshape({tokens, q_size}), meta);
   std::tie(normed, sum) = add_rms_norm(o, sum, post_norm_, eps_);
   return {project(down_, lora_[3], silu_and_mul(project(gate_up_, lora_[2], normed, meta)), meta), sum};

@@ -103,7 +103,7 @@ class DecoderLayer {
   DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
                Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double scale, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, bool is_neox,
-               int64_t lanes, std::vector<std::optional<LoraProjection>> lora);
+               int64_t lanes, std::vector<std::optional<LoraProjection>> lora, int64_t window = 0);
   // (hidden, residual) after the layer; residual absent on the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
                                              at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta,
@@ -120,6 +120,7 @@ class DecoderLayer {
   std::optional<at::Tensor> q_norm_, k_norm_;
   bool is_neox_;
   int64_t lanes_;
+  int64_t window_;  // sliding window: each token sees its last `window_` positions (0: all)
 };
 
 // A mixture-of-experts MLP in one call (backend/models/llama.py's SparseMoeBlock, the same ATen

@@ -19,7 +19,7 @@ import transformers
 
 from backend.models.loader import CheckpointError, load_arch
 from backend.request import SamplingParams
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
+from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
 from tests.engine.test_engine_equivalence import (
     PROMPTS,
     SHARED_PROMPTS,
@@ -126,6 +126,56 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gemma):
     alone = logprobs_beside([])
     assert len(alone) == 8
     assert logprobs_beside(CHOSEN[:6]) == alone
+
+
+# ---- bf16 and LoRA ----------------------------------------------------------------------
+
+
+def test_a_bf16_checkpoint(gemma, tmp_path):
+    """Stored in bf16: dtype auto (float32 on the CPU, as transformers upcasts) gives
+    transformers' tokens; dtype bfloat16 strays from the float32 truth about as far as
+    transformers' own bf16 forward does."""
+    from tests.engine.test_model_families import hf_logits, our_logits
+
+    path, _ = gemma
+    model_type = json.load(open(os.path.join(path, "config.json")))["model_type"]
+    family, overrides = CASES[{"gemma2": "gemma2", "gemma3_text": "gemma3"}[model_type]]
+    bf16 = make_tiny_checkpoint(str(tmp_path / "bf16"), family=family, dtype=torch.bfloat16, **overrides)
+    prompts = CHOSEN[:4]
+    max_tokens = [MAX_NEW] * len(prompts)
+    oracle = {tuple(p): out for p, out in zip(prompts, hf_greedy(bf16, prompts, MAX_NEW))}
+    engine, streamed, by_id = run_engine(bf16, prompts, max_tokens, [0] * len(prompts), dtype="auto",
+                                         num_kv_blocks=64, max_model_len=256)
+    assert engine.model.embed_tokens.weight.dtype == torch.float32
+    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+
+    engine, _, _ = run_engine(bf16, prompts, max_tokens, [0] * len(prompts), dtype="bfloat16",
+                              num_kv_blocks=64, max_model_len=256)
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    longest = max(prompts, key=len)
+    ours, truth = our_logits(engine.model, longest), hf_logits(bf16, longest)
+    theirs = hf_logits(bf16, longest, dtype=torch.bfloat16)
+    assert (ours - truth).abs().max() <= 2 * (theirs - truth).abs().max() + 1e-2
+    assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_lora_adapter_matches_peft(gemma, tmp_path):
+    """An adapter on every projection, attention and MLP: transformers + PEFT's greedy tokens,
+    beside requests of the base model in the same batches."""
+    path, oracle = gemma
+    adapter = make_random_adapter(str(tmp_path / "adapter"), path, rank=8, seed=3)
+    prompts = CHOSEN[:4]
+    expected = hf_greedy(path, prompts, MAX_NEW, adapter_dir=adapter)
+    assert expected != [oracle[tuple(p)] for p in prompts]   # the adapter changes the output
+    both = prompts + prompts
+    max_tokens = [MAX_NEW] * len(both)
+    engine, streamed, by_id = run_engine(path, both, max_tokens, spread_arrivals(len(both)),
+                                         lora_names=["a"] * len(prompts) + [None] * len(prompts),
+                                         lora_modules={"a": adapter}, max_lora_rank=8, num_kv_blocks=128,
+                                         long_prefill_token_threshold=13, max_model_len=256)
+    assert [streamed[f"r{i}"] for i in range(len(prompts))] == expected
+    assert_matches_oracle(oracle, {f"r{i + len(prompts)}": streamed[f"r{i + len(prompts)}"] for i in range(len(prompts))},
+                          by_id, max_tokens)
 
 
 # ---- refused ------------------------------------------------------------------------------

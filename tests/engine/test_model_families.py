@@ -21,7 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import kernels
-from backend.config import EngineConfig
+from backend.config import EngineConfig, resolve_max_model_len
 from backend.engine import LLMEngine
 from backend.lora import LoRAError
 from backend.models.llama import AttentionMetadata, SparseMoeBlock
@@ -103,6 +103,14 @@ CASES = {
                                 dict(max_num_batched_tokens=24)),
     # Gemma 3: two windowed layers and a global one, each kind with its RoPE (global: linear scaling).
     "gemma3-local-global-two-ropes": ("gemma3", {}, {}),
+    # Sliding windows of 16 positions, which the longest prompt and its continuation cross:
+    # Mistral's and Phi-3's on every layer, Qwen2's past max_window_layers (layer 0 full),
+    # Qwen3-MoE's on every layer once use_sliding_window is on.
+    "mistral-window16": ("mistral", dict(sliding_window=16), dict(max_num_batched_tokens=24)),
+    "phi3-window16": ("phi3", dict(sliding_window=16), {}),
+    "qwen2-window16-past-layer0": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                                   dict(max_num_batched_tokens=24)),
+    "qwen3-moe-window16": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), {}),
 }
 
 
@@ -450,6 +458,8 @@ def _config_only(tmp_path, family: str, **overrides) -> str:
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM", {}),
         "phi3": (transformers.Phi3Config, "Phi3ForCausalLM", {}),
         "qwen3_moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM", {}),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, "Qwen2MoeForCausalLM", {}),
+        "mixtral": (transformers.MixtralConfig, "MixtralForCausalLM", {}),
         "olmoe": (transformers.OlmoeConfig, "OlmoeForCausalLM", {}),
     }[family]
     shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -482,16 +492,34 @@ def test_unsupported_quantization_method_is_refused(tmp_path):
         load_arch(path)
 
 
-@pytest.mark.parametrize("family, overrides", [
-    ("mistral", dict(sliding_window=64)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+@pytest.mark.parametrize("family, overrides, windows", [
+    ("mistral", dict(sliding_window=64), (64, 64)),
+    ("phi3", dict(sliding_window=64), (64, 64)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), (0, 64)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), (64, 64)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=64), (64, 64)),
+    ("qwen3_moe", dict(use_sliding_window=False, sliding_window=64), ()),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=64, max_window_layers=28), (64, 0)),
+    ("mixtral", dict(sliding_window=64), (64, 64)),
 ])
-def test_sliding_window_beyond_max_model_len_is_refused(tmp_path, family, overrides):
+def test_sliding_windows_are_read_as_transformers_reads_them(tmp_path, family, overrides, windows):
+    """Per layer, the window transformers' modeling code masks to; served past the window."""
     path = _config_only(tmp_path, family, **overrides)
-    assert load_arch(path)[0].sliding_window == 64
-    with pytest.raises(CheckpointError, match=r"sliding_window=64.*max_model_len <= 64"):
-        load_model(path, torch.float32, torch.device("cpu"), 256)
+    arch, _ = load_arch(path)
+    assert arch.layer_windows == windows
+    assert arch.sliding_window == (64 if windows and 0 not in windows else None)
+    assert resolve_max_model_len(0, arch) == 1024  # the whole context, windows or not
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    # transformers would fail at the first forward pass (no window for the sliding layers).
+    ("qwen2", dict(use_sliding_window=False, sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+     r"sliding_window=None"),
+    ("mistral", dict(sliding_window=0), r"sliding_window=0"),
+])
+def test_sliding_layers_without_a_window_are_refused(tmp_path, family, overrides, message):
+    with pytest.raises(CheckpointError, match=r"unsupported config field " + message):
+        load_arch(_config_only(tmp_path, family, **overrides))
 
 
 def test_longrope_past_the_pretraining_context_is_refused(ckpt_root):
@@ -508,11 +536,12 @@ def test_sliding_window_never_reached_is_full_attention(tmp_path):
     assert load_arch(_config_only(tmp_path / "m", "mistral", sliding_window=4096))[0].sliding_window is None
 
 
-def test_sliding_window_model_within_its_window_matches_transformers(tmp_path):
-    path = make_tiny_checkpoint(str(tmp_path / "mistral-window"), family="mistral", sliding_window=64)
+def test_sliding_window_model_past_its_window_matches_transformers(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "mistral-window"), family="mistral", sliding_window=8)
     ids = prompt_ids(path)
-    engine = make_engine(path, max_model_len=64)
-    assert engine.arch.sliding_window == 64
+    engine = make_engine(path, max_model_len=0)
+    assert engine.arch.sliding_window == 8 and engine.max_model_len == 1024
+    assert max(len(p) for p in ids) + MAX_TOKENS > 3 * 8
     assert engine_greedy(engine) == hf_greedy(path, ids, MAX_TOKENS)
 
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from backend.kv_cache import ROOT_HASH, BlockPool, KVCacheManager, SwapSpace, hash_block
+from backend.kv_cache import NULL_BLOCK, ROOT_HASH, BlockPool, KVCacheManager, SwapSpace, hash_block
 from backend.request import Request, SamplingParams
 
 STATEFUL_SETTINGS = settings(
@@ -547,3 +547,62 @@ def test_swap_space_hands_out_each_host_block_once():
     assert swap.num_free == 3
     c = swap.allocate(3)
     assert sorted(c) == sorted(a)
+
+
+# --------------------------------------------------------------------------------------
+# Blocks released behind a sliding window
+# --------------------------------------------------------------------------------------
+
+
+def test_blocks_wholly_behind_the_window_are_released_and_stay_cached():
+    kv = KVCacheManager(16, BS, window=6)
+    a = make_request("a", list(range(20)))
+    assert kv.allocate(a, 20)   # 5 blocks
+    blocks = list(a.block_ids)
+    a.num_computed_tokens = 9   # the next token, at 9, sees 4..9: block 0 (0..3) is behind
+    kv.cache_computed_blocks(a)
+    kv.free_behind_window(a)
+    assert a.block_ids == [NULL_BLOCK] + blocks[1:] and a.num_freed_blocks == 1
+    row = kv.block_table.ids[kv.block_table.row_of[a]]
+    assert row[:5].tolist() == [0] + blocks[1:]   # the runner reads block 0 there, masked
+    kv.check_invariants()
+    a.num_computed_tokens = 14   # sees 9..14: blocks 0 and 1 (..7) behind, block 2 (8..11) partly in
+    kv.cache_computed_blocks(a)
+    kv.free_behind_window(a)
+    assert a.num_freed_blocks == 2 and a.block_ids[:2] == [NULL_BLOCK] * 2
+    assert kv.pool.num_used == 3 and kv.pool.blocks[blocks[0]].block_hash is not None
+    kv.check_invariants()
+    # A request with a's first 13 tokens hits the released blocks (and the held one after them).
+    b = make_request("b", list(range(13)))
+    assert kv.find_cached_prefix(b) == blocks[:3]
+    kv.free(a)
+    assert kv.pool.num_used == 0
+    kv.check_invariants()
+
+
+def test_no_window_keeps_every_block():
+    kv = KVCacheManager(16, BS)
+    a = make_request("a", list(range(20)))
+    assert kv.allocate(a, 20)
+    a.num_computed_tokens = 20
+    kv.free_behind_window(a)
+    assert a.num_freed_blocks == 0 and kv.pool.num_used == 5
+
+
+def test_back_from_swap_space_the_released_front_is_not_taken_again():
+    kv = KVCacheManager(8, BS, window=4)
+    a = make_request("a", list(range(18)))
+    assert kv.allocate(a, 18)   # 5 blocks
+    a.num_computed_tokens = 17   # sees 14..17: blocks 0..2 (..11) behind
+    kv.cache_computed_blocks(a)
+    kv.free_behind_window(a)
+    held = a.block_ids[a.num_freed_blocks :]
+    assert a.num_freed_blocks == 3 and len(held) == 2
+    kv.free(a)   # swapped out: the host holds `held`
+    assert a.num_freed_blocks == 3 and kv.pool.num_used == 0
+    assert kv.can_allocate(a, 1)
+    assert kv.allocate(a, 1)   # token 17 again: blocks 3 and 4 only
+    assert a.block_ids[:3] == [NULL_BLOCK] * 3 and len(a.block_ids) == 5 and kv.pool.num_used == 2
+    kv.check_invariants()
+    kv.free(a)
+    kv.check_invariants()

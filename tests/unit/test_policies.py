@@ -116,3 +116,17 @@ def test_the_rules_in_which_policies_differ():
         assert served == running
     priority.order_running(running)
     assert seqs(running) == [1, 3, 2, 0, 4]
+
+
+@pytest.mark.parametrize("kind", [kind.value for kind in SchedulingPolicy])
+def test_a_preempted_groups_sequences_wait_together(kind):
+    """A parallel-sampling group's sequences share priority and arrival: every queue takes them
+    all back (the priority heap once compared the Requests themselves) and admits them in order."""
+    policy = Policy.create(kind)
+    group = [request(7, priority=1) for _ in range(4)]
+    for i, r in enumerate(group):
+        r.seq_index = i
+    for r in reversed(group):
+        policy.push_front(r)
+    assert len(policy) == 4 and set(policy) == set(group)
+    assert [policy.pop().seq_index for _ in range(4)] == [0, 1, 2, 3]

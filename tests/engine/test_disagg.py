@@ -71,9 +71,10 @@ def run_aggregated(engine: LLMEngine, prompts: list[list[int]], params: Sampling
 
 
 def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]],
-                      params: SamplingParams) -> tuple[dict, dict]:
+                      params: SamplingParams, fetch=lambda handle: handle) -> tuple[dict, dict]:
     """Every prompt into the prefill engine at once; each transfer into the decode engine as
-    soon as the prefill engine hands it over, the two engines stepping in turn. Each request
+    soon as the prefill engine hands it over (`fetch`: what the decode engine imports for a
+    handle, e.g. the transfer pulled over TCP), the two engines stepping in turn. Each request
     ends with exactly one final output, on one side or the other."""
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
@@ -86,7 +87,7 @@ def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[
             assert out.error is None, out.error
             if out.finish_reason == FinishReason.TRANSFERRED.value:
                 assert out.finished and out.transfer is not None and len(out.token_ids_delta) == 1
-                request, first = decode.import_request(out.transfer)
+                request, first = decode.import_request(fetch(out.transfer))
                 assert request.request_id == out.request_id and first.token_ids_delta == out.token_ids_delta
                 assert first.logprobs_delta == out.logprobs_delta
                 outputs.append(first)

@@ -36,6 +36,7 @@ from tests.engine.test_disagg import (
     assert_no_blocks_held,
     oracle,  # noqa: F401 (a fixture)
     run_aggregated,
+    run_disaggregated,
 )
 from tests.engine.test_engine_loop import Collector, wait_until
 from tools import netns
@@ -52,29 +53,11 @@ def _tcp_prefill(model: str, **config) -> LLMEngine:
 def run_over_tcp(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]],
                  params: SamplingParams) -> tuple[dict, dict]:
     """test_disagg's run_disaggregated, each transfer pulled over TCP before its import."""
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
-    finals: dict[str, int] = {}
-    for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, params)
-    while prefill.has_unfinished() or decode.has_unfinished():
-        outputs = []
-        for out in prefill.step():
-            assert out.error is None, out.error
-            if out.finish_reason == FinishReason.TRANSFERRED.value:
-                assert out.transfer.startswith(f"tcp://{prefill.transfer_server.endpoint}/inflight-kv-")
-                request, first = decode.import_request(pull_transfer(out.transfer, PULL_TIMEOUT_S))
-                assert request.request_id == out.request_id and first.token_ids_delta == out.token_ids_delta
-                assert first.logprobs_delta == out.logprobs_delta
-                outputs.append(first)
-            else:
-                outputs.append(out)
-        outputs.extend(decode.step())
-        for out in outputs:
-            finals[out.request_id] = finals.get(out.request_id, 0) + out.finished
-        _tokens_and_logprobs(outputs, tokens, logprobs)
-    assert finals == {f"r{i}": 1 for i in range(len(prompts))}
-    return tokens, logprobs
+    def pull(handle: str):
+        assert handle.startswith(f"tcp://{prefill.transfer_server.endpoint}/inflight-kv-")
+        return pull_transfer(handle, PULL_TIMEOUT_S)
+
+    return run_disaggregated(prefill, decode, prompts, params, fetch=pull)
 
 
 def assert_nothing_pending(*engines: LLMEngine) -> None:

@@ -20,34 +20,31 @@ import transformers
 from backend.models.loader import CheckpointError, load_arch
 from backend.request import SamplingParams
 from tests.checkpoints import hf_greedy, make_random_adapter, make_tiny_checkpoint
-from tests.engine.test_engine_equivalence import (
-    PROMPTS,
-    SHARED_PROMPTS,
-    assert_matches_oracle,
-    probe_logprobs,
-    run_engine,
-    spread_arrivals,
+from tests.engine.test_engine_equivalence import assert_matches_oracle, probe_logprobs, run_engine, spread_arrivals
+from tests.engine.windowed_scenarios import (
+    CHOSEN,
+    MAX_NEW,
+    checkpoint_and_oracle,
+    chunked_prefill_with_arrivals,
+    preemption_under_a_tiny_kv_pool,
+    prefix_cache_hits,
+    with_config,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MAX_NEW = 12
 # Gemma 2 with caps small enough to bite on these random weights (its defaults are 50 and 30).
 CASES = {
     "gemma2": ("gemma2", dict(attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
     "gemma3": ("gemma3", {}),
 }
-CHOSEN = PROMPTS[5:18:2] + SHARED_PROMPTS[:4]   # 16 to 81 tokens, and a shared 37-token prefix
-MAX_TOKENS = [MAX_NEW - (i * 5) % 7 for i in range(len(CHOSEN))]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def gemma(request, tmp_path_factory):
     """(checkpoint, {prompt: transformers' greedy continuation})."""
     family, overrides = CASES[request.param]
-    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param) / "ckpt"), family=family, **overrides)
-    outputs = hf_greedy(path, CHOSEN, MAX_NEW)
-    return path, {tuple(p): out for p, out in zip(CHOSEN, outputs)}
+    return checkpoint_and_oracle(tmp_path_factory.mktemp(request.param), family, **overrides)
 
 
 def test_the_window_and_the_caps_change_the_output(gemma, tmp_path):
@@ -55,7 +52,6 @@ def test_the_window_and_the_caps_change_the_output(gemma, tmp_path):
     path, _ = gemma
     arch, _ = load_arch(path)
     assert 16 in arch.layer_windows and 0 in arch.layer_windows
-    config = json.load(open(os.path.join(path, "config.json")))
     variants = {"sliding_window": 4096}
     if arch.attn_logit_softcapping:
         variants.update(attn_logit_softcapping=None, final_logit_softcapping=None)
@@ -64,50 +60,25 @@ def test_the_window_and_the_caps_change_the_output(gemma, tmp_path):
     with torch.inference_mode():
         expected = original(torch.tensor([longest])).logits
     for field, value in variants.items():
-        changed = tmp_path / field
-        changed.mkdir()
-        for name in os.listdir(path):
-            if name != "config.json":
-                os.symlink(os.path.join(path, name), changed / name)
-        (changed / "config.json").write_text(json.dumps({**config, field: value}))
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(changed), dtype=torch.float32).eval()
+        changed = with_config(path, tmp_path / field, **{field: value})
+        model = transformers.AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32).eval()
         with torch.inference_mode():
             assert (model(torch.tensor([longest])).logits - expected).abs().max() > 1e-3, field
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("triton-on-cpu", marks=pytest.mark.slow)])
 def test_chunked_prefill_across_the_window_with_arrivals(gemma, device):
-    path, oracle = gemma
-    # Triton's interpreter runs each program in Python: there, the prompts of 16 to 48 tokens.
-    prompts = CHOSEN[:5] if device == "triton-on-cpu" else CHOSEN
-    arrivals = spread_arrivals(len(prompts))
-    engine, streamed, by_id = run_engine(path, prompts, MAX_TOKENS, arrivals, device=device, max_num_seqs=4,
-                                         long_prefill_token_threshold=7, max_num_batched_tokens=20,
-                                         num_kv_blocks=128, max_model_len=256)
+    engine = chunked_prefill_with_arrivals(*gemma, device)
     assert engine.model.cpu_layers is None   # Gemma's layers run as modules
-    assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
 
 
 def test_prefix_cache_hits(gemma):
-    path, oracle = gemma
-    prompts = SHARED_PROMPTS[:4] + CHOSEN[:3]
-    max_tokens = [MAX_NEW] * len(prompts)
-    arrivals = [0] + [3 + i // 3 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(path, prompts, max_tokens, arrivals, max_num_seqs=4,
-                                         long_prefill_token_threshold=20, num_kv_blocks=128, max_model_len=256)
-    assert engine.stats.totals.prefix_hit_tokens >= 32 * 3, "the shared blocks were not reused"
-    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+    prefix_cache_hits(*gemma)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_a_tiny_kv_pool(gemma, mode):
-    path, oracle = gemma
-    arrivals = spread_arrivals(len(CHOSEN), every=1)
-    engine, streamed, by_id = run_engine(path, CHOSEN, MAX_TOKENS, arrivals, max_num_seqs=5, block_size=8,
-                                         num_kv_blocks=16, long_prefill_token_threshold=13, preemption_mode=mode,
-                                         swap_space_mb=1, max_preemptions=3, max_model_len=128)
-    assert engine.stats.totals.preemptions > 0
-    assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
+    preemption_under_a_tiny_kv_pool(*gemma, mode)
 
 
 def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gemma):

@@ -11,9 +11,6 @@ tokens. Qwen2 here keeps a full-attention layer 0 (max_window_layers=1), so it k
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 import transformers
@@ -21,37 +18,34 @@ import transformers
 from backend import kv_events
 from backend.models.loader import load_arch
 from backend.request import SamplingParams
-from tests.checkpoints import hf_greedy, make_tiny_checkpoint
-from tests.engine.test_engine_equivalence import (
-    PROMPTS,
-    SHARED_PROMPTS,
-    assert_matches_oracle,
-    probe_logprobs,
-    run_engine,
-    spread_arrivals,
-)
+from tests.checkpoints import hf_greedy
+from tests.engine.test_engine_equivalence import probe_logprobs, run_engine
 from tests.engine.test_parallel_sampling import Run, make_engine, sampled
+from tests.engine.windowed_scenarios import (
+    CHOSEN,
+    MAX_NEW,
+    checkpoint_and_oracle,
+    chunked_prefill_with_arrivals,
+    preemption_under_a_tiny_kv_pool,
+    prefix_cache_hits,
+    with_config,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WINDOW = 16
-MAX_NEW = 12
 CASES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "phi3": ("phi3", dict(sliding_window=WINDOW)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
 }
-CHOSEN = PROMPTS[5:18:2] + SHARED_PROMPTS[:4]   # 16 to 81 tokens, and a shared 37-token prefix
-MAX_TOKENS = [MAX_NEW - (i * 5) % 7 for i in range(len(CHOSEN))]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def windowed(request, tmp_path_factory):
     """(checkpoint, {prompt: transformers' greedy continuation})."""
     family, overrides = CASES[request.param]
-    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param) / "ckpt"), family=family, **overrides)
-    outputs = hf_greedy(path, CHOSEN, MAX_NEW)
-    return path, {tuple(p): out for p, out in zip(CHOSEN, outputs)}
+    return checkpoint_and_oracle(tmp_path_factory.mktemp(request.param), family, **overrides)
 
 
 def test_the_window_changes_the_output(windowed, tmp_path):
@@ -59,53 +53,27 @@ def test_the_window_changes_the_output(windowed, tmp_path):
     path, _ = windowed
     arch, _ = load_arch(path)
     assert WINDOW in arch.layer_windows
-    config = json.load(open(os.path.join(path, "config.json")))
     longest = max(CHOSEN, key=len)
     original = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    full = tmp_path / "full"
-    full.mkdir()
-    for name in os.listdir(path):
-        if name != "config.json":
-            os.symlink(os.path.join(path, name), full / name)
-    (full / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(full), dtype=torch.float32).eval()
+    full = with_config(path, tmp_path / "full", sliding_window=4096)
+    model = transformers.AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32).eval()
     with torch.inference_mode():
         assert (model(torch.tensor([longest])).logits - original(torch.tensor([longest])).logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("triton-on-cpu", marks=pytest.mark.slow)])
 def test_chunked_prefill_across_the_window_with_arrivals(windowed, device):
-    path, oracle = windowed
-    # Triton's interpreter runs each program in Python: there, the prompts of 16 to 48 tokens.
-    prompts = CHOSEN[:5] if device == "triton-on-cpu" else CHOSEN
-    arrivals = spread_arrivals(len(prompts))
-    engine, streamed, by_id = run_engine(path, prompts, MAX_TOKENS, arrivals, device=device, max_num_seqs=4,
-                                         long_prefill_token_threshold=7, max_num_batched_tokens=20,
-                                         num_kv_blocks=128, max_model_len=256)
+    engine = chunked_prefill_with_arrivals(*windowed, device)
     assert engine.max_model_len == 256 > WINDOW
-    assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
 
 
 def test_prefix_cache_hits(windowed):
-    path, oracle = windowed
-    prompts = SHARED_PROMPTS[:4] + CHOSEN[:3]
-    max_tokens = [MAX_NEW] * len(prompts)
-    arrivals = [0] + [3 + i // 3 for i in range(len(prompts) - 1)]
-    engine, streamed, by_id = run_engine(path, prompts, max_tokens, arrivals, max_num_seqs=4,
-                                         long_prefill_token_threshold=20, num_kv_blocks=128, max_model_len=256)
-    assert engine.stats.totals.prefix_hit_tokens >= 32 * 3, "the shared blocks were not reused"
-    assert_matches_oracle(oracle, streamed, by_id, max_tokens)
+    prefix_cache_hits(*windowed)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_a_tiny_kv_pool(windowed, mode):
-    path, oracle = windowed
-    arrivals = spread_arrivals(len(CHOSEN), every=1)
-    engine, streamed, by_id = run_engine(path, CHOSEN, MAX_TOKENS, arrivals, max_num_seqs=5, block_size=8,
-                                         num_kv_blocks=16, long_prefill_token_threshold=13, preemption_mode=mode,
-                                         swap_space_mb=1, max_preemptions=3, max_model_len=128)
-    assert engine.stats.totals.preemptions > 0
-    assert_matches_oracle(oracle, streamed, by_id, MAX_TOKENS)
+    preemption_under_a_tiny_kv_pool(*windowed, mode)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -65,10 +65,12 @@ def w9b_chat(tokenizer, num_requests: int, max_tokens: int) -> Workload:
                     requests, prompt_source="text:builtin")
 
 
-def _method_config(name: str, model: str) -> dict | None:
+def _method_config(name: str, model: str, adaptive: bool = True) -> dict | None:
     config = METHODS[name]
     if config is not None and config["method"] == "draft_model":
         config = {**config, "model": model}
+    if config is not None and not adaptive:
+        config = {**config, "adaptive": False}
     return config
 
 
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--w1-requests", type=int, default=64, help="W1 at 32 in flight; 0 skips it")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-adaptive", action="store_true",
+                        help="verify every draft (each method on its own, without the draft budget)")
     parser.add_argument("--json", default=None, help="write the report here")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for name in args.methods:
             overrides = {"dtype": args.dtype, "max_num_seqs": max(concurrency, 4)}
-            spec = _method_config(name, args.model)
+            spec = _method_config(name, args.model, adaptive=not args.no_adaptive)
             if spec is not None:
                 overrides["speculative_config"] = spec
             run = run_engine(workload, args.model, overrides, name, concurrency=concurrency)

@@ -25,9 +25,9 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def speculative_server(tritonserver, tiny_checkpoint):
     base = {"model_path": tiny_checkpoint, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
-    suffix = {"method": "suffix", "num_speculative_tokens": 4}
-    # Without the budget: on this tiny model a draft pass costs about a step, so the budget's
-    # choice to draft would follow the machine's timings.
+    # Without the draft budget: which drafts it keeps (and whether a draft model runs at all)
+    # follows the machine's timings, and the counters below need drafts verified.
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
     draft = {"method": "draft_model", "model": tiny_checkpoint, "quantization": "int8", "num_speculative_tokens": 3,
              "adaptive": False}
     models = {"suffix": {**base, "speculative_config": json.dumps(suffix)},

@@ -1,13 +1,13 @@
 """Reading a server's Prometheus text exposition (Triton's /metrics): the samples, and sums of
 one family's samples that carry given labels. The soak run, the cluster and W10 benchmarks
-read their servers' engines through it."""
+and the end-to-end tests read their servers' engines through it."""
 
 from __future__ import annotations
 
 import re
 import urllib.request
 
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 Sample = tuple[str, dict[str, str], float]

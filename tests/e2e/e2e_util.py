@@ -9,16 +9,15 @@ and by the client processes those tests start (tests/e2e/e2e_stream_client.py).
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from backend.protocol import EXCLUDE_INPUT, SAMPLING_PARAMETERS, STREAM, TEXT_INPUT, TEXT_OUTPUT
+from client.metrics import read_metrics
 from client.triton import (
     grpc_input,
     is_final,
@@ -184,10 +183,6 @@ def generate(url: str, model: str, inputs: list, parameters: dict | None = None,
 
 # ---------------------------------------------------------------------------- metrics
 
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 @dataclass
 class Metrics:
     samples: list[tuple[str, dict[str, str], float]]
@@ -203,15 +198,7 @@ class Metrics:
 
 
 def scrape(metrics_port: int, host: str = "127.0.0.1") -> Metrics:
-    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    samples = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            name, labels, value = match.groups()
-            samples.append((name, dict(_LABEL.findall(labels or "")), float(value)))
-    return Metrics(samples)
+    return Metrics(read_metrics(f"http://{host}:{metrics_port}/metrics"))
 
 
 def wait_until(predicate, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):

@@ -39,12 +39,18 @@ MAX_TOKENS = 12
 pytestmark = pytest.mark.e2e
 
 
+def serve_disaggregated(tritonserver, prefill: dict, decode: dict):
+    """A started tritonserver of model_repository_disaggregated/: the BLS `llm` in front of
+    `llm_prefill` and `llm_decode` with these engine parameters."""
+    return tritonserver({"llm": {}, "llm_prefill": prefill, "llm_decode": decode},
+                        source_repository=REPO_ROOT / "model_repository_disaggregated",
+                        sources={name: name for name in ("llm", "llm_prefill", "llm_decode")})
+
+
 @pytest.fixture(scope="module")
 def disaggregated_server(tritonserver):
     engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8")  # several prefill chunks a prompt
-    server = tritonserver({"llm": {}, "llm_prefill": engine, "llm_decode": engine},
-                          source_repository=REPO_ROOT / "model_repository_disaggregated",
-                          sources={name: name for name in ("llm", "llm_prefill", "llm_decode")})
+    server = serve_disaggregated(tritonserver, engine, engine)
     try:
         yield server
     finally:
@@ -170,10 +176,8 @@ def pressure_server(tritonserver):
     """A decode model with room for one request, which waits PRESSURE_WAIT_S for room; a
     prefill model whose transfers live PRESSURE_LIFETIME_S unclaimed."""
     engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8", kv_transfer_timeout_s=str(PRESSURE_LIFETIME_S))
-    server = tritonserver({"llm": {}, "llm_prefill": engine,
-                           "llm_decode": dict(engine, max_num_seqs="1", kv_transfer_wait_timeout_s=str(PRESSURE_WAIT_S))},
-                          source_repository=REPO_ROOT / "model_repository_disaggregated",
-                          sources={name: name for name in ("llm", "llm_prefill", "llm_decode")})
+    server = serve_disaggregated(tritonserver, engine,
+                                 dict(engine, max_num_seqs="1", kv_transfer_wait_timeout_s=str(PRESSURE_WAIT_S)))
     try:
         yield server
     finally:

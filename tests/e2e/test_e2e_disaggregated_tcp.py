@@ -12,10 +12,9 @@ import os
 import pytest
 
 from backend.disagg import SHM_PREFIX
-from backend.paths import REPO_ROOT
 from tests.e2e.e2e_util import generate, greedy_tokens_and_texts, inputs_for, scrape, wait_idle
 from tests.e2e.server import E2E_PARAMETERS
-from tests.e2e.test_e2e_disaggregated import MAX_TOKENS, PROMPTS
+from tests.e2e.test_e2e_disaggregated import MAX_TOKENS, PROMPTS, serve_disaggregated
 
 pytestmark = pytest.mark.e2e
 
@@ -25,9 +24,7 @@ MODELS = ("llm_prefill", "llm_decode")
 @pytest.fixture(scope="module")
 def tcp_server(tritonserver):
     engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8")
-    server = tritonserver({"llm": {}, "llm_prefill": dict(engine, kv_transfer="tcp"), "llm_decode": engine},
-                          source_repository=REPO_ROOT / "model_repository_disaggregated",
-                          sources={name: name for name in ("llm", *MODELS)})
+    server = serve_disaggregated(tritonserver, dict(engine, kv_transfer="tcp"), engine)
     try:
         yield server
     finally:

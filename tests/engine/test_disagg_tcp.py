@@ -225,7 +225,7 @@ def hosts():
     if not netns.can_create_namespaces():
         pytest.skip("creating network namespaces needs root (ip netns add)")
     # Subnet 78: the cluster's netns tests use 77 and may run alongside.
-    with netns.Hosts(1, subnet=78) as h:
+    with netns.Hosts(1) as h:
         yield h
 
 

@@ -219,7 +219,8 @@ def assert_refused_for_the_pool(path: str) -> None:
     with pytest.raises(RequestError) as refused:
         engine.add_request("long", CHOSEN[-1], long_request(CHOSEN[-1]))
     assert refused.value.code == RequestError.INVALID_ARG and refused.value.param == "max_tokens"
-    assert str(refused.value) == ("max_tokens: prompt (41 tokens) + max_tokens (109) needs 19 KV blocks of 8 tokens; "
+    assert str(refused.value) == (f"max_tokens: prompt ({len(CHOSEN[-1])} tokens) + max_tokens "
+                                  f"({LONGER_THAN_THE_POOL - len(CHOSEN[-1])}) needs 19 KV blocks of 8 tokens; "
                                   "the whole pool has 8")
 
 
@@ -228,7 +229,7 @@ def test_a_request_longer_than_the_whole_pool(every_layer_windowed, tmp_path):
     blocks, and every block is back in the pool at the end. The same checkpoint without its
     window refuses it, naming max_tokens and the pool."""
     path = every_layer_windowed
-    prompt = CHOSEN[-1]   # 41 tokens
+    prompt = CHOSEN[-1]
     engine = make_engine(path, **SMALL_POOL)
     request = engine.add_request("long", prompt, long_request(prompt))
     run = Run(engine).until_idle()   # checks the pool's invariants after every step, and that none leaked
@@ -253,7 +254,8 @@ def test_a_window_that_does_not_fit_the_pool_is_refused(every_layer_windowed):
     with pytest.raises(RequestError) as refused:
         engine.add_request("long", CHOSEN[-1], SamplingParams(temperature=0.0, max_tokens=100))
     assert refused.value.param == "max_tokens"
-    assert str(refused.value) == ("max_tokens: prompt (41 tokens) + max_tokens (100) needs 5 KV blocks of 8 tokens "
+    assert str(refused.value) == (f"max_tokens: prompt ({len(CHOSEN[-1])} tokens) + max_tokens (100) needs 5 KV "
+                                  "blocks of 8 tokens "
                                   "at once (a sliding window of 16 positions, steps of up to 13 tokens); "
                                   "the whole pool has 4")
     engine.add_request("short", CHOSEN[0], SamplingParams(temperature=0.0, max_tokens=10))   # 2 blocks: fits

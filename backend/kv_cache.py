@@ -321,13 +321,19 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def window_bounds_live_blocks(self) -> bool:
+        """Whether a request holds a bounded number of blocks at once, whatever its length:
+        a window on every layer, and a known step size."""
+        return self.window is not None and self.max_step_tokens is not None
+
     def max_live_blocks(self, num_tokens: int) -> int:
         """The most blocks a request whose KV covers `num_tokens` tokens holds at once. With a
         window, a step's tokens computed from position c need c - window + 1 on, and the blocks
         wholly before that are released: (window - 1 + a step's tokens) / block_size, plus one
         for a block only partly behind the window."""
         whole = self.blocks_needed(num_tokens)
-        if self.window is None or self.max_step_tokens is None:
+        if not self.window_bounds_live_blocks:
             return whole
         return min(whole, self.blocks_needed(self.window - 1 + self.max_step_tokens) + 1)
 
@@ -341,7 +347,7 @@ class KVCacheManager:
         holds at once past its released front (that a prefix hit of `num_cached_blocks` sets), and
         as the front advances the reservation follows it (`free_behind_window`)."""
         total = request.max_total_tokens
-        if self.window is None or self.max_step_tokens is None:
+        if not self.window_bounds_live_blocks:
             return total
         front = max(request.num_freed_blocks, self._window_front(num_cached_blocks * self.block_size))
         return min(total, (front + self.max_live_blocks(total)) * self.block_size)

@@ -238,7 +238,7 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, *, defaul
 
 def _at_once(kv: KVCacheManager) -> str:
     """What a windowed model's block count means: the blocks a request holds at once."""
-    if kv.window is None or kv.max_step_tokens is None:
+    if not kv.window_bounds_live_blocks:
         return ""
     return f" at once (a sliding window of {kv.window} positions, steps of up to {kv.max_step_tokens} tokens)"
 

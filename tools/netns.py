@@ -49,9 +49,9 @@ class Hosts:
     """``n`` replica namespaces and one for the routers; ``close()`` (or leaving the ``with``
     block) deletes them, and with them their veth pairs. Stop the processes inside first."""
 
-    def __init__(self, n: int, subnet: int | None = None):
+    def __init__(self, n: int):
         self.tag = f"{os.getpid() % 100000}"
-        self.prefix = f"10.{subnet if subnet is not None else free_subnet()}"
+        self.prefix = f"10.{free_subnet()}"
         self.router_ns = f"inflight-rt-{self.tag}"
         self.replica_ns = [f"inflight-r{i}-{self.tag}" for i in range(n)]
         self.created: list[str] = []

@@ -9,8 +9,9 @@
 // Accumulation is float32 whatever the cache dtype. A quantized cache (int8, fp8) is copied as
 // stored, a byte a value, and its codes are widened to float32 lanes in the compute loops'
 // registers; each row's scale multiplies its dot product (a score) and its probability (a value
-// row's weight) once, so the cache moves a quarter of float32's bytes through the core. A run's tokens share the copy but not the
-// arithmetic, where a GEMM-based kernel would share each load among a tile of queries: long
+// row's weight) once, so the cache moves a quarter of float32's bytes through the core. A run's
+// tokens share the copy but not the arithmetic, where a GEMM-based kernel would share each load
+// among a tile of queries: long
 // chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
 // (unless the engine runs batch-invariant).
 //

@@ -194,7 +194,6 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(windowed):
     assert logprobs_beside(CHOSEN[:6]) == alone
 
 
-
 # ---- admission counts the blocks held at once -------------------------------------------------
 
 # A pool of 8 blocks of 8 tokens (64 tokens); prefill chunks of 13: a 16-position window holds at

@@ -45,6 +45,7 @@ except locale.Error:  # pragma: no cover - every glibc system has C.UTF-8
     pass
 
 import faulthandler
+import gc
 import itertools
 import json
 import os
@@ -204,6 +205,12 @@ class TritonPythonModel:
             target=self._watch_readiness, name="inflight-readiness", daemon=True
         )
         self._readiness_thread.start()
+        # What initialize built (torch, transformers, the tokenizer, the engine) lives as long
+        # as the stub: out of the collector's sight, its full collections no longer walk those
+        # millions of objects while requests stream, and the stub's exit no longer spends
+        # seconds collecting them (4 s of a model unload on a 2-core EPYC).
+        gc.collect()
+        gc.freeze()
 
     def _metrics(self, args: dict[str, str]):
         """Engine metrics on Triton's /metrics (None when the server runs without metrics)."""

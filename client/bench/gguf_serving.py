@@ -80,9 +80,11 @@ def parse_concurrencies(text: str) -> list[int]:
 
 
 def requests_for(concurrency: int, num_requests: int | None) -> int:
-    """`num_requests`, else four waves of the concurrency and at least 16: enough for a
-    closed loop's ramp and tail to weigh little at concurrency 32, and for a steady rate at 1."""
-    return num_requests if num_requests is not None else max(16, 4 * concurrency)
+    """`num_requests`, else three waves of the concurrency and at least 12. W3's requests are
+    all of one length, so a closed loop's waves start and end together and each is as full
+    as the next. Both types on both servers at concurrency 1 and 32 are then an estimated 8 to
+    12 minutes on a quiet 2-core AVX2 machine (from the engine's W3 rates there)."""
+    return num_requests if num_requests is not None else max(12, 3 * concurrency)
 
 
 def gguf_file(gguf_type: str, checkpoint: str, shipped: str) -> str:
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="Q4_1,Q8_0", help=f"comma-separated GGUF types, of {', '.join(TYPES)}")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated requests in flight (closed loop)")
     parser.add_argument("--num-requests", type=int,
-                        help="requests per concurrency (default: 4 x the concurrency, at least 16)")
+                        help="requests per concurrency (default: 3 x the concurrency, at least 12)")
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT),
                         help="the float checkpoint the quantized files are made from, and the tokenizer")
     parser.add_argument("--gguf", default=str(DEFAULT_GGUF), help=f"the {SHIPPED_TYPE} file")

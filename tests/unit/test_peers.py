@@ -354,8 +354,8 @@ def test_q3_types_and_concurrencies_parse_or_name_what_is_wrong():
     for bad in ("0,32", "one", ""):
         with pytest.raises(ValueError, match="integers >= 1"):
             gguf_serving.parse_concurrencies(bad)
-    # Four waves of the concurrency, at least 16, unless given.
-    assert [gguf_serving.requests_for(c, None) for c in (1, 4, 32)] == [16, 16, 128]
+    # Three waves of the concurrency, at least 12, unless given.
+    assert [gguf_serving.requests_for(c, None) for c in (1, 4, 32)] == [12, 12, 96]
     assert gguf_serving.requests_for(32, 4) == 4
 
 

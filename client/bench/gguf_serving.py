@@ -1,0 +1,278 @@
+"""Q3 (docs/benchmarks.md): the same GGUF files served by tritonserver and by llama.cpp's llama-server.
+
+    python -m client.bench.gguf_serving --types Q4_1,Q8_0 --concurrency 1,32
+
+For each GGUF type (Q4_1: the shipped file; Q8_0, Q4_0 and Q4_K_M: made from the float
+checkpoint by llama.cpp's own convert_hf_to_gguf.py and llama-quantize into .models/gguf/ when
+absent) each system starts fresh on the file, runs W3 (128 in / 128 out, EOS ignored) closed
+loop at each concurrency through its OpenAI endpoint, and stops:
+
+- `tritonserver`: a model repository of one model, `llm`, model_repository/llm_q4's config
+  with model_path the GGUF file, behind the OpenAI frontend (client/openai/);
+- `llama-server`: client/bench/llama_cpp.py's settings (continuous batching, as many slots as
+  the engine's max_num_seqs, KV in float32 as the engine's, no prompt cache reuse).
+
+Both get the first `--cores` CPUs of this process: the engine's OpenMP threads bound one to
+each (omp_threads_bind), llama-server confined to them with a thread on each. Each concurrency
+has prompts of its own (seed + its index), the same for both systems, so neither server meets
+a prompt it has cached. The report (bench/results/<cpu kind>/q3_gguf_vs_llama_server.json by
+default) holds every run, the versions of both servers, and per type and concurrency
+tritonserver's output tokens/s and TTFT over llama-server's, against issue 47's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
+from client.bench import llama_cpp
+from client.bench.records import git_commit, machine, write_report
+from client.bench.stats import DEFAULT_SLO, format_ratio, ratios, summarize
+from client.bench.targets import parse_target, run_target
+from client.bench.workloads import attach_text, w3_online
+from tools.launch import (
+    free_ports,
+    launch_frontend,
+    launch_tritonserver,
+    set_parameters,
+    stop,
+    wait_frontend,
+    wait_tritonserver,
+)
+
+SHIPPED_TYPE = "Q4_1"
+TYPES = (SHIPPED_TYPE, *llama_cpp.QUANTIZED_TYPES)
+SYSTEMS = ("tritonserver", "llama-server")
+# Issue 47: tritonserver's output tokens/s over llama-server's, at least, by concurrency (and a lower TTFT).
+TARGETS = {1: 1.0, 32: 1.3}
+BASE_MODEL = REPO_ROOT / "model_repository" / "llm_q4"
+
+
+def parse_types(text: str) -> list[str]:
+    types = [t for t in text.split(",") if t]
+    unknown = [t for t in types if t not in TYPES]
+    if unknown or not types:
+        raise ValueError(f"--types {text!r}: each of {', '.join(TYPES)}")
+    return types
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(c) for c in text.split(",") if c]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrency {text!r}: comma-separated integers >= 1")
+    return values
+
+
+def requests_for(concurrency: int, num_requests: int | None) -> int:
+    """`num_requests`, else three waves of the concurrency and at least 12. W3's requests are
+    all of one length, so a closed loop's waves start and end together and each is as full
+    as the next. Both types on both servers at concurrency 1 and 32 are then an estimated 8 to
+    12 minutes on a quiet 2-core AVX2 machine (from the engine's W3 rates there)."""
+    return num_requests if num_requests is not None else max(12, 3 * concurrency)
+
+
+def gguf_file(gguf_type: str, checkpoint: str, shipped: str) -> str:
+    return shipped if gguf_type == SHIPPED_TYPE else llama_cpp.make_quantized_gguf(checkpoint, gguf_type)
+
+
+def write_repository(dst: Path, gguf: str, tokenizer: str, cpus: list[int], slots: int) -> Path:
+    """A model repository at `dst` whose one model, `llm`, is model_repository/llm_q4 (the
+    shipped GGUF model) on `gguf`, its engine threads bound to `cpus` and `slots` sequences at once."""
+    text = re.sub(r'^name:\s*"[^"]*"', 'name: "llm"', (BASE_MODEL / "config.pbtxt").read_text(), count=1, flags=re.M)
+    text = set_parameters(text, {"model_path": os.path.abspath(gguf), "tokenizer": os.path.abspath(tokenizer),
+                                 "omp_threads_bind": ",".join(map(str, cpus)), "max_num_seqs": str(slots)})
+    (dst / "llm" / "1").mkdir(parents=True)
+    (dst / "llm" / "config.pbtxt").write_text(text)
+    return dst
+
+
+def triton_version(http_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2", timeout=5) as resp:
+        return json.load(resp).get("version", "unknown")
+
+
+@contextmanager
+def tritonserver(gguf: str, tokenizer: str, cpus: list[int], slots: int, workdir: Path):
+    """tritonserver on `gguf` behind the OpenAI frontend: yields (OpenAI address, tritonserver's version)."""
+    repository = write_repository(workdir / "repository", gguf, tokenizer, cpus, slots)
+    http, grpc, metrics, openai = free_ports(4)
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
+    servers = []
+    try:
+        with open(workdir / "tritonserver.log", "w") as log:
+            servers.append(launch_tritonserver(repository, "127.0.0.1", http, grpc, metrics, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        wait_tritonserver(http, timeout=600, proc=servers[0])
+        with open(workdir / "frontend.log", "w") as log:
+            servers.append(launch_frontend(f"127.0.0.1:{grpc}", "127.0.0.1", openai, model_repository=repository,
+                                           extra_args=["--tokenizer", os.path.abspath(tokenizer)], stdout=log,
+                                           stderr=subprocess.STDOUT))
+        wait_frontend(openai, proc=servers[1])
+        yield f"127.0.0.1:{openai}", triton_version(http)
+    except Exception:
+        print(f"tritonserver: its logs are in {workdir}", file=sys.stderr)
+        raise
+    finally:
+        for server in reversed(servers):
+            stop(server)
+
+
+@contextmanager
+def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path):
+    """llama-server on `gguf`: yields (its address, its version)."""
+    (port,) = free_ports(1)
+    # float32: the KV cache's type, as the engine's with dtype auto on a CPU.
+    command = llama_cpp.server_command(gguf, "float32", port, slots=slots, threads=len(cpus))
+    with open(workdir / "llama-server.log", "w") as log:
+        server = llama_cpp.launch(command, cpus, log)
+    try:
+        llama_cpp.wait_ready(port, server)
+        yield f"127.0.0.1:{port}", llama_cpp.version()
+    except Exception:
+        print(f"llama-server: its log is {workdir / 'llama-server.log'}", file=sys.stderr)
+        raise
+    finally:
+        stop(server)
+
+
+def compare(results: list[dict]) -> dict:
+    """Per GGUF type and concurrency, tritonserver's output tokens/s and TTFT over
+    llama-server's (stats.ratios), with the target of that concurrency, if it has one, and
+    whether it is met (the TTFT's mean lower): {type: {"c=N": {...}}}."""
+    out: dict[str, dict] = {}
+    for gguf_type in dict.fromkeys(r["gguf_type"] for r in results):
+        for concurrency in dict.fromkeys(r["concurrency"] for r in results if r["gguf_type"] == gguf_type):
+            group = [r for r in results if r["gguf_type"] == gguf_type and r["concurrency"] == concurrency]
+            pair = ratios("W3", group, [SYSTEMS]).get("/".join(SYSTEMS))
+            if pair is None:
+                continue
+            if concurrency in TARGETS:
+                target = TARGETS[concurrency]
+                pair["target"] = {"output_tokens_per_s": target, "lower_ttft": True,
+                                  "met": pair["output_tokens_per_s"] >= target and 0 < pair["ttft_mean"] < 1}
+            out.setdefault(gguf_type, {})[f"c={concurrency}"] = pair
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client.bench.gguf_serving", description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="Q4_1,Q8_0", help=f"comma-separated GGUF types, of {', '.join(TYPES)}")
+    parser.add_argument("--concurrency", default="1,32", help="comma-separated requests in flight (closed loop)")
+    parser.add_argument("--num-requests", type=int,
+                        help="requests per concurrency (default: 3 x the concurrency, at least 12)")
+    parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT),
+                        help="the float checkpoint the quantized files are made from, and the tokenizer")
+    parser.add_argument("--gguf", default=str(DEFAULT_GGUF), help=f"the {SHIPPED_TYPE} file")
+    parser.add_argument("--cores", type=int, help="how many of this process's CPUs the servers use (default: all)")
+    parser.add_argument("--slots", type=int, default=32,
+                        help="sequences at once: the engine's max_num_seqs and llama-server's --parallel")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--note", help="free text kept in the report")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", help="the report (default: bench/results/<cpu kind>/q3_gguf_vs_llama_server.json)")
+    args = parser.parse_args(argv)
+
+    try:
+        types = parse_types(args.types)
+        concurrencies = parse_concurrencies(args.concurrency)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.num_requests is not None and args.num_requests < 1:
+        parser.error("--num-requests must be at least 1")
+    if args.slots < 1:
+        parser.error("--slots must be at least 1")
+    available = sorted(os.sched_getaffinity(0))
+    cores = args.cores or len(available)
+    if not 1 <= cores <= len(available):
+        parser.error(f"--cores {cores}: this process may use {len(available)} CPUs")
+    cpus = available[:cores]
+    for tool in (llama_cpp.LLAMA_SERVER, *([llama_cpp.LLAMA_QUANTIZE] if set(types) - {SHIPPED_TYPE} else [])):
+        if not tool.exists():
+            parser.error(f"{tool} is missing: run `make peers-llama-cpp`")
+
+    info = machine()
+    path = args.json or str(REPO_ROOT / "bench" / "results" / info["cpu_kind"] / "q3_gguf_vs_llama_server.json")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    workloads = {}
+    for index, concurrency in enumerate(concurrencies):
+        workload = w3_online(seed=args.seed + index, num_requests=requests_for(concurrency, args.num_requests),
+                             input_len=args.input_len, output_len=args.output_len, rate_per_s=0.0)
+        workloads[concurrency] = attach_text(workload, tokenizer, None, args.seed + index)
+    files = {t: gguf_file(t, args.model, args.gguf) for t in types}
+    slo = dict(DEFAULT_SLO)
+    print(f"Q3: W3 {args.input_len} in / {args.output_len} out at concurrency {concurrencies}, types {types}, "
+          f"on CPUs {cpus} of {info['cpu']}", flush=True)
+
+    results, versions = [], {}
+    report = {
+        "benchmark": "Q3: GGUF files served by tritonserver and by llama-server (issue 47)",
+        "command": "python -m client.bench.gguf_serving " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "git_commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": info,
+        "cpus": cpus,
+        "versions": versions,
+        "checkpoint": os.path.relpath(args.model, REPO_ROOT),
+        "gguf_files": {t: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)} for t, f in files.items()},
+        "slots": args.slots,
+        "workloads": {f"c={c}": w.summary() for c, w in workloads.items()},
+        **({"note": args.note} if args.note else {}),
+        "slo": slo,
+        "results": results,
+    }
+    # A failure leaves the servers' logs in `tmp` (it says where); a run that ends removes them.
+    tmp = tempfile.mkdtemp(prefix="bench-q3-")
+    for gguf_type, gguf in files.items():
+        for system in SYSTEMS:
+            workdir = Path(tmp) / f"{gguf_type}-{system}"
+            workdir.mkdir()
+            start = time.perf_counter()
+            server = (tritonserver(gguf, args.model, cpus, args.slots, workdir) if system == "tritonserver"
+                      else llama_server(gguf, cpus, args.slots, workdir))
+            with server as (address, version):
+                versions[system] = version
+                print(f"{gguf_type} {system}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+                target = parse_target(f"{system}=openai://{address}")
+                for concurrency, workload in workloads.items():
+                    run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)
+                    result = {"gguf_type": gguf_type, **summarize(run, workload, slo)}
+                    results.append(result)
+                    print(f"{gguf_type} {system} c={concurrency}: {result['num_completed']}/{result['num_requests']}"
+                          f" completed, {result['output_tokens_per_s']:.1f} output tok/s, TTFT mean "
+                          f"{result['ttft_ms']['mean'] or 0:.0f} ms in {result['duration_s']:.1f} s", flush=True)
+            # Written after each server: a run stopped halfway keeps what it measured.
+            report["ratios"] = compare(results)
+            write_report(path, report)
+    shutil.rmtree(tmp)
+
+    for gguf_type, by_load in report["ratios"].items():
+        for load, entry in by_load.items():
+            target = entry.get("target")
+            verdict = "" if target is None else (
+                f" (target {target['output_tokens_per_s']}x and a lower TTFT: {'met' if target['met'] else 'not met'})")
+            print(f"{gguf_type} {load}: tritonserver/llama-server {format_ratio(entry)}{verdict}")
+    return 0 if all(r["num_failed"] == 0 and r["all_token_counts_right"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

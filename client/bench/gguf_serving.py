@@ -122,8 +122,7 @@ def tritonserver(gguf: str, tokenizer: str, cpus: list[int], slots: int, workdir
         wait_tritonserver(http, timeout=600, proc=servers[0])
         with open(workdir / "frontend.log", "w") as log:
             servers.append(launch_frontend(f"127.0.0.1:{grpc}", "127.0.0.1", openai, model_repository=repository,
-                                           extra_args=["--tokenizer", os.path.abspath(tokenizer)], stdout=log,
-                                           stderr=subprocess.STDOUT))
+                                           stdout=log, stderr=subprocess.STDOUT))
         wait_frontend(openai, proc=servers[1])
         yield f"127.0.0.1:{openai}", triton_version(http)
     except Exception:

@@ -205,24 +205,27 @@ class Catalog:
             raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
         return info
 
-    def checkpoint_dir(self, info: ModelInfo) -> Path:
+    def tokenizer_dir(self, info: ModelInfo) -> Path:
+        """The folder of the model's tokenizer (and chat template): --tokenizer, else the model's
+        `tokenizer` parameter (a GGUF model's, whose model_path is a file), else its model_path,
+        a relative one resolved from the model's version folder as the backend resolves it."""
         if self.settings.tokenizer:
             return Path(self.settings.tokenizer)
-        model_path = info.parameters.get("model_path", "")
-        if model_path and os.path.isabs(model_path):
-            return Path(model_path)
+        path = info.parameters.get("tokenizer") or info.parameters.get("model_path", "")
+        if path and os.path.isabs(path):
+            return Path(path)
         repository = Path(self.settings.model_repository or DEFAULT_MODEL_REPOSITORY)
         model_dir = repository / info.name
         versions = [v for v in info.versions if v.isdigit()] or sorted(
             (p.name for p in model_dir.glob("[0-9]*") if p.is_dir()), key=int)
         version_dir = model_dir / (max(versions, key=int) if versions else "1")
-        return Path(os.path.normpath(version_dir / model_path)) if model_path else version_dir
+        return Path(os.path.normpath(version_dir / path)) if path else version_dir
 
     def _load_tokenizer(self, info: ModelInfo):
         with self._tokenizer_lock:
             if info.name in self._tokenizers:
                 return self._tokenizers[info.name]
-            path = self.checkpoint_dir(info)
+            path = self.tokenizer_dir(info)
             if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
                 raise ApiError(
                     500, f"no tokenizer for model `{info.name}` at {path}: start the frontend with --tokenizer DIR "

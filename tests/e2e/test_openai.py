@@ -63,19 +63,23 @@ def test_logprobs_conversion():
 
 
 def test_relative_model_path_resolves_like_the_backend():
-    """model_repository/llm's relative model_path is found from the frontend too (chat templates)."""
+    """model_repository/llm's relative model_path is found from the frontend too (chat templates),
+    and a GGUF model's tokenizer parameter (model_repository/llm_q4) before its model_path."""
     from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
     from client.openai.settings import Settings
     from client.openai.upstream import Catalog, ModelInfo
 
     config = {"parameters": {"model_path": {"string_value": "../../../.models/SmolLM2-135M-Instruct"}}}
     catalog = Catalog(Settings(), client=None)
-    assert catalog.checkpoint_dir(ModelInfo("llm", config, ["1"], 0)) == DEFAULT_CHECKPOINT
+    assert catalog.tokenizer_dir(ModelInfo("llm", config, ["1"], 0)) == DEFAULT_CHECKPOINT
     other = Catalog(Settings(model_repository="/srv/repo"), client=None)
-    assert other.checkpoint_dir(ModelInfo("llm", config, [], 0)) == Path("/srv/.models/SmolLM2-135M-Instruct")
+    assert other.tokenizer_dir(ModelInfo("llm", config, [], 0)) == Path("/srv/.models/SmolLM2-135M-Instruct")
     absolute = {"parameters": {"model_path": {"string_value": "/ckpt/x"}}}
-    assert other.checkpoint_dir(ModelInfo("m", absolute, ["1"], 0)) == Path("/ckpt/x")
-    assert Catalog(Settings(tokenizer="/tok"), None).checkpoint_dir(ModelInfo("m", absolute, [], 0)) == Path("/tok")
+    assert other.tokenizer_dir(ModelInfo("m", absolute, ["1"], 0)) == Path("/ckpt/x")
+    assert Catalog(Settings(tokenizer="/tok"), None).tokenizer_dir(ModelInfo("m", absolute, [], 0)) == Path("/tok")
+    gguf = {"parameters": {"model_path": {"string_value": "../../../.models/SmolLM2-135M-Instruct.Q4_1.gguf"},
+                           "tokenizer": {"string_value": "../../../.models/SmolLM2-135M-Instruct"}}}
+    assert catalog.tokenizer_dir(ModelInfo("llm_q4", gguf, ["1"], 0)) == DEFAULT_CHECKPOINT
     assert REPO_ROOT.is_dir()
 
 

@@ -58,6 +58,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import thread_binding
+from backend.cancel_flag import CANCEL_FLAG_TENSOR, cancel_flag_path
 from backend.protocol import INPUTS, OUTPUTS, TRANSFER_TENSOR, BadRequest, ResponseEncoder, parse_request
 from backend.readiness import HttpReadinessProbe, model_ready
 from backend.request import RequestStatus
@@ -98,6 +99,15 @@ def _input_reader(request):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
     return get_input
+
+
+def _cancel_flag(request) -> str | None:
+    """The file of the request's `cancel_flag` input (backend/cancel_flag.py), if it has one."""
+    name = _input_reader(request)(CANCEL_FLAG_TENSOR)
+    if name is None:
+        return None
+    name = name.reshape(-1)[0]
+    return cancel_flag_path(name.decode(errors="replace") if isinstance(name, bytes) else str(name))
 
 
 class TritonPythonModel:
@@ -262,6 +272,7 @@ class TritonPythonModel:
                 parsed = parse_request(_input_reader(request), request.parameters(),
                                        request.requested_output_names())
                 params = parse_sampling_params(parsed.sampling, stream=parsed.stream)
+                cancel_flag = _cancel_flag(request)
             except BadRequest as exc:
                 self._send_error(sender, str(exc), "INVALID_ARG")
                 continue
@@ -284,7 +295,7 @@ class TritonPythonModel:
                 transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
-            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval))
+            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval), cancel_flag=cancel_flag)
             with self._live_lock:
                 self._live[request_id] = live
             try:
@@ -395,6 +406,10 @@ class TritonPythonModel:
                 live.encoder.absorb(output)
         except Exception:
             self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
+            if output.transfer is not None:  # nobody will hear of it: let it go now, not at its expiry
+                from backend.disagg import discard_transfer
+
+                discard_transfer(output.transfer)
             if output.finished:
                 self._forget(live.request_id)
             else:
@@ -468,7 +483,8 @@ class TritonPythonModel:
         for live in stale:
             live.last_cancel_poll = now
             try:
-                live.cancelled = bool(live.sender.is_cancelled())
+                live.cancelled = bool(live.sender.is_cancelled()) or (
+                    live.cancel_flag is not None and os.path.exists(live.cancel_flag))
             except Exception:
                 pass
 

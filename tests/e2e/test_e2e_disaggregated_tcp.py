@@ -16,6 +16,7 @@ from backend.disagg import SHM_PREFIX
 from tests.e2e.e2e_util import Stream, generate, greedy_tokens_and_texts, inputs_for, scrape, wait_idle
 from tests.e2e.server import E2E_PARAMETERS
 from tests.e2e.test_e2e_disaggregated import (
+    BLS_DRAIN_GAP,
     MAX_TOKENS,
     PROMPTS,
     _assert_cancelled_at,
@@ -61,6 +62,7 @@ def test_tcp_transfer_gives_the_aggregated_servers_tokens_and_leaves_nothing(tcp
     assert {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)} == shm_before
 
 
+@pytest.mark.xfail(strict=True, reason=BLS_DRAIN_GAP)
 def test_a_stream_cancelled_mid_decode_over_tcp_leaves_no_transfer_held(tcp_server):
     metrics_port = tcp_server.metrics_port
     before = _counts(metrics_port, "inflight_cancellations_total")

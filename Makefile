@@ -82,10 +82,20 @@ serve-disaggregated: setup
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--log-verbose $(LOG_VERBOSE)
 
+# One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
+# where a second spinning OpenMP thread per process costs far more than it gives. So the tests
+# that start no server run on TEST_WORKERS processes (pytest-xdist, a module to a worker, so its
+# fixtures are built once), one a core; the e2e tests then run one at a time, since they
+# measure deadlines and health checks that a second test's load would stretch. Both halves
+# always run; exit status 5 (nothing selected, e.g. PYTEST_ARGS naming one e2e file) is no failure.
+TEST_WORKERS ?= 2
+
 test: setup
-	@# One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
-	@# where a second spinning OpenMP thread per process costs far more than it gives.
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+	@status=0; \
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not e2e" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) \
+		|| { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m e2e $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	exit $$status
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not slow" tests/unit tests/kernels tests/engine $(PYTEST_ARGS)

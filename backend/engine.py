@@ -149,7 +149,9 @@ class LLMEngine:
         # A prefill-role engine exports its prompts' every block (backend/disagg.py): it keeps them.
         window = self.arch.sliding_window if config.role != "prefill" else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 record_events=bool(config.kv_events_endpoint), window=window)
+                                 record_events=bool(config.kv_events_endpoint), window=window,
+                                 max_step_tokens=min(config.long_prefill_token_threshold,
+                                                     config.max_num_batched_tokens))
         self.kv_event_publisher = ZmqEventPublisher(
             config.kv_events_endpoint, config.kv_events_replay_endpoint or None, config.kv_events_topic,
         ) if config.kv_events_endpoint else None

@@ -13,6 +13,9 @@ with a window), a running request releases the blocks that lie wholly behind its
 positions: a released entry is NULL_BLOCK. A released block goes back to the pool like any
 freed one, keeping its prefix-cache entry: its KV is still that of its whole prefix, so a later
 hit on it is as good as on any cached block (a hit always covers a prefix from its first block).
+A hit takes only the hit blocks that its first computed token's window reaches; those before
+are released entries from the start. So a request holds at most `max_live_blocks` at once,
+however long it is, and that, not its length, is what admission counts against the pool.
 Models that mix windowed and global layers (Gemma, Qwen with max_window_layers) keep every
 block: their global layers read the whole context.
 """
@@ -296,10 +299,13 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False, window: int | None = None):
+                 record_events: bool = False, window: int | None = None, max_step_tokens: int | None = None):
         self.block_size = block_size
         # Every layer's sliding window, when they share one: blocks behind it are released.
         self.window = window
+        # The most tokens one request computes in a step (its chunk): with a window, how far
+        # its blocks may run ahead of the window's front (None: not known, so not bounded).
+        self.max_step_tokens = max_step_tokens
         self.pool = BlockPool(num_blocks, enable_prefix_caching, record_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_table = BlockTable()
@@ -314,6 +320,37 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def window_bounds_live_blocks(self) -> bool:
+        """Whether a request holds a bounded number of blocks at once, whatever its length:
+        a window on every layer, and a known step size."""
+        return self.window is not None and self.max_step_tokens is not None
+
+    def max_live_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request whose KV covers `num_tokens` tokens holds at once. With a
+        window, a step's tokens computed from position c need c - window + 1 on, and the blocks
+        wholly before that are released: (window - 1 + a step's tokens) / block_size, plus one
+        for a block only partly behind the window."""
+        whole = self.blocks_needed(num_tokens)
+        if not self.window_bounds_live_blocks:
+            return whole
+        return min(whole, self.blocks_needed(self.window - 1 + self.max_step_tokens) + 1)
+
+    def _window_front(self, num_computed: int) -> int:
+        """Blocks wholly behind the window of the token at position `num_computed`."""
+        return max(0, (num_computed - self.window + 1) // self.block_size) if self.window is not None else 0
+
+    def reserved_tokens(self, request: Request, num_cached_blocks: int = 0) -> int:
+        """Tokens whose blocks a protected request holds (`allocate`'s reserve_tokens), so that
+        none of its later allocations can fail: its whole life; with a window, the most blocks it
+        holds at once past its released front (that a prefix hit of `num_cached_blocks` sets), and
+        as the front advances the reservation follows it (`free_behind_window`)."""
+        total = request.max_total_tokens
+        if not self.window_bounds_live_blocks:
+            return total
+        front = max(request.num_freed_blocks, self._window_front(num_cached_blocks * self.block_size))
+        return min(total, (front + self.max_live_blocks(total)) * self.block_size)
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` over every full block of its known tokens."""
@@ -351,15 +388,16 @@ class KVCacheManager:
         total = self.blocks_needed(num_computed + num_new_tokens)
         # A request back from swap space re-takes none of the blocks released behind its window.
         fresh = max(0, total - max(len(request.block_ids), request.num_freed_blocks) - len(cached_blocks))
-        # A hit on a free cached block takes it off the free list too.
-        revived = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        # A hit on a free cached block takes it off the free list too (those behind the window: none).
+        front = self._window_front(num_computed) if cached_blocks else 0
+        revived = sum(1 for b in cached_blocks[front:] if self.pool.blocks[b].ref_count == 0)
         return fresh + revived
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached_blocks: list[int] = (), reserve_tokens: int = 0
     ) -> bool:
         """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix),
-        and at least `reserve_tokens` in all (a protected request reserves its whole life).
+        and at least `reserve_tokens` in all (a protected request: `reserved_tokens`).
 
         Returns False, changing nothing, when the pool cannot cover it.
         """
@@ -372,9 +410,14 @@ class KVCacheManager:
             return False
         if cached_blocks:
             assert not request.block_ids and request.num_computed_tokens == 0
-            self.pool.touch(list(cached_blocks))
-            request.block_ids.extend(cached_blocks)
-            request.num_computed_tokens = len(cached_blocks) * self.block_size
+            num_computed = len(cached_blocks) * self.block_size
+            # The hit blocks behind the first computed token's window are released at once.
+            front = self._window_front(num_computed)
+            self.pool.touch(list(cached_blocks[front:]))
+            request.block_ids.extend([NULL_BLOCK] * front)
+            request.block_ids.extend(cached_blocks[front:])
+            request.num_freed_blocks = front
+            request.num_computed_tokens = num_computed
             request.num_registered_blocks = len(cached_blocks)
         if not request.block_ids and request.num_freed_blocks:
             request.block_ids.extend([NULL_BLOCK] * request.num_freed_blocks)
@@ -451,15 +494,18 @@ class KVCacheManager:
         self.pool.free(list(reversed(tail)))
         self.block_table.truncate(request)
 
-    def free_behind_window(self, request: Request) -> None:
+    def free_behind_window(self, request: Request, reserve: bool = False) -> None:
         """Release the request's blocks that lie wholly behind its window: the next token it
         computes, at position num_computed_tokens, sees keys from num_computed_tokens - window + 1
         on, and so does every later one. Called once its computed tokens are registered, so a
-        released block keeps its prefix-cache entry."""
+        released block keeps its prefix-cache entry. A protected request (`reserve`) moves its
+        reservation (`reserved_tokens`) ahead by as many blocks as it released, which the pool
+        has just got back (unless a group's sibling still holds one: then the blocks it lacks
+        come with a later step's allocation)."""
         if self.window is None:
             return
         start = request.num_freed_blocks
-        end = min((request.num_computed_tokens - self.window + 1) // self.block_size, len(request.block_ids))
+        end = min(self._window_front(request.num_computed_tokens), len(request.block_ids))
         if end <= start:
             return
         released = request.block_ids[start:end]
@@ -467,6 +513,8 @@ class KVCacheManager:
         request.num_freed_blocks = end
         self.block_table.release_front(request, start, end)
         self.pool.free(list(reversed(released)))  # the front last: a hit needs the first blocks most
+        if reserve:
+            self.allocate(request, 0, reserve_tokens=self.reserved_tokens(request))
 
     def free(self, request: Request) -> None:
         self.block_table.release(request)

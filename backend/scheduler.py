@@ -164,7 +164,8 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------
 
     def is_protected(self, request: Request) -> bool:
-        """Preempted often enough: it now reserves blocks for its whole life and is never a victim."""
+        """Preempted often enough: it now reserves the blocks it can ever hold at once (its whole
+        life's, or with a sliding window a window's worth) and is never a victim."""
         return request.num_preemptions >= self.config.max_preemptions
 
     def _pick_victim(self) -> Request | None:
@@ -286,8 +287,8 @@ class Scheduler:
                     num_new = min(num_new, len(request.token_ids) - num_computed)
                     continue
                 victim = self._pick_victim()
-                # Protected requests reserved their whole life's blocks, so an allocation
-                # that fails belongs to an unprotected request: a victim always exists.
+                # Protected requests reserved their blocks (KVCacheManager.reserved_tokens), so an
+                # allocation that fails belongs to an unprotected request: a victim always exists.
                 # A block shared with another sequence means that sequence still runs from
                 # its group's fork, unpreempted, so unprotected: a victim exists then too.
                 assert victim is not None, "allocation failed for a protected request"
@@ -348,8 +349,9 @@ class Scheduler:
     def _try_admit(self, request: Request, budget: int, plan: SchedulerOutput) -> tuple[int, bool]:
         """Allocate what `request` needs to join the batch; (tokens granted, ok)."""
         cfg = self.config
-        reserve = request.max_total_tokens if self.is_protected(request) else 0
+        protected = self.is_protected(request)
         if request.swapped_block_ids:
+            reserve = self.kv.reserved_tokens(request) if protected else 0
             num_new = min(request.num_tokens - request.num_computed_tokens, cfg.long_prefill_token_threshold, budget)
             host_ids = request.swapped_block_ids
             if not self.kv.allocate(request, num_new, reserve_tokens=reserve):
@@ -363,6 +365,7 @@ class Scheduler:
         cached = self.kv.find_cached_prefix(request)
         num_computed = len(cached) * self.kv.block_size
         num_new = min(request.num_tokens - num_computed, cfg.long_prefill_token_threshold, max(budget, 0))
+        reserve = self.kv.reserved_tokens(request, len(cached)) if protected else 0
         if not self.kv.allocate(request, num_new, cached, reserve_tokens=reserve):
             return 0, False
         if request.num_preemptions == 0:
@@ -388,17 +391,18 @@ class Scheduler:
             # Drafts are computed only once accepted (`accept_drafts`).
             request.num_computed_tokens = min(request.num_computed_tokens + num_new, request.num_tokens)
             self.kv.cache_computed_blocks(request)
-            self.kv.free_behind_window(request)
+            self.kv.free_behind_window(request, reserve=self.is_protected(request))
 
     def accept_drafts(self, request: Request, num_accepted: int) -> None:
         """`request`'s verification step accepted its first `num_accepted` drafts (already
         appended as its tokens): their KV is computed; the rejected drafts' blocks are freed."""
         request.num_computed_tokens += num_accepted
         request.spec_token_ids = []
-        # A protected request keeps the blocks it reserved for its whole life.
-        self.kv.truncate(request, request.max_total_tokens if self.is_protected(request) else request.num_tokens)
+        # A protected request keeps the blocks it reserved.
+        protected = self.is_protected(request)
+        self.kv.truncate(request, self.kv.reserved_tokens(request) if protected else request.num_tokens)
         self.kv.cache_computed_blocks(request)
-        self.kv.free_behind_window(request)
+        self.kv.free_behind_window(request, reserve=protected)
 
     def append_token(self, request: Request, token_id: int, now: float, plan: SchedulerOutput) -> None:
         """Append a sampled token to `request` and time it (into `plan`, for the step's

@@ -183,11 +183,14 @@ class Admission:
             raise RequestError.invalid(name, f"{num_seqs} sequences exceed max_num_seqs {self.max_num_seqs}")
         kv = self.kv
         shared = num_prompt_tokens // kv.block_size
-        blocks = shared + num_seqs * (kv.blocks_needed(num_prompt_tokens + max_tokens - 1) - shared)
+        num_tokens = num_prompt_tokens + max_tokens - 1
+        blocks = shared + num_seqs * (kv.blocks_needed(num_tokens) - shared)
+        # With a sliding window, each sequence holds at most a window's blocks, shared or not.
+        blocks = min(blocks, num_seqs * kv.max_live_blocks(num_tokens))
         if blocks > kv.num_blocks:
             raise RequestError.invalid(
                 name, f"{num_seqs} sequences of prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                f"need {blocks} KV blocks of {kv.block_size} tokens; the whole pool has {kv.num_blocks}")
+                f"need {blocks} KV blocks of {kv.block_size} tokens{_at_once(kv)}; the whole pool has {kv.num_blocks}")
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
         """The token sequences the sampler keeps out of a request's output, as vLLM derives
@@ -209,7 +212,8 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, *, defaul
                        kv: KVCacheManager) -> int:
     """The request's max_tokens (`default`, within the room left, when it asks for none),
     or RequestError (INVALID_ARG, with the numbers) for a request that could never finish:
-    beyond `max_model_len`, or needing more KV blocks than the whole pool has."""
+    beyond `max_model_len`, or needing more KV blocks at once than the whole pool has (its
+    whole length's; with one sliding window on every layer, a window's: `max_live_blocks`)."""
     if num_prompt_tokens >= max_model_len:
         raise RequestError.invalid(
             "text_input", f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, leaving no room to generate"
@@ -222,14 +226,21 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, *, defaul
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
             f"exceeds max_model_len {max_model_len}",
         )
-    blocks = kv.blocks_needed(num_prompt_tokens + max_tokens - 1)
+    blocks = kv.max_live_blocks(num_prompt_tokens + max_tokens - 1)
     if blocks > kv.num_blocks:
         raise RequestError.invalid(
             "max_tokens",
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks of "
-            f"{kv.block_size} tokens; the whole pool has {kv.num_blocks}",
+            f"{kv.block_size} tokens{_at_once(kv)}; the whole pool has {kv.num_blocks}",
         )
     return max_tokens
+
+
+def _at_once(kv: KVCacheManager) -> str:
+    """What a windowed model's block count means: the blocks a request holds at once."""
+    if not kv.window_bounds_live_blocks:
+        return ""
+    return f" at once (a sliding window of {kv.window} positions, steps of up to {kv.max_step_tokens} tokens)"
 
 
 def check_queue_room(num_waiting: int, max_queue_len: int) -> None:

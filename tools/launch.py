@@ -52,6 +52,14 @@ from backend.paths import REPO_ROOT
 TRITON_DIR = Path(os.environ.get("INFLIGHT_TRITON_DIR", REPO_ROOT / ".triton"))
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_SECS = 15
+# The gRPC server pings each connection every GRPC_KEEPALIVE_TIME_MS and drops one whose answer
+# does not come within GRPC_KEEPALIVE_TIMEOUT_MS. A client (or a router's connection to this
+# server) that vanished without a FIN, in a partition or with its host, is then found within
+# ~15 s instead of TCP's ~15 min of retransmissions: its streams are cancelled, so the engine
+# stops generating for nobody and the socket's unsent responses stop holding memory. A live
+# peer answers a ping in a round trip (HTTP/2 requires it), so the pings cost nothing.
+GRPC_KEEPALIVE_TIME_MS = 10_000
+GRPC_KEEPALIVE_TIMEOUT_MS = 5_000
 GROUP_EXIT_TIMEOUT_SECS = 10
 # The Python backend's shared-memory region prefix, as tritonserver_command sets it and stop() reads it back.
 SHM_PREFIX_FLAG = "--backend-config=python,shm-region-prefix-name="
@@ -125,6 +133,8 @@ def tritonserver_command(
         f"--http-port={http_port}",
         f"--grpc-address={host}",
         f"--grpc-port={grpc_port}",
+        f"--grpc-keepalive-time={GRPC_KEEPALIVE_TIME_MS}",
+        f"--grpc-keepalive-timeout={GRPC_KEEPALIVE_TIMEOUT_MS}",
         "--allow-metrics=true",
         f"--metrics-address={host}",
         f"--metrics-port={metrics_port}",

@@ -13,12 +13,26 @@ ports and, through them, each replica's own ports (metrics) as a client on anoth
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
     cmd = ["ip", *(["netns", "exec", netns, "ip"] if netns else []), *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def free_subnet() -> int:
+    """An X of 10.X.0.0/16 that no route of this namespace uses yet, so that two sets of hosts
+    (two tests, or one test run twice at once) never share addresses."""
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+    used = {int(x) for x in re.findall(r"\b10\.(\d+)\.", routes)}
+    start = os.getpid() % 150
+    for offset in range(150):
+        subnet = 64 + (start + offset) % 150
+        if subnet not in used:
+            return subnet
+    raise RuntimeError("no free 10.X.0.0/16 subnet for network namespaces")
 
 
 def can_create_namespaces() -> bool:
@@ -35,9 +49,9 @@ class Hosts:
     """``n`` replica namespaces and one for the routers; ``close()`` (or leaving the ``with``
     block) deletes them, and with them their veth pairs. Stop the processes inside first."""
 
-    def __init__(self, n: int, subnet: int = 77):
+    def __init__(self, n: int):
         self.tag = f"{os.getpid() % 100000}"
-        self.prefix = f"10.{subnet}"
+        self.prefix = f"10.{free_subnet()}"
         self.router_ns = f"inflight-rt-{self.tag}"
         self.replica_ns = [f"inflight-r{i}-{self.tag}" for i in range(n)]
         self.created: list[str] = []

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -309,10 +310,11 @@ class Cluster:
     def stop(self) -> None:
         for proc in (self.router, self.haproxy):
             _stop(proc, 10)
-        for replica in self.replicas:
-            _stop(replica.frontend, 15)
-        for replica in self.replicas:
-            _stop(replica.triton, launch.EXIT_TIMEOUT_SECS + 15)
+        # Each tier's processes together: a tritonserver waits up to its exit timeout for a
+        # connection whose peer vanished unannounced (a partition's), and those waits overlap.
+        with ThreadPoolExecutor() as pool:
+            list(pool.map(lambda r: _stop(r.frontend, 15), self.replicas))
+            list(pool.map(lambda r: _stop(r.triton, launch.EXIT_TIMEOUT_SECS + 15), self.replicas))
 
 
 def local_replicas(n: int, base_port: int, host: str = "127.0.0.1", kv_events: bool = False) -> list[Replica]:

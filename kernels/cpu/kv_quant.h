@@ -1,8 +1,10 @@
 // Quantized KV rows (kernels/kv_store.py's KVQuantDtype): each (token, KV head) row of the
 // cache stored as one byte a value, int8 or fp8 (e4m3fn, e5m2), with one float32 scale,
 // value = decode(q) * scale, scale = max|row| / kMax. The RoPE-and-store quantizes with
-// `quantize_row` (layer_ops.cpp) and every attention path de-quantizes with `dequantize_row`
-// (paged_attention.cpp): one encoder and one decoder per format, for every vector width.
+// `quantize_row` (layer_ops.cpp); the attention decodes with `decode_lanes`, one decoder per
+// format for every vector width: the vectorised kernels (paged_attention.cpp) widen a cache
+// row's codes in registers and apply the row's scale once per row, the plain loops through
+// `dequantize_row`.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -23,14 +25,19 @@
 
 namespace inflight_cpu {
 
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x16 __attribute__((vector_size(64)));
+template <int L>
+using FloatLanes = std::conditional_t<L == 8, f32x8, f32x16>;
 
 // fp8 with kExp exponent and kMan mantissa bits. Decoding goes through float16, whose format
-// each fp8 one sits inside: `half_bits` moves a code's bits under float16's (one expression for a
-// scalar and for vector lanes), and float16 -> float32 is one instruction per 8 or 16 values
+// each fp8 one sits inside: `half_bits` moves a code's bits, sign-extended to 16 (what one
+// vpmovsxbw does to 8 or 16 codes), under float16's (one expression for a scalar and for vector
+// lanes), and float16 -> float32 is one instruction per 8 or 16 values
 // (F16C's vcvtph2ps) or, one at a time, a 256-entry table; both are exact, subnormals included.
 template <int kExp, int kMan, uint8_t kMaxCode>
 struct Fp8Format {
@@ -72,11 +79,12 @@ struct Fp8E4m3 : Fp8Format<4, 3, 0x7E> {  // largest 448
   static constexpr float kMax = 448.f;
   // Exponent and mantissa under float16's, sign on top: float16's bias 15 against e4m3's 7 makes
   // that the value / 2^8, for normals and subnormals alike. (0x7F, e4m3fn's NaN, which the encoder
-  // never writes, reads as 480.)
+  // never writes, reads as 480.) Shifted by 7, the sign-extended code has its sign in bits 15 and
+  // 14: bit 14 cleared, bit 15 is the sign.
   static constexpr float kHalfFactor = 256.f;
   template <typename U>
-  static U half_bits(U code) {
-    return ((code & 0x80) << 8) | ((code & 0x7F) << 7);
+  static U half_bits(U extended) {
+    return (extended << 7) & 0xBFFF;
   }
 };
 
@@ -84,13 +92,14 @@ struct Fp8E5m2 : Fp8Format<5, 2, 0x7B> {  // largest 57344
   static constexpr float kMax = 57344.f;
   static constexpr float kHalfFactor = 1.f;
   template <typename U>
-  static U half_bits(U code) {
-    return code << 8;  // e5m2 is float16's top byte
+  static U half_bits(U extended) {
+    return extended << 8;  // e5m2 is float16's top byte (the sign extension shifts out)
   }
 };
 
 // The cache element C of a quantized cache (int8_t, c10::Float8_e4m3fn, c10::Float8_e5m2):
-// kMax, encode(x / scale) and decode(q) (decode(q) * scale is the value).
+// kMax, encode(x / scale), decode(q) (decode(q) * scale is the value) and kLaneFactor (what
+// `decode_lanes` leaves out of decode(q): a power of two).
 template <typename C>
 struct KvQuant {
   static constexpr bool kQuantized = false;
@@ -100,20 +109,24 @@ template <>
 struct KvQuant<int8_t> {
   static constexpr bool kQuantized = true;
   static constexpr float kMax = 127.f;
+  static constexpr float kLaneFactor = 1.f;
   static int8_t encode(float x) { return static_cast<int8_t>(std::clamp(std::nearbyint(x), -kMax, kMax)); }
+  static float decode(int8_t q) { return static_cast<float>(q); }
 };
 
 template <typename Format, typename Storage>
 struct Fp8KvQuant : Format {
   static constexpr bool kQuantized = true;
+  static constexpr float kLaneFactor = Format::kHalfFactor;
   static Storage encode(float x) { return Storage(Format::encode(x), Storage::from_bits()); }
   static float half_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
   static inline const std::array<float, 256> kDecode = [] {
     std::array<float, 256> table{};
     for (int code = 0; code < 256; ++code)
-      table[code] = half_to_float(Format::half_bits(uint16_t(code))) * Format::kHalfFactor;
+      table[code] = half_to_float(Format::half_bits(uint16_t(int8_t(code)))) * Format::kHalfFactor;
     return table;
   }();
+  static float decode(Storage q) { return kDecode[q.x]; }
 };
 
 template <>
@@ -136,43 +149,59 @@ inline void quantize_row(const float* x, C* q, float* scale, int64_t n) {
   *scale = s;
 }
 
-// dst[i] = decode(src[i]) * scale, float32; the same bits whichever loop below takes an element
-// (a vector's decode times scale * kHalfFactor is the table's value times scale: both factors are
-// powers of two or exact products).
+// L codes (8 or 16) as float32 lanes, each decode(q) / kLaneFactor, exactly: int8 widened
+// (vpmovsxbd, vcvtdq2ps), fp8 through float16 (vpmovsxbw, half_bits, F16C's vcvtph2ps).
+// A row's values are these lanes times scale * kLaneFactor (a power of two times the scale, so
+// the same bits as decode(q) * scale).
+template <int L, typename C>
+inline FloatLanes<L> decode_lanes(const C* src) {
+  static_assert(L == 8 || L == 16, "vectors of 8 or 16 floats");
+  using Q = KvQuant<C>;
+  if constexpr (std::is_same_v<C, int8_t>) {
+#if defined(__AVX512F__)
+    if constexpr (L == 16) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#endif
+#if defined(__AVX2__)
+    if constexpr (L == 8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+#endif
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (L == 16) {
+      const u16x16 extended = u16x16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      return _mm512_cvtph_ps(__m256i(Q::half_bits(extended)));
+    }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+    if constexpr (L == 8) {
+      const u16x8 extended = u16x8(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+      return _mm256_cvtph_ps(__m128i(Q::half_bits(extended)));
+    }
+#endif
+  }
+  // A build without these instructions: one code at a time.
+  FloatLanes<L> lanes;
+  for (int i = 0; i < L; ++i) lanes[i] = Q::decode(src[i]) * (1.f / Q::kLaneFactor);
+  return lanes;
+}
+
+// dst[i] = decode(src[i]) * scale, float32, for the plain loops; the same bits whichever loop
+// below takes an element, and as the vectorised kernels' lanes times scale * kLaneFactor.
 template <typename C>
 inline void dequantize_row(const C* src, float* dst, int64_t n, float scale) {
-  if constexpr (std::is_same_v<C, int8_t>) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-  } else {
-    using Q = KvQuant<C>;
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
-    int64_t i = 0;
+  using Q = KvQuant<C>;
+  const float factor = scale * Q::kLaneFactor;
+  int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 scale16 = _mm512_set1_ps(scale * Q::kHalfFactor);
-    for (; i + 16 <= n; i += 16) {
-      u8x16 codes;
-      std::memcpy(&codes, bytes + i, sizeof codes);
-      const u16x16 half = Q::half_bits(__builtin_convertvector(codes, u16x16));
-      __m256i packed;
-      std::memcpy(&packed, &half, sizeof packed);
-      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(packed), scale16));
-    }
-#endif
-#if defined(__F16C__) && defined(__AVX__)
-    const __m256 scale8 = _mm256_set1_ps(scale * Q::kHalfFactor);
-    for (; i + 8 <= n; i += 8) {
-      u8x8 codes;
-      std::memcpy(&codes, bytes + i, sizeof codes);
-      const u16x8 half = Q::half_bits(__builtin_convertvector(codes, u16x8));
-      __m128i packed;
-      std::memcpy(&packed, &half, sizeof packed);
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(packed), scale8));
-    }
-#endif
-    const float* table = Q::kDecode.data();
-    for (; i < n; ++i) dst[i] = table[bytes[i]] * scale;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 values = decode_lanes<16>(src + i) * factor;
+    std::memcpy(dst + i, &values, sizeof values);
   }
+#endif
+  for (; i + 8 <= n; i += 8) {
+    const f32x8 values = decode_lanes<8>(src + i) * factor;
+    std::memcpy(dst + i, &values, sizeof values);
+  }
+  for (; i < n; ++i) dst[i] = Q::decode(src[i]) * scale;
 }
 
 // The cache element of a quantized cache's dtype: f(a null C*), true; false for any other dtype.

@@ -6,8 +6,12 @@
 // busy (a batch of a few decodes). A task first copies its context's rows out of the scattered
 // blocks into a buffer of its own, then scores every token of the run against it; softmax; then
 // the same for the values. Scores for the whole prefix are kept (heads x len floats per token).
-// Accumulation is float32 whatever the cache dtype. A run's tokens share the copy but not the
-// arithmetic, where a GEMM-based kernel would share each load among a tile of queries: long
+// Accumulation is float32 whatever the cache dtype. A quantized cache (int8, fp8) is copied as
+// stored, a byte a value, and its codes are widened to float32 lanes in the compute loops'
+// registers; each row's scale multiplies its dot product (a score) and its probability (a value
+// row's weight) once, so the cache moves a quarter of float32's bytes through the core. A run's
+// tokens share the copy but not the arithmetic, where a GEMM-based kernel would share each load
+// among a tile of queries: long
 // chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
 // (unless the engine runs batch-invariant).
 //
@@ -205,11 +209,16 @@ struct Shape {
   int64_t row_width() const { return num_kv_heads * head_dim; }  // one position: every KV head
 };
 
-// The cache's rows as the compute loops read them: a float cache's own dtype, quantized rows
-// (int8, fp8) de-quantized to float32 (kv_quant.h's dequantize_row) as they are copied out of
-// the cache.
-template <typename T, typename C>
-using RowOf = std::conditional_t<inflight_cpu::kIsQuantizedKv<C>, float, T>;
+// L values of a cache row as float32 lanes: a float cache's own, a quantized cache's codes
+// widened in registers without the row's scale (kv_quant.h's decode_lanes), which the compute
+// loops apply once per row (a score's dot product, a value row's weight).
+template <int L, typename C>
+inline vec<L> load_row_lanes(const C* src) {
+  if constexpr (inflight_cpu::kIsQuantizedKv<C>)
+    return inflight_cpu::decode_lanes<L>(src);
+  else
+    return load_vector<L>(src);
+}
 
 // Query heads of one GQA group scored and summed together, so that each K and V row is
 // loaded (and, for bf16, widened) once for all of them: as many as the registers hold, the
@@ -220,17 +229,18 @@ template <int L, int kVectors>
 constexpr int kHeadsPerPass = (L == 16 && kVectors <= 8) ? 3 : 1;
 
 // Scores of `kHeads` query heads (`q`, [kHeads, head_dim] float32) against the keys at `rows`,
-// written to scores + h * scores_stride + [0, valid).
-template <typename T, int L, int kVectors, int kHeads>
-inline void score_tile(const T* const (&rows)[kTileRows], const float* q, float* scores, int64_t scores_stride,
-                       int64_t valid) {
+// written to scores + h * scores_stride + [0, valid). A quantized cache's dot products are
+// multiplied by their rows' `row_factors` (scale * kLaneFactor).
+template <typename C, int L, int kVectors, int kHeads>
+inline void score_tile(const C* const (&rows)[kTileRows], const float (&row_factors)[kTileRows], const float* q,
+                       float* scores, int64_t scores_stride, int64_t valid) {
   constexpr int64_t kHeadDim = kVectors * L;
   vec<L> dots[kHeads][kTileRows] = {};
   for (int j = 0; j < kVectors; ++j) {
     vec<L> qj[kHeads];
     for (int h = 0; h < kHeads; ++h) qj[h] = load_vector<L>(q + h * kHeadDim + j * L);
     for (int64_t i = 0; i < kTileRows; ++i) {
-      const vec<L> key = load_vector<L>(rows[i] + j * L);
+      const vec<L> key = load_row_lanes<L>(rows[i] + j * L);
       for (int h = 0; h < kHeads; ++h) dots[h][i] += qj[h] * key;
     }
   }
@@ -243,6 +253,7 @@ inline void score_tile(const T* const (&rows)[kTileRows], const float* q, float*
     } else {
       tile = sum_lanes_of_8(dots[h]);
     }
+    if constexpr (inflight_cpu::kIsQuantizedKv<C>) tile *= load_vector<8>(row_factors);
     float* s = scores + h * scores_stride;
     if (valid == kTileRows)
       store_vector<8>(s, tile);
@@ -252,18 +263,24 @@ inline void score_tile(const T* const (&rows)[kTileRows], const float* q, float*
 }
 
 // out[h] += sum over the block's `count` rows of p[h][r] * value row r, for `kHeads` heads
-// (`out` [kHeads, head_dim] float32, `p` the first head's probabilities at the block's start).
-template <typename T, int L, int kVectors, int kHeads>
-inline void accumulate_values(const T* values, int64_t row_width, int64_t count, const float* p,
-                              int64_t scores_stride, float* out) {
+// (`out` [kHeads, head_dim] float32, `p` the first head's probabilities at the block's start);
+// a quantized row's weight is p[h][r] * row_factors[r] (scale * kLaneFactor).
+template <typename C, int L, int kVectors, int kHeads>
+inline void accumulate_values(const C* values, const float* row_factors, int64_t row_width, int64_t count,
+                              const float* p, int64_t scores_stride, float* out) {
   constexpr int64_t kHeadDim = kVectors * L;
   vec<L> acc[kHeads][kVectors];
   for (int h = 0; h < kHeads; ++h)
     for (int j = 0; j < kVectors; ++j) acc[h][j] = load_vector<L>(out + h * kHeadDim + j * L);
   for (int64_t r = 0; r < count; ++r) {
+    float weight[kHeads];
+    for (int h = 0; h < kHeads; ++h) {
+      weight[h] = p[h * scores_stride + r];
+      if constexpr (inflight_cpu::kIsQuantizedKv<C>) weight[h] *= row_factors[r];
+    }
     for (int j = 0; j < kVectors; ++j) {
-      const vec<L> value = load_vector<L>(values + r * row_width + j * L);
-      for (int h = 0; h < kHeads; ++h) acc[h][j] += p[h * scores_stride + r] * value;
+      const vec<L> value = load_row_lanes<L>(values + r * row_width + j * L);
+      for (int h = 0; h < kHeads; ++h) acc[h][j] += weight[h] * value;
     }
   }
   for (int h = 0; h < kHeads; ++h)
@@ -297,18 +314,23 @@ struct Task {
 // batch 32, contexts ~200: ~8 GB/s of KV); a copy loop that asks for the next block's lines while
 // it copies this one streams at the machine's rate, after which the arithmetic reads from L1/L2.
 // At most kGatherBytes at a time (a quarter of a Zen 4 core's L2): longer contexts are computed
-// in segments of whole blocks.
+// in segments of whole blocks. A quantized cache's rows are copied as they are stored (a byte a
+// value: a segment holds 2x a bf16 one's rows), and their scales beside them.
 constexpr int64_t kGatherBytes = 256 * 1024;
 
-template <typename C, typename R = C>
+template <typename C>
 struct Gatherer {
   const C* cache;
   const int32_t* table;
   int64_t block_stride, block_size, row_width, column, width;  // the task's columns of a row
-  R* local;
-  // Quantized caches: the rows' scales [block][row][KV head], and the head size they split rows by.
+  C* local;
+  // Quantized caches: the rows' scales [block][row][KV head], the head size they split rows by,
+  // and where each copied row's scale * kLaneFactor goes: [task's KV head][segment row], each
+  // head's run `local_scale_rows` long.
   const float* scales = nullptr;
   int64_t scale_block_stride = 0, head_dim = 0;
+  float* local_scales = nullptr;
+  int64_t local_scale_rows = 0;
 
   static void prefetch(const void* p, int64_t bytes) {
     const char* c = reinterpret_cast<const char*>(p);
@@ -321,7 +343,7 @@ struct Gatherer {
     } else {
       for (int64_t r = 0; r < rows; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(C)));
     }
-    if constexpr (!std::is_same_v<C, R>)
+    if constexpr (inflight_cpu::kIsQuantizedKv<C>)
       prefetch(scales + table[b] * scale_block_stride, rows * (row_width / head_dim) * int64_t(sizeof(float)));
   }
   // Rows [b_begin * block_size, end_row) into local (row r at (r - b_begin * block_size) * width),
@@ -335,15 +357,16 @@ struct Gatherer {
       else if (next >= 0)
         prefetch_block(next, next_rows);
       const C* src = cache + table[b] * block_stride + column;
-      R* dst = local + (b - b_begin) * block_size * width;
-      if constexpr (!std::is_same_v<C, R>) {
+      C* dst = local + (b - b_begin) * block_size * width;
+      if constexpr (inflight_cpu::kIsQuantizedKv<C>) {
         const int64_t heads = row_width / head_dim, first_head = column / head_dim;
         const float* scale = scales + table[b] * scale_block_stride + first_head;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t h = 0; h < width / head_dim; ++h)
-            inflight_cpu::dequantize_row(src + r * row_width + h * head_dim, dst + r * width + h * head_dim, head_dim,
-                                         scale[r * heads + h]);
-      } else if (width == row_width) {
+        float* local_scale = local_scales + (b - b_begin) * block_size;
+        for (int64_t h = 0; h < width / head_dim; ++h)
+          for (int64_t r = 0; r < rows; ++r)
+            local_scale[h * local_scale_rows + r] = scale[r * heads + h] * inflight_cpu::KvQuant<C>::kLaneFactor;
+      }
+      if (width == row_width) {
         std::memcpy(dst, src, rows * row_width * sizeof(C));
       } else {
         for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * width, src + r * row_width, width * sizeof(C));
@@ -363,13 +386,14 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 // heads as float32, [num_tokens][heads_in_task * group][head_dim]. Every token is computed as if
 // alone: its scores, softmax and value sums run in the order its context length sets, whatever
 // tokens and heads share the task.
-// C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale).
+// C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale,
+// and `local_scales` the copied rows').
 template <typename T, typename C, int L, int kVectors>
 void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
                             const float* v_scale, const int32_t* table, const Task& task, const Task* next,
                             const int32_t* next_table, float* out, const Shape& shape, float scale,
-                            std::vector<float>& query, std::vector<float>& scores, std::vector<RowOf<T, C>>& local) {
-  using R = RowOf<T, C>;
+                            std::vector<float>& query, std::vector<float>& scores, std::vector<C>& local,
+                            std::vector<float>& local_scales) {
   constexpr int64_t kHeadDim = kVectors * L;
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
@@ -379,15 +403,18 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   const int64_t num_blocks = (max_len + block_size - 1) / block_size;
   const int64_t scores_stride = (max_len + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t segment_blocks =
-      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(R))));
+      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(C))));
+  const int64_t segment_rows = std::min(segment_blocks, num_blocks) * block_size;
   const int64_t token_scores = num_heads * group * scores_stride;  // one token's rows of scores
 
   grow(query, task.num_tokens * heads_width);
   grow(scores, task.num_tokens * token_scores);
-  grow(local, std::min(segment_blocks, num_blocks) * block_size * width);
+  grow(local, segment_rows * width);
+  if constexpr (inflight_cpu::kIsQuantizedKv<C>) grow(local_scales, segment_rows * num_heads);
   float* const query_data = query.data();
   float* const scores_data = scores.data();
-  R* const local_data = local.data();
+  C* const local_data = local.data();
+  float* const local_scales_data = local_scales.data();
   for (int64_t t = 0; t < task.num_tokens; ++t)
     for (int64_t g = 0; g < num_heads * group; ++g)
       for (int j = 0; j < kVectors; ++j)
@@ -396,9 +423,10 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
                                        g * kHeadDim + j * L) *
                             scale);
 
-  Gatherer<C, R> keys{k_cache, table, shape.block_stride, block_size, row_width, task.head_begin * kHeadDim, width,
-                      local_data, k_scale, shape.scale_block_stride, kHeadDim};
-  Gatherer<C, R> values = keys;
+  Gatherer<C> keys{k_cache,   table,    shape.block_stride, block_size,        row_width,    task.head_begin * kHeadDim,
+                   width,     local_data, k_scale,          shape.scale_block_stride, kHeadDim, local_scales_data,
+                   segment_rows};
+  Gatherer<C> values = keys;
   values.cache = v_cache;
   values.scales = v_scale;
   // With the whole context in one segment, the values' lines are asked for (to L2) while the
@@ -411,24 +439,27 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
       if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
-      const R* block_rows = local_data + (b - s0) * block_size * width;
+      const C* block_rows = local_data + (b - s0) * block_size * width;
+      const float* block_scales = local_scales_data + (b - s0) * block_size;
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = task.first_len + t;
         if (first >= len) continue;
         const int64_t count = std::min(block_size, len - first);
         for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-          const R* rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
-          for (int64_t i = 0; i < kTileRows; ++i) rows[i] = block_rows + std::min(r0 + i, count - 1) * width;
+          int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+          for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
           const int64_t valid = std::min(kTileRows, count - r0);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const R* const head_rows[kTileRows] = {rows[0] + h * kHeadDim, rows[1] + h * kHeadDim,
-                                                   rows[2] + h * kHeadDim, rows[3] + h * kHeadDim,
-                                                   rows[4] + h * kHeadDim, rows[5] + h * kHeadDim,
-                                                   rows[6] + h * kHeadDim, rows[7] + h * kHeadDim};
+            const C* head_rows[kTileRows];
+            float row_factors[kTileRows] = {};
+            for (int64_t i = 0; i < kTileRows; ++i) {
+              head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
+              if constexpr (inflight_cpu::kIsQuantizedKv<C>) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
+            }
             for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
               const int64_t row = h * group + g;
-              score_tile<R, L, kVectors, decltype(heads)::value>(
-                  head_rows, query_data + t * heads_width + row * kHeadDim,
+              score_tile<C, L, kVectors, decltype(heads)::value>(
+                  head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
                   scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
             });
           }
@@ -443,7 +474,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
 
   // The core's next task's keys are asked for while this one's values are summed, spread over
   // its blocks, so that its copy starts from L2 rather than from memory.
-  Gatherer<C, R> next_keys = keys;
+  Gatherer<C> next_keys = keys;
   int64_t next_blocks = 0, next_len = 0;
   if (next != nullptr) {
     next_keys.table = next_table;
@@ -451,7 +482,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
     next_len = next->first_len + next->num_tokens - 1;
     next_blocks = std::min((next_len + block_size - 1) / block_size,
-                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(R)))));
+                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(C)))));
   }
 
   std::fill(out, out + task.num_tokens * heads_width, 0.f);
@@ -462,7 +493,8 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       const int64_t first = b * block_size;
       for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
         next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
-      const R* block_rows = local_data + (b - s0) * block_size * width;
+      const C* block_rows = local_data + (b - s0) * block_size * width;
+      const float* block_scales = local_scales_data + (b - s0) * block_size;
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = task.first_len + t;
         if (first >= len) continue;
@@ -470,8 +502,8 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
         for (int64_t h = 0; h < num_heads; ++h) {
           for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
             const int64_t row = h * group + g;
-            accumulate_values<R, L, kVectors, decltype(heads)::value>(
-                block_rows + h * kHeadDim, width, count, scores_data + t * token_scores + row * scores_stride + first,
+            accumulate_values<C, L, kVectors, decltype(heads)::value>(
+                block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count, scores_data + t * token_scores + row * scores_stride + first,
                 scores_stride, out + t * heads_width + row * kHeadDim);
           });
         }
@@ -577,7 +609,8 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
       // Kept from call to call (a step calls once per layer): freed and allocated again, they
       // would take fresh pages from the kernel, page faults and all, every time.
       thread_local std::vector<float> query, scores, result;
-      thread_local std::vector<RowOf<T, C>> local;
+      thread_local std::vector<C> local;
+      thread_local std::vector<float> local_scales;
       // Tasks are taken as cores come free, each core claiming its next task before it starts
       // one, so that it can ask for that task's first keys while it finishes this one.
       int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
@@ -588,7 +621,8 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
         const int64_t heads_width = (task.head_end - task.head_begin) * group * shape.head_dim;
         grow(result, task.num_tokens * heads_width);
         kernel(q + task.first_token * token_width, k_cache, v_cache, k_scale, v_scale, table(task.seq), task, next,
-               next != nullptr ? table(next->seq) : nullptr, result.data(), shape, scale, query, scores, local);
+               next != nullptr ? table(next->seq) : nullptr, result.data(), shape, scale, query, scores, local,
+               local_scales);
         for (int64_t t = 0; t < task.num_tokens; ++t)
           store_row(result.data() + t * heads_width,
                     out + (task.first_token + t) * token_width + task.head_begin * group * shape.head_dim,

@@ -170,6 +170,17 @@ def wait_for(outcome: Outcome, timeout: float = 120.0) -> Outcome:
     return outcome
 
 
+def wait_while_streaming(outcome: Outcome, idle_s: float = 60.0) -> Outcome:
+    """Waits for a long stream's final response for as long as responses keep coming, failing
+    only when none has come for `idle_s`: a stream that still streams is not hung, however
+    slow a loaded machine makes it."""
+    while not outcome.done.wait(1.0):
+        last = outcome.times[-1] if outcome.times else outcome.sent_at
+        idle = time.monotonic() - last
+        assert idle < idle_s, f"no response for {idle:.0f}s and no final one ({len(outcome.responses)} responses so far)"
+    return outcome
+
+
 def generate(url: str, model: str, inputs: list, parameters: dict | None = None, timeout: float = 120.0,
              grace: float = AFTER_FINAL_GRACE_S) -> Outcome:
     """One request on a stream of its own; waits for its final response, then `grace` more

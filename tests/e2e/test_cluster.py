@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import requests
 
-from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for
+from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for, wait_while_streaming
 from tools import scaleout
 from tools.launch import free_ports
 
@@ -209,7 +209,7 @@ def test_failover_when_a_replica_is_killed_and_its_rejoin(cluster):
 
         # Streams on the dead replica end with an error at once; the others run to the end.
         for o in outcomes:
-            wait_for(o, timeout=300)
+            wait_while_streaming(o)
         lost = [o for o in outcomes if o.error is not None]
         assert len(lost) == on_victim, f"lost {len(lost)} streams, {on_victim} were in flight on the killed replica"
         assert max(o.times[-1] for o in lost) - killed_at < 5, "a stream on the dead replica hung"

@@ -6,7 +6,10 @@ then restored.
 The same promises as tests/e2e/test_cluster.py's kill: the streams on the cut-off replica end
 with an error (within the health checks' 2 s, not the 10 min stream timeout), only those are
 lost, every request sent from 10 s after the cut succeeds through both routers, and the
-replica rejoins once its link is back. Needs root (ip netns); 32 streams keep it short.
+replica rejoins once its link is back. One more, that only a partition tests: the cut-off
+replica finds its dead router connection by gRPC keepalive (tools/launch.py) and drops it
+before the link comes back, rather than holding it, its unsent responses and its streams for
+TCP's minutes of retransmissions. Needs root (ip netns); 32 streams keep it short.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 import pytest
 
-from tests.e2e.e2e_util import Stream, inputs_for, wait_for
+from tests.e2e.e2e_util import Stream, inputs_for, wait_while_streaming
 from tests.e2e.test_cluster import (
     LONG_REQUEST,
     MAX_POSITIONS,
@@ -85,17 +88,25 @@ def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
             time.sleep(0.05)
         on_victim = streams_on(victim, survivor, NUM_STREAMS)
         assert 0 < on_victim < NUM_STREAMS
+        assert connections_to_grpc(victim), "the cut-off replica had no router connection to lose"
         cut_at = time.monotonic()
         hosts.cut(victim.index)
 
+        # Keepalive: a ping every 10 s, 5 s for its answer; the rest is slack for a loaded machine.
+        while connections_to_grpc(victim):
+            assert time.monotonic() < cut_at + 45, "the cut-off replica still holds its dead router connection"
+            time.sleep(0.5)
+        dropped_after = time.monotonic() - cut_at
+
         for o in outcomes:
-            wait_for(o, timeout=300)
+            wait_while_streaming(o)
         lost = [o for o in outcomes if o.error is not None]
         assert len(lost) == on_victim, f"lost {len(lost)} streams, {on_victim} were in flight on the cut-off replica"
         assert max(o.times[-1] for o in lost) - cut_at < 10, "a stream on the cut-off replica hung"
         assert all(o.finals == 1 and o.after_final == 0 for o in outcomes)
         print(f"\npartition: {len(lost)} of {NUM_STREAMS} streams lost, all on the cut-off replica, "
-              f"ended {max(o.times[-1] for o in lost) - cut_at:.1f} s after the cut")
+              f"ended {max(o.times[-1] for o in lost) - cut_at:.1f} s after the cut; the replica dropped its dead "
+              f"router connection {dropped_after:.1f} s after the cut")
     finally:
         for s in streams:
             s.close()
@@ -103,9 +114,18 @@ def test_a_partitioned_replica_fails_over_and_rejoins(hosts, cluster):
     client = assert_survivor_serves(cluster, survivor, failed_at=cut_at, rounds=4)
 
     hosts.restore(victim.index)
-    # The cut-off streams ran on (nothing told the replica); let them end before counting.
+    # Its streams were cancelled with the connection, or finished; either way none is left.
     deadline = time.monotonic() + 120
     while in_flight(victim):
-        assert time.monotonic() < deadline, "the replica never finished the streams cut off from it"
+        assert time.monotonic() < deadline, "the replica never ended the streams cut off from it"
         time.sleep(0.5)
     assert_rejoins(cluster, victim, client)
+
+
+def connections_to_grpc(replica: scaleout.Replica) -> int:
+    """Established TCP connections from other hosts to the replica's gRPC port (its own OpenAI
+    frontend's is local), as its namespace sees them: reachable while its link is cut."""
+    ss = subprocess.run(["ip", "netns", "exec", replica.netns, "ss", "-Htn", "state", "established",
+                         f"( sport = :{replica.port(scaleout.GRPC)} )"], capture_output=True, text=True, check=True)
+    peers = [line.split()[-1] for line in ss.stdout.splitlines()]
+    return sum(1 for peer in peers if replica.host not in peer)

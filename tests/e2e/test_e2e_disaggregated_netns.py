@@ -31,8 +31,7 @@ SAMPLING = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 def hosts():
     if not netns.can_create_namespaces():
         pytest.skip("creating network namespaces needs root (ip netns add)")
-    # Subnet 79: other netns tests (77, 78) may run alongside.
-    with netns.Hosts(2, subnet=79) as h:
+    with netns.Hosts(2) as h:
         yield h
 
 

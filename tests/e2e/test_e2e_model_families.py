@@ -1,7 +1,10 @@
 """The non-Llama families through tritonserver: tiny Qwen3, Phi-3, Qwen3-MoE, Gemma 2 and Gemma 3
-checkpoints, served by one tritonserver as models `llm`, `phi3`, `moe`, `gemma2` and `gemma3`, answer concurrent greedy requests with the token ids and
-text of transformers generate() (the engine-level family tests are
-tests/engine/test_model_families.py).
+checkpoints, served by one tritonserver as models `llm`, `phi3`, `moe`, `gemma2` and `gemma3`, answer
+concurrent greedy requests with the token ids and text of transformers generate() (the
+engine-level family tests are tests/engine/test_model_families.py). A tiny Mistral, `mistral`,
+with a window of 16 positions on every layer and a pool of 12 blocks of 8 tokens, serves prompts
+past its window, a prefix-cache hit on one, and a request longer than its whole pool
+(tests/engine/test_sliding_window.py is the engine-level test).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import transformers
 
 from backend.detokenizer import INCOMPLETE
 from tests.checkpoints import hf_greedy, make_tiny_checkpoint
-from tests.e2e.e2e_util import greedy_tokens_and_texts
+from tests.e2e.e2e_util import greedy_tokens_and_texts, wait_idle
 from tests.engine.test_model_families import CASES, MAX_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,6 +23,12 @@ PHI3_CASE = "phi3-fused-untied-gqa"
 MOE_CASE = "qwen3-moe-dense-layer0-unnormalised"
 GEMMA2_CASE = "gemma2-window16-softcap"
 GEMMA3_CASE = "gemma3-local-global-two-ropes"
+WINDOW = 16
+# 12 blocks of 8 tokens, prefill chunks of 13: a 16-position window holds at most 5 blocks.
+MISTRAL_PARAMETERS = {"max_num_seqs": "4", "num_kv_blocks": "12", "block_size": "8",
+                      "long_prefill_token_threshold": "13", "max_model_len": "256"}
+PAST_THE_WINDOW = ("A sliding window lets every token attend to the last few positions only, so a model can "
+                   "serve long sequences while it keeps the cache of a short one; tell me more about that.")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,11 @@ def families_server(tritonserver, tiny_checkpoint, tmp_path_factory):
         family, overrides, _ = CASES[case]
         paths[model] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(model) / "ckpt"), family=family, **overrides)
     parameters = {"max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "256"}
-    with tritonserver({model: {"model_path": path, **parameters} for model, path in paths.items()}) as server:
+    models = {model: {"model_path": path, **parameters} for model, path in paths.items()}
+    paths["mistral"] = make_tiny_checkpoint(str(tmp_path_factory.mktemp("mistral") / "ckpt"), family="mistral",
+                                            sliding_window=WINDOW)
+    models["mistral"] = {"model_path": paths["mistral"], **MISTRAL_PARAMETERS}
+    with tritonserver(models) as server:
         yield server, paths
 
 
@@ -58,3 +71,34 @@ def test_family_through_tritonserver_matches_transformers(families_server, model
         # Random weights may end on part of a UTF-8 sequence, which is never streamed (as vLLM's
         # detokenizer does): transformers shows it as U+FFFD.
         assert text == tokenizer.decode(want, skip_special_tokens=True).rstrip(INCOMPLETE)
+
+
+def reused_blocks(server) -> float:
+    return wait_idle(server.metrics_port, "mistral").get("nv_trt_llm_kv_cache_block_metrics", model="mistral",
+                                                         kv_cache_block_type="reused")
+
+
+@pytest.mark.e2e
+def test_mistral_past_its_window_and_longer_than_its_pool(families_server):
+    """A prompt past the 16-position window gives transformers' tokens; the same request again
+    hits the prefix cache (the blocks of its prompt, those behind the window too) and gives them
+    again; then a request of 150 tokens, more than the pool's 96, is admitted and gives
+    transformers' tokens, holding a window's blocks at a time."""
+    server, paths = families_server
+    path = paths["mistral"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = tokenizer.encode(PAST_THE_WINDOW)
+    assert 2 * WINDOW < len(prompt_ids) < 96 - 24
+    want = hf_greedy(path, [prompt_ids], 24)[0]
+    before = reused_blocks(server)
+    for _ in range(2):
+        [(token_ids, text)] = greedy_tokens_and_texts(server.grpc_url, "mistral", [PAST_THE_WINDOW], 24)
+        assert token_ids == want
+        assert text == tokenizer.decode(want, skip_special_tokens=True).rstrip(INCOMPLETE)
+    # The second request's hit: every full block of its prompt but one that would hold its last token.
+    assert reused_blocks(server) - before == (len(prompt_ids) - 1) // 8
+    max_tokens = 150 - len(prompt_ids)
+    [(token_ids, _)] = greedy_tokens_and_texts(server.grpc_url, "mistral", [PAST_THE_WINDOW], max_tokens)
+    assert token_ids == hf_greedy(path, [prompt_ids], max_tokens)[0]
+    idle = wait_idle(server.metrics_port, "mistral")
+    assert idle.get("nv_trt_llm_kv_cache_block_metrics", model="mistral", kv_cache_block_type="used") == 0

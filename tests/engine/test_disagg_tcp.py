@@ -247,8 +247,7 @@ def test_the_decode_loop_steps_on_while_a_pull_waits_on_the_network(tiny_checkpo
 def hosts():
     if not netns.can_create_namespaces():
         pytest.skip("creating network namespaces needs root (ip netns add)")
-    # Subnet 78: the cluster's netns tests use 77 and may run alongside.
-    with netns.Hosts(1, subnet=78) as h:
+    with netns.Hosts(1) as h:
         yield h
 
 

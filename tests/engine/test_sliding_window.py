@@ -6,7 +6,9 @@ attention's inputs: staggered arrivals with chunked prefill, prefix-cache hits, 
 recompute and by swap, parallel sampling. Where every layer slides with the one window (Mistral,
 Phi-3) the KV cache releases the blocks behind it: a long generation holds a bounded number of
 blocks, and a later request's prefix-cache hit on blocks released that way gives transformers'
-tokens. Qwen2 here keeps a full-attention layer 0 (max_window_layers=1), so it keeps every block.
+tokens, and admission counts a window's blocks, not a request's length: a request longer than
+the whole pool is served. Qwen2 here keeps a full-attention layer 0 (max_window_layers=1), so it
+keeps every block, and its admission counts every block.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import transformers
 
 from backend import kv_events
 from backend.models.loader import load_arch
-from backend.request import SamplingParams
-from tests.checkpoints import hf_greedy
+from backend.request import RequestError, SamplingParams
+from tests.checkpoints import hf_greedy, make_tiny_checkpoint
 from tests.engine.test_engine_equivalence import probe_logprobs, run_engine
 from tests.engine.test_parallel_sampling import Run, make_engine, sampled
 from tests.engine.windowed_scenarios import (
@@ -190,3 +192,85 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(windowed):
     alone = logprobs_beside([])
     assert len(alone) == 40
     assert logprobs_beside(CHOSEN[:6]) == alone
+
+
+# ---- admission counts the blocks held at once -------------------------------------------------
+
+# A pool of 8 blocks of 8 tokens (64 tokens); prefill chunks of 13: a 16-position window holds at
+# most (16 - 1 + 13) / 8 + 1 = 5 blocks at once.
+SMALL_POOL = dict(block_size=8, num_kv_blocks=8, long_prefill_token_threshold=13, max_model_len=256)
+LONGER_THAN_THE_POOL = 150   # prompt + max_tokens, in tokens
+
+
+@pytest.fixture(scope="module", params=["mistral", "phi3"])
+def every_layer_windowed(request, tmp_path_factory) -> str:
+    family, overrides = CASES[request.param]
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp(f"{request.param}-admission")), family=family,
+                                **overrides)
+
+
+def long_request(prompt: list[int]) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=LONGER_THAN_THE_POOL - len(prompt), ignore_eos=True)
+
+
+def assert_refused_for_the_pool(path: str) -> None:
+    engine = make_engine(path, **SMALL_POOL)
+    with pytest.raises(RequestError) as refused:
+        engine.add_request("long", CHOSEN[-1], long_request(CHOSEN[-1]))
+    assert refused.value.code == RequestError.INVALID_ARG and refused.value.param == "max_tokens"
+    assert str(refused.value) == (f"max_tokens: prompt ({len(CHOSEN[-1])} tokens) + max_tokens "
+                                  f"({LONGER_THAN_THE_POOL - len(CHOSEN[-1])}) needs 19 KV blocks of 8 tokens; "
+                                  "the whole pool has 8")
+
+
+def test_a_request_longer_than_the_whole_pool(every_layer_windowed, tmp_path):
+    """A request of 150 tokens from a pool of 64 gives transformers' tokens, holding at most 5
+    blocks, and every block is back in the pool at the end. The same checkpoint without its
+    window refuses it, naming max_tokens and the pool."""
+    path = every_layer_windowed
+    prompt = CHOSEN[-1]
+    engine = make_engine(path, **SMALL_POOL)
+    request = engine.add_request("long", prompt, long_request(prompt))
+    run = Run(engine).until_idle()   # checks the pool's invariants after every step, and that none leaked
+    assert request.output_token_ids == hf_greedy(path, [prompt], LONGER_THAN_THE_POOL - len(prompt))[0]
+    assert 0 < run.peak_blocks <= 5 and engine.kv.pool.num_used == 0
+    global_path = with_config(path, tmp_path / "global", sliding_window=None)
+    assert load_arch(global_path)[0].sliding_window is None
+    assert_refused_for_the_pool(global_path)
+
+
+def test_windowed_and_global_layers_count_every_block(tmp_path):
+    """Qwen2 with a full-attention layer 0 keeps every block: the long request is refused."""
+    family, overrides = CASES["qwen2"]
+    path = make_tiny_checkpoint(str(tmp_path / "qwen2"), family=family, **overrides)
+    assert WINDOW in load_arch(path)[0].layer_windows
+    assert_refused_for_the_pool(path)
+
+
+def test_a_window_that_does_not_fit_the_pool_is_refused(every_layer_windowed):
+    """Four blocks cannot hold a 16-position window's five: the refusal says what it counted."""
+    engine = make_engine(every_layer_windowed, **{**SMALL_POOL, "num_kv_blocks": 4})
+    with pytest.raises(RequestError) as refused:
+        engine.add_request("long", CHOSEN[-1], SamplingParams(temperature=0.0, max_tokens=100))
+    assert refused.value.param == "max_tokens"
+    assert str(refused.value) == (f"max_tokens: prompt ({len(CHOSEN[-1])} tokens) + max_tokens (100) needs 5 KV "
+                                  "blocks of 8 tokens "
+                                  "at once (a sliding window of 16 positions, steps of up to 13 tokens); "
+                                  "the whole pool has 4")
+    engine.add_request("short", CHOSEN[0], SamplingParams(temperature=0.0, max_tokens=10))   # 2 blocks: fits
+    Run(engine).until_idle()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_requests_longer_than_the_pool_preempt_each_other(every_layer_windowed, mode):
+    """Three requests of 150 tokens each through the pool of 64: they preempt one another, a
+    request preempted once is protected and reserves a window's blocks (which move with its
+    window), and each gives transformers' tokens."""
+    path = every_layer_windowed
+    prompts = [CHOSEN[-1], CHOSEN[-2], CHOSEN[-3]]
+    expected = [hf_greedy(path, [p], LONGER_THAN_THE_POOL - len(p))[0] for p in prompts]
+    engine = make_engine(path, **SMALL_POOL, preemption_mode=mode, swap_space_mb=1, max_preemptions=1)
+    requests = [engine.add_request(f"r{i}", p, long_request(p)) for i, p in enumerate(prompts)]
+    Run(engine).until_idle()
+    assert engine.stats.totals.preemptions > 0
+    assert [r.output_token_ids for r in requests] == expected

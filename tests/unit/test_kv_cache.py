@@ -589,6 +589,45 @@ def test_no_window_keeps_every_block():
     assert a.num_freed_blocks == 0 and kv.pool.num_used == 5
 
 
+def test_a_hit_takes_only_the_blocks_its_window_reaches():
+    kv = KVCacheManager(16, BS, window=6, max_step_tokens=4)
+    a = make_request("a", list(range(20)))
+    assert kv.allocate(a, 20)
+    blocks = list(a.block_ids)
+    a.num_computed_tokens = 20
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    b = make_request("b", list(range(20)) + [99])
+    cached = kv.find_cached_prefix(b)
+    assert cached == blocks
+    assert kv._num_blocks_to_take(b, 1, cached) == 3   # blocks 3 and 4 revived, one for token 20
+    assert kv.allocate(b, 1, cached)   # token 20 sees 15..20: blocks 0..2 (..11) are behind
+    assert b.block_ids[:5] == [NULL_BLOCK] * 3 + blocks[3:] and b.num_freed_blocks == 3
+    assert b.num_computed_tokens == 20 and b.num_registered_blocks == 5 and kv.pool.num_used == 3
+    kv.check_invariants()
+    kv.free(b)
+    assert kv.pool.num_used == 0
+    kv.check_invariants()
+
+
+def test_admission_and_reservation_count_a_window_of_blocks():
+    """Steps of 4 tokens through a window of 6: (6 - 1 + 4) / 4 + 1 = 4 blocks at once, however
+    long the request; a protected request reserves those, ahead of its released front."""
+    kv = KVCacheManager(16, BS, window=6, max_step_tokens=4)
+    assert kv.max_live_blocks(10) == 3 and kv.max_live_blocks(400) == 4
+    assert KVCacheManager(16, BS).max_live_blocks(400) == 100
+    c = make_request("c", list(range(8)), max_tokens=40)   # 47 tokens of KV
+    assert kv.reserved_tokens(c) == 16
+    assert kv.allocate(c, 4, reserve_tokens=kv.reserved_tokens(c)) and len(c.block_ids) == 4
+    c.num_computed_tokens = 12   # sees 7..12: block 0 (0..3) behind
+    kv.free_behind_window(c, reserve=True)
+    assert c.num_freed_blocks == 1 and len(c.block_ids) == 5 and kv.pool.num_used == 4
+    assert kv.reserved_tokens(c) == 20
+    kv.check_invariants()
+    kv.free(c)
+    kv.check_invariants()
+
+
 def test_back_from_swap_space_the_released_front_is_not_taken_again():
     kv = KVCacheManager(8, BS, window=4)
     a = make_request("a", list(range(18)))

@@ -59,7 +59,16 @@ import triton_python_backend_utils as pb_utils
 
 from backend import thread_binding
 from backend.cancel_flag import CANCEL_FLAG_TENSOR, cancel_flag_path
-from backend.protocol import INPUTS, OUTPUTS, TRANSFER_TENSOR, BadRequest, ResponseEncoder, parse_request
+from backend.protocol import (
+    ERROR_TENSOR,
+    INPUTS,
+    OUTPUTS,
+    TRANSFER_TENSOR,
+    BadRequest,
+    ResponseEncoder,
+    error_output,
+    parse_request,
+)
 from backend.readiness import HttpReadinessProbe, model_ready
 from backend.request import RequestStatus
 from backend.response_queue import EngineOutput, FailLive, LiveRequest, MetricUpdates, StopResponses
@@ -129,6 +138,8 @@ class TritonPythonModel:
             auto_complete_model_config.add_output(transfer)
         if role == "decode" and TRANSFER_TENSOR not in have_inputs:
             auto_complete_model_config.add_input({**transfer, "optional": True})
+        if role == "decode" and ERROR_TENSOR not in have_outputs:
+            auto_complete_model_config.add_output({"name": ERROR_TENSOR, "data_type": "TYPE_STRING", "dims": [1]})
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
@@ -249,7 +260,7 @@ class TritonPythonModel:
             leftovers = list(self._live.values())
             self._live.clear()
         for live in leftovers:
-            self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE")
+            self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE", live.error_as_output)
         # Released only here: the loop, stopped above, is what updates them.
         self.loop.observer = None
         if self._engine_metrics is not None:
@@ -264,7 +275,9 @@ class TritonPythonModel:
 
         for request in requests:
             sender = request.get_response_sender()
+            error_as_output = False
             try:
+                error_as_output = ERROR_TENSOR in (request.requested_output_names() or ())
                 if self._unhealthy:
                     raise RequestError(RequestError.UNAVAILABLE, UNHEALTHY_MESSAGE)
                 if self._shutting_down:
@@ -274,14 +287,14 @@ class TritonPythonModel:
                 params = parse_sampling_params(parsed.sampling, stream=parsed.stream)
                 cancel_flag = _cancel_flag(request)
             except BadRequest as exc:
-                self._send_error(sender, str(exc), "INVALID_ARG")
+                self._send_error(sender, str(exc), "INVALID_ARG", error_as_output)
                 continue
             except RequestError as exc:
-                self._send_error(sender, str(exc), exc.code)
+                self._send_error(sender, str(exc), exc.code, error_as_output)
                 continue
             except Exception as exc:  # one bad request must not fail the batch
                 self.logger.log_error(f"[inflight] bad request: {traceback.format_exc()}")
-                self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
+                self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG", error_as_output)
                 continue
 
             transfer = None
@@ -289,13 +302,15 @@ class TritonPythonModel:
                 transfer = _input_reader(request)(TRANSFER_TENSOR)
                 if transfer is None:
                     self._send_error(sender, f"{TRANSFER_TENSOR}: a model of role 'decode' serves only requests "
-                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG")
+                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG",
+                                     error_as_output)
                     continue
                 transfer = transfer.reshape(-1)[0]
                 transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
-            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval), cancel_flag=cancel_flag)
+            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval), cancel_flag=cancel_flag,
+                               error_as_output=error_as_output)
             with self._live_lock:
                 self._live[request_id] = live
             try:
@@ -315,11 +330,11 @@ class TritonPythonModel:
                 )
             except RequestError as exc:
                 self._forget(request_id)
-                self._send_error(sender, str(exc), exc.code)
+                self._send_error(sender, str(exc), exc.code, error_as_output)
             except Exception as exc:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] submit failed: {traceback.format_exc()}")
-                self._send_error(sender, f"internal error: {exc}", "INTERNAL")
+                self._send_error(sender, f"internal error: {exc}", "INTERNAL", error_as_output)
             if self._unhealthy:  # found so while this request was being added: the engine will not end it
                 self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
         return None
@@ -330,11 +345,18 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ responses
 
-    def _send_error(self, sender, message: str, code: str) -> None:
+    def _send_error(self, sender, message: str, code: str, as_output: bool = False) -> None:
+        """The request's final response: the error `code` (a pb_utils.TritonError name) with
+        `message`; with `as_output` (its request asked for ERROR_TENSOR), an ordinary response
+        that carries them in that output."""
         try:
-            response = pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
-            )
+            if as_output:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(ERROR_TENSOR, error_output(message, code))])
+            else:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
+                )
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # the client may be gone
             self.logger.log_warn(f"[inflight] could not send error response: {traceback.format_exc()}")
@@ -392,7 +414,7 @@ class TritonPythonModel:
             self._live.clear()
         for live in lives:
             live.ended = True
-            self._send_error(live.sender, message, code)
+            self._send_error(live.sender, message, code, live.error_as_output)
 
     def _on_engine_output(self, live: LiveRequest, output: RequestOutput, respond: bool = True) -> None:
         """Sends the response `output` calls for, or (respond False, a later output of the same
@@ -493,11 +515,12 @@ class TritonPythonModel:
             self._forget(live.request_id)
             live.ended = True
             if output.error is not None:
-                self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"))
+                self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"),
+                                 live.error_as_output)
                 return
             if output.finish_reason == "abort" and live.cancelled:
                 self.logger.log_verbose(f"[inflight] request {live.request_id} cancelled by the client")
-                self._send_error(live.sender, "request was cancelled", "CANCELLED")
+                self._send_error(live.sender, "request was cancelled", "CANCELLED", live.error_as_output)
                 return
             if output.transfer is not None:  # role prefill: the decode model generates the rest
                 handle = np.array([output.transfer.encode()], dtype=np.object_)

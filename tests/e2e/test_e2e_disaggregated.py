@@ -218,24 +218,39 @@ def test_a_stream_cancelled_mid_prefill_is_cancelled_in_the_prefill_model(disagg
     assert {m: transfers[m] - transfers_before[m] for m in MODELS} == {m: 1 for m in MODELS}
 
 
-# Seen twice: llm_decode's engine cancels the request at once (its cancellation counted, its
-# blocks freed, the engine idle), but the BLS model's `exec(decoupled=True)` iterator on
-# llm_decode does not end after llm_decode's final CANCELLED error, so the BLS model waits
-# out CANCEL_DRAIN_S (30 s, logged) before it removes the flag and ends its request. Not yet
-# understood; mid-prefill the same path ends at once.
-BLS_DRAIN_GAP = ("the BLS model's llm_decode iterator does not end after llm_decode's CANCELLED final: "
-                 "the flag stays CANCEL_DRAIN_S (model_repository_disaggregated/llm/1/model.py)")
+# Well under the `llm` model's CANCEL_DRAIN_S (30 s): a cancelled request whose engine model's
+# final response did not reach the BLS model would take that long (and leave its reader thread).
+BLS_ENDS_CANCELLED_WITHIN_S = 10.0
 
 
-@pytest.mark.xfail(strict=True, reason=BLS_DRAIN_GAP)
-def test_a_stream_cancelled_mid_decode_is_cancelled_in_the_decode_model(disaggregated_server):
-    url, metrics_port = disaggregated_server.grpc_url, disaggregated_server.metrics_port
-    before = _counts(metrics_port, "inflight_cancellations_total")
-    stream = Stream(url)
+def _bls_threads(server) -> int:
+    """The threads of the `llm` model's stub: one serving thread and one reader a request."""
+    return len(os.listdir(f"/proc/{_stub_pid(server, 'llm')}/task"))
+
+
+def cancel_mid_decode(server) -> None:
+    """A stream cancelled once llm_decode streams its tokens: the BLS model ends the request
+    within BLS_ENDS_CANCELLED_WITHIN_S, left with no thread of it; llm_decode's engine
+    cancelled it (llm_prefill's had handed it over), both engines hold no block and the
+    next request is served."""
+    before = _counts(server.metrics_port, "inflight_cancellations_total")
+    outcome = generate(server.grpc_url, "llm", inputs_for(PROMPTS[1], {"temperature": 0, "max_tokens": 2},
+                                                          stream=True))
+    assert outcome.error is None and outcome.finals == 1, outcome.message
+    idle_threads = _bls_threads(server)
+    stream = Stream(server.grpc_url)
     cancelled = _long_decode(stream)
+    assert _bls_threads(server) > idle_threads
     stream.close(cancel=True)
-    _assert_cancelled_at(disaggregated_server, "llm_decode", before)
+    wait_until(lambda: _bls_threads(server) == idle_threads, BLS_ENDS_CANCELLED_WITHIN_S, 0.05,
+               "the `llm` model's threads of the cancelled request ended")
+    _assert_cancelled_at(server, "llm_decode", before)
     assert cancelled.finals == 0  # a client that cancels hears nothing more
+    assert _bls_threads(server) == idle_threads
+
+
+def test_a_stream_cancelled_mid_decode_is_cancelled_in_the_decode_model(disaggregated_server):
+    cancel_mid_decode(disaggregated_server)
 
 
 # ---- pressure and failure, on a server of their own (its prefill model's process is killed) ----

@@ -9,7 +9,8 @@ handle goes, with the client's inputs, to the decode model, which imports the re
 streams every token from the first, as the `llm` model of model_repository/ would; its
 responses are the client's. Each response is passed on once the next has arrived, so the
 final flag rides on the last response that carries data, and the client gets exactly one
-final response whatever happens on the way.
+final response whatever happens on the way. llm_decode's errors come in its `error` output
+(backend/protocol.py ERROR_TENSOR says why), and go on to the client as errors.
 
 A client that cancels its stream (or whose connection goes) cancels the request at the
 model it waits on: tritonserver 2.51's Python backend cannot cancel a BLS request, so each
@@ -46,7 +47,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.cancel_flag import CANCEL_FLAG_TENSOR, lower_cancel_flag, new_cancel_flag, raise_cancel_flag
-from backend.protocol import TRANSFER_TENSOR
+from backend.protocol import ERROR_TENSOR, TRANSFER_TENSOR, read_error_output
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often a request waiting on a model asks whether the model's processes still live.
@@ -135,9 +136,9 @@ class TritonPythonModel:
                     if not cancel.poll():
                         handle = np.array([transfer], dtype=np.object_)
                         for response in self._exec(self.decode_model,
-                                                   [*inputs, pb_utils.Tensor(TRANSFER_TENSOR, handle)], requested,
-                                                   cancel):
-                            imported = imported or not response.has_error()
+                                                   [*inputs, pb_utils.Tensor(TRANSFER_TENSOR, handle)],
+                                                   [*requested, ERROR_TENSOR], cancel):
+                            imported = imported or _error(response) is None
                             cancel.relay(relay, response)
                 finally:
                     if not imported:  # maybe never claimed: this model lets it go, not its expiry
@@ -258,6 +259,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _error(response):
+    """The error `response` ends its request with: its own, or the one llm_decode sends in
+    its ERROR_TENSOR output (backend/protocol.py says why); None for a response with data."""
+    if response.has_error():
+        return response.error()
+    tensor = pb_utils.get_output_tensor_by_name(response, ERROR_TENSOR)
+    if tensor is None:
+        return None
+    code, message = read_error_output(tensor.as_numpy())
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
+
+
 def _discard(transfer) -> None:
     from backend.disagg import discard_transfer
 
@@ -317,10 +330,11 @@ class _Relay:
     def put(self, response) -> None:
         if self.ended:
             return
-        if response.has_error():  # an error ends the request: one final response
+        error = _error(response)
+        if error is not None:  # an error ends the request: one final response
             self.held = None
             self.ended = True
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=response.error()), flags=FINAL)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
             return
         if self.held is not None:
             self.sender.send(self.held, flags=0)

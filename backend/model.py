@@ -275,9 +275,7 @@ class TritonPythonModel:
 
         for request in requests:
             sender = request.get_response_sender()
-            error_as_output = False
             try:
-                error_as_output = ERROR_TENSOR in (request.requested_output_names() or ())
                 if self._unhealthy:
                     raise RequestError(RequestError.UNAVAILABLE, UNHEALTHY_MESSAGE)
                 if self._shutting_down:
@@ -287,14 +285,14 @@ class TritonPythonModel:
                 params = parse_sampling_params(parsed.sampling, stream=parsed.stream)
                 cancel_flag = _cancel_flag(request)
             except BadRequest as exc:
-                self._send_error(sender, str(exc), "INVALID_ARG", error_as_output)
+                self._send_error(sender, str(exc), "INVALID_ARG")
                 continue
             except RequestError as exc:
-                self._send_error(sender, str(exc), exc.code, error_as_output)
+                self._send_error(sender, str(exc), exc.code)
                 continue
             except Exception as exc:  # one bad request must not fail the batch
                 self.logger.log_error(f"[inflight] bad request: {traceback.format_exc()}")
-                self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG", error_as_output)
+                self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
                 continue
 
             transfer = None
@@ -302,12 +300,14 @@ class TritonPythonModel:
                 transfer = _input_reader(request)(TRANSFER_TENSOR)
                 if transfer is None:
                     self._send_error(sender, f"{TRANSFER_TENSOR}: a model of role 'decode' serves only requests "
-                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG",
-                                     error_as_output)
+                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG")
                     continue
                 transfer = transfer.reshape(-1)[0]
                 transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+            # Only a response after the first can be lost (backend/protocol.py ERROR_TENSOR), so
+            # an error answered before the request is live goes as an error.
+            error_as_output = cancel_flag is not None and ERROR_TENSOR in (request.requested_output_names() or ())
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
             live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval), cancel_flag=cancel_flag,
                                error_as_output=error_as_output)
@@ -330,11 +330,11 @@ class TritonPythonModel:
                 )
             except RequestError as exc:
                 self._forget(request_id)
-                self._send_error(sender, str(exc), exc.code, error_as_output)
+                self._send_error(sender, str(exc), exc.code)
             except Exception as exc:
                 self._forget(request_id)
                 self.logger.log_error(f"[inflight] submit failed: {traceback.format_exc()}")
-                self._send_error(sender, f"internal error: {exc}", "INTERNAL", error_as_output)
+                self._send_error(sender, f"internal error: {exc}", "INTERNAL")
             if self._unhealthy:  # found so while this request was being added: the engine will not end it
                 self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
         return None

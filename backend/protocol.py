@@ -59,8 +59,9 @@ RETURN_FLAGS = (
 # Disaggregated serving (backend/disagg.py): the handle of a request's KV transfer, an
 # output (TYPE_STRING [1]) of a role-prefill model and an input of a role-decode model.
 TRANSFER_TENSOR = "transfer"
-# Disaggregated serving: an output (TYPE_STRING [1]) of a role-decode model. A request that
-# asks for it gets its error as this output of an ordinary final response, JSON
+# Disaggregated serving: an output (TYPE_STRING [1]) of a role-decode model. A request the
+# `llm` BLS model sent (it carries `cancel_flag`) that asks for it gets its error, once it was
+# taken in, as this output of an ordinary final response, JSON
 # {"code": "CANCELLED", "message": "..."}, instead of as the response's error: tritonserver
 # 2.51's Python backend loses a BLS model's error response that is not a request's first
 # (python_backend r24.10 InferResponse::SaveToSharedMemory writes no response id for an

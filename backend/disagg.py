@@ -18,7 +18,7 @@ segment (/dev/shm) named by its handle: the prefill side gathers its blocks into
 of the segment, the decode side copies them from such a view straight into its pool. Opening a
 transfer claims it: the decode side unlinks the name at once and keeps its mapping (the memory
 lives as long as the mapping, also while the request waits for room, and goes with the process
-if it dies); `discard_transfer` removes a handle that is never imported. The name carries the
+if it dies); `discard_transfer` removes a handle that is never imported (either kind). The name carries the
 time past which an unclaimed transfer is dead (its request failed on the way, or its exporter
 died): `sweep_expired_transfers` removes those, whoever left them. Across hosts (`kv_transfer:
 tcp`) the same bytes are written into a buffer the prefill engine serves and the decode engine
@@ -315,9 +315,13 @@ class Transfer:
 
 
 def discard_transfer(handle: str) -> bool:
-    """Unlink a transfer that will not be imported (its request failed or was cancelled in
-    between); False when there was none. A TCP transfer is its server's to free
-    (backend/disagg_tcp.py: unpulled, after kv_transfer_timeout_s)."""
+    """Let go of a transfer that will not be imported (its request failed or was cancelled
+    in between): unlink its segment, or have the prefill instance that holds a TCP transfer
+    free it (backend/disagg_tcp.py `drop_transfer`); False when there was none."""
+    from backend.disagg_tcp import drop_transfer, is_tcp_handle  # it imports this module
+
+    if is_tcp_handle(handle):
+        return drop_transfer(handle)
     if not handle.startswith(SHM_PREFIX):
         return False
     try:

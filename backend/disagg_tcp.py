@@ -11,8 +11,9 @@ The bytes are a shared-memory transfer's, header and block layout alike (`encode
   loop): it asks for the name, and the server answers with the whole transfer as one frame,
   sent from the export buffer without a copy and received into one zmq frame, which the
   decode engine's pool reads straight from (`Transfer.of_buffer`).
-- The server frees a transfer once it has sent it, and one nobody pulls within
-  `kv_transfer_timeout_s` (logged and counted: `num_expired`).
+- The server frees a transfer once it has sent it, one its request's orchestrator drops
+  (`drop_transfer`: the request was cancelled or failed before its decode model pulled it),
+  and one nobody pulls within `kv_transfer_timeout_s` (logged and counted: `num_expired`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ TCP_SCHEME = "tcp://"
 # The transfer names are the shared-memory ones: a handle is where, then which.
 TCP_HANDLE = re.compile(r"tcp://(?P<endpoint>[^/\s]{1,300})/(?P<name>" + re.escape(SHM_PREFIX) + r"[0-9a-f]{24})")
 OK, MISSING = b"ok", b"missing"
+# A request's first frame: a pull is the name alone, a drop is DROP then the name.
+DROP = b"drop"
 # How often the server looks for transfers nobody pulled (and for its own shutdown).
 SWEEP_INTERVAL_S = 0.5
 PULL_THREADS = 4
@@ -109,6 +112,12 @@ class TransferServer:
             self._sweep()
 
     def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) == 3 and frames[1] == DROP:  # [identity, DROP, name]: free it unsent
+            identity, _, name = frames
+            with self._lock:
+                held = self._held.pop(name.decode(errors="replace"), None)
+            self._socket.send_multipart([identity, MISSING if held is None else OK])
+            return
         if len(frames) != 2:  # not a puller's [identity, name]: nothing to answer
             return
         identity, name = frames
@@ -163,6 +172,26 @@ def pull_transfer(handle: str, timeout_s: float) -> Transfer:
     transfer = Transfer.of_buffer(frames[1].buffer, handle)
     transfer.pull_s = time.perf_counter() - started
     return transfer
+
+
+def drop_transfer(handle: str, timeout_s: float = 5.0) -> bool:
+    """Have the prefill instance holding the TCP transfer `handle` free it unsent, now rather
+    than after kv_transfer_timeout_s: its request will not be imported (cancelled, or failed
+    on the way). True when it was held there; False when it was not (already pulled, dropped
+    or expired) or its instance did not answer within `timeout_s` (then it expires there)."""
+    match = TCP_HANDLE.fullmatch(handle) if isinstance(handle, str) else None
+    if match is None:
+        return False
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://{match['endpoint']}")
+        socket.send_multipart([DROP, match["name"].encode()])
+        return bool(socket.poll(int(timeout_s * 1000))) and socket.recv() == OK
+    except zmq.ZMQError:
+        return False
+    finally:
+        socket.close(linger=0)
 
 
 class TransferPuller:

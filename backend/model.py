@@ -59,7 +59,17 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import thread_binding
-from backend.protocol import INPUTS, OUTPUTS, TRANSFER_TENSOR, BadRequest, ResponseEncoder, parse_request
+from backend.cancel_flag import CANCEL_FLAG_TENSOR, cancel_flag_path
+from backend.protocol import (
+    ERROR_TENSOR,
+    INPUTS,
+    OUTPUTS,
+    TRANSFER_TENSOR,
+    BadRequest,
+    ResponseEncoder,
+    error_output,
+    parse_request,
+)
 from backend.readiness import HttpReadinessProbe, model_ready
 from backend.request import RequestStatus
 from backend.response_queue import EngineOutput, FailLive, LiveRequest, MetricUpdates, StopResponses
@@ -101,6 +111,15 @@ def _input_reader(request):
     return get_input
 
 
+def _cancel_flag(request) -> str | None:
+    """The file of the request's `cancel_flag` input (backend/cancel_flag.py), if it has one."""
+    name = _input_reader(request)(CANCEL_FLAG_TENSOR)
+    if name is None:
+        return None
+    name = name.reshape(-1)[0]
+    return cancel_flag_path(name.decode(errors="replace") if isinstance(name, bytes) else str(name))
+
+
 class TritonPythonModel:
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
@@ -120,6 +139,8 @@ class TritonPythonModel:
             auto_complete_model_config.add_output(transfer)
         if role == "decode" and TRANSFER_TENSOR not in have_inputs:
             auto_complete_model_config.add_input({**transfer, "optional": True})
+        if role == "decode" and ERROR_TENSOR not in have_outputs:
+            auto_complete_model_config.add_output({"name": ERROR_TENSOR, "data_type": "TYPE_STRING", "dims": [1]})
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
@@ -246,7 +267,7 @@ class TritonPythonModel:
             leftovers = list(self._live.values())
             self._live.clear()
         for live in leftovers:
-            self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE")
+            self._send_error(live.sender, "the model is shutting down", "UNAVAILABLE", live.error_as_output)
         # Released only here: the loop, stopped above, is what updates them.
         self.loop.observer = None
         if self._engine_metrics is not None:
@@ -269,6 +290,7 @@ class TritonPythonModel:
                 parsed = parse_request(_input_reader(request), request.parameters(),
                                        request.requested_output_names())
                 params = parse_sampling_params(parsed.sampling, stream=parsed.stream)
+                cancel_flag = _cancel_flag(request)
             except BadRequest as exc:
                 self._send_error(sender, str(exc), "INVALID_ARG")
                 continue
@@ -290,8 +312,12 @@ class TritonPythonModel:
                 transfer = transfer.reshape(-1)[0]
                 transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
+            # Only a response after the first can be lost (backend/protocol.py ERROR_TENSOR), so
+            # an error answered before the request is live goes as an error.
+            error_as_output = cancel_flag is not None and ERROR_TENSOR in (request.requested_output_names() or ())
             stream_interval = max(self.options.stream_interval, params.stream_interval or 1)
-            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval))
+            live = LiveRequest(request_id, sender, ResponseEncoder(parsed, stream_interval), cancel_flag=cancel_flag,
+                               error_as_output=error_as_output)
             with self._live_lock:
                 self._live[request_id] = live
             try:
@@ -326,11 +352,18 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ responses
 
-    def _send_error(self, sender, message: str, code: str) -> None:
+    def _send_error(self, sender, message: str, code: str, as_output: bool = False) -> None:
+        """The request's final response: the error `code` (a pb_utils.TritonError name) with
+        `message`; with `as_output` (its request asked for ERROR_TENSOR), an ordinary response
+        that carries them in that output."""
         try:
-            response = pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
-            )
+            if as_output:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(ERROR_TENSOR, error_output(message, code))])
+            else:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(message, _error_code(code))
+                )
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # the client may be gone
             self.logger.log_warn(f"[inflight] could not send error response: {traceback.format_exc()}")
@@ -388,7 +421,7 @@ class TritonPythonModel:
             self._live.clear()
         for live in lives:
             live.ended = True
-            self._send_error(live.sender, message, code)
+            self._send_error(live.sender, message, code, live.error_as_output)
 
     def _on_engine_output(self, live: LiveRequest, output: RequestOutput, respond: bool = True) -> None:
         """Sends the response `output` calls for, or (respond False, a later output of the same
@@ -402,6 +435,10 @@ class TritonPythonModel:
                 live.encoder.absorb(output)
         except Exception:
             self.logger.log_error(f"[inflight] sending a response failed: {traceback.format_exc()}")
+            if output.transfer is not None:  # nobody will hear of it: let it go now, not at its expiry
+                from backend.disagg import discard_transfer
+
+                discard_transfer(output.transfer)
             if output.finished:
                 self._forget(live.request_id)
             else:
@@ -475,7 +512,8 @@ class TritonPythonModel:
         for live in stale:
             live.last_cancel_poll = now
             try:
-                live.cancelled = bool(live.sender.is_cancelled())
+                live.cancelled = bool(live.sender.is_cancelled()) or (
+                    live.cancel_flag is not None and os.path.exists(live.cancel_flag))
             except Exception:
                 pass
 
@@ -484,11 +522,12 @@ class TritonPythonModel:
             self._forget(live.request_id)
             live.ended = True
             if output.error is not None:
-                self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"))
+                self._send_error(live.sender, str(output.error), getattr(output.error, "code", "INTERNAL"),
+                                 live.error_as_output)
                 return
             if output.finish_reason == "abort" and live.cancelled:
                 self.logger.log_verbose(f"[inflight] request {live.request_id} cancelled by the client")
-                self._send_error(live.sender, "request was cancelled", "CANCELLED")
+                self._send_error(live.sender, "request was cancelled", "CANCELLED", live.error_as_output)
                 return
             if output.transfer is not None:  # role prefill: the decode model generates the rest
                 handle = np.array([output.transfer.encode()], dtype=np.object_)

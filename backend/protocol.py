@@ -59,6 +59,15 @@ RETURN_FLAGS = (
 # Disaggregated serving (backend/disagg.py): the handle of a request's KV transfer, an
 # output (TYPE_STRING [1]) of a role-prefill model and an input of a role-decode model.
 TRANSFER_TENSOR = "transfer"
+# Disaggregated serving: an output (TYPE_STRING [1]) of a role-decode model. A request the
+# `llm` BLS model sent (it carries `cancel_flag`) that asks for it gets its error, once it was
+# taken in, as this output of an ordinary final response, JSON
+# {"code": "CANCELLED", "message": "..."}, instead of as the response's error: tritonserver
+# 2.51's Python backend loses a BLS model's error response that is not a request's first
+# (python_backend r24.10 InferResponse::SaveToSharedMemory writes no response id for an
+# error, so the stub files it under no iterator and the BLS model's iterator never ends;
+# fixed upstream in r25.05), and a decode model's error mostly comes after its first tokens.
+ERROR_TENSOR = "error"
 # This backend's own: the final response carries the request's trace (backend/trace.py).
 RETURN_TRACE = "return_trace"
 # Request-level switches (BOOL[1] inputs). When a client sends no `sampling_parameters`
@@ -419,3 +428,16 @@ class ResponseEncoder:
         for state, seq_output in zip(self.sequences, per_sequence):
             if seq_output is not None:
                 state.add(seq_output)
+
+
+def error_output(message: str, code: str) -> np.ndarray:
+    """The ERROR_TENSOR output that carries an error `code` (a pb_utils.TritonError name) and
+    its `message`."""
+    return np.array([json.dumps({"code": code, "message": message}).encode()], dtype=np.object_)
+
+
+def read_error_output(array: np.ndarray) -> tuple[str, str]:
+    """(code, message) of an ERROR_TENSOR output."""
+    value = array.reshape(-1)[0]
+    error = json.loads(value.decode() if isinstance(value, bytes) else str(value))
+    return str(error["code"]), str(error["message"])

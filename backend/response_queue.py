@@ -36,6 +36,11 @@ class LiveRequest:
     # A response with text has gone: from then on its queued outputs may go as one.
     streaming: bool = False
     last_cancel_poll: float = field(default_factory=time.monotonic)
+    # The file whose existence cancels it (backend/cancel_flag.py): a request the
+    # disaggregated BLS model sent, which Triton 2.51 cannot cancel.
+    cancel_flag: str | None = None
+    # Its errors go as the ERROR_TENSOR output of an ordinary response (backend/protocol.py).
+    error_as_output: bool = False
 
 
 # What the response thread's queue carries: the loop thread queues engine outputs and

@@ -1,8 +1,9 @@
 """Disaggregated serving through a real tritonserver: model_repository_disaggregated/'s
 `llm` (a BLS model) sends each request to llm_prefill and its KV transfer to llm_decode, in
 one server. A tritonclient gRPC stream must see the aggregated engine's tokens in one
-ordinary stream with exactly one final response, and both engines end holding no block.
-Under pressure (a full decode model) requests wait, or past kv_transfer_wait_timeout_s get
+ordinary stream with exactly one final response, and both engines end holding no block. A
+stream cancelled mid-prefill or mid-decode is cancelled in the engine that holds it, and
+leaves no block, transfer or cancel flag behind. Under pressure (a full decode model) requests wait, or past kv_transfer_wait_timeout_s get
 UNAVAILABLE; the prefill model's process SIGKILLed mid-request ends that request with one
 error while the decode model's requests finish, and no block or transfer is left behind.
 """
@@ -16,6 +17,7 @@ import time
 
 import pytest
 
+from backend.cancel_flag import CANCEL_FLAG_PREFIX
 from backend.disagg import SHM_PREFIX
 from backend.paths import REPO_ROOT
 from tests.e2e.e2e_util import (
@@ -163,6 +165,94 @@ def test_a_full_decode_model_makes_requests_wait_and_nothing_leaks(disaggregated
     assert not _shm_transfers()
 
 
+# ---- a client's cancel, passed on by the BLS model (tritonserver 2.51 cannot cancel a BLS request) ----
+
+MODELS = ("llm_prefill", "llm_decode")
+
+
+def _cancel_flags() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(CANCEL_FLAG_PREFIX)]
+
+
+def _counts(metrics_port: int, name: str) -> dict[str, float]:
+    metrics = scrape(metrics_port)
+    return {model: metrics.get(name, model=model) for model in MODELS}
+
+
+def _assert_cancelled_at(server, model: str, cancellations_before: dict[str, float]) -> None:
+    """The cancel reached `model` alone (its engine aborted the request), then both engines
+    hold no block and no request, no transfer or cancel flag is left on the host, the BLS
+    model ended the request without an error of its own, and the next request is served."""
+    for name in MODELS:
+        wait_idle(server.metrics_port, name)
+    cancellations = _counts(server.metrics_port, "inflight_cancellations_total")
+    assert {m: cancellations[m] - cancellations_before[m] for m in MODELS} == {
+        m: float(m == model) for m in MODELS}
+    assert not _shm_transfers()
+    wait_until(lambda: not _cancel_flags(), 10, 0.1, "the cancel flag removed")
+    assert "[disaggregated llm]" not in server.log(), server.log_tail(40)
+    outcome = generate(server.grpc_url, "llm", inputs_for(PROMPTS[1], {"temperature": 0, "max_tokens": MAX_TOKENS,
+                                                                         "ignore_eos": True}, stream=True))
+    assert outcome.error is None and outcome.finals == 1 and outcome.after_final == 0, outcome.message
+    assert outcome.total("num_output_tokens") == MAX_TOKENS
+    for name in MODELS:
+        wait_idle(server.metrics_port, name)
+
+
+def test_a_stream_cancelled_mid_prefill_is_cancelled_in_the_prefill_model(disaggregated_server):
+    """The long prompt runs in llm_prefill (a chunk of 8 tokens a step) when the client
+    cancels its gRPC stream: llm_prefill's engine aborts it before its first token, so
+    nothing is exported and llm_decode never hears of it."""
+    url, metrics_port = disaggregated_server.grpc_url, disaggregated_server.metrics_port
+    before = _counts(metrics_port, "inflight_cancellations_total")
+    transfers_before = _counts(metrics_port, "inflight_kv_transfers_total")
+    stream = Stream(url)
+    cancelled = stream.send("llm", inputs_for(LONG_PROMPT, {"temperature": 0, "max_tokens": 8}, stream=True))
+    wait_until(lambda: scrape(metrics_port).get("inflight_requests_running", model="llm_prefill") >= 1,
+               60, 0.02, "llm_prefill running the long prompt")
+    stream.close(cancel=True)
+    _assert_cancelled_at(disaggregated_server, "llm_prefill", before)
+    assert not cancelled.responses
+    transfers = _counts(metrics_port, "inflight_kv_transfers_total")
+    # One transfer more each: the request served after the cancel; none for the cancelled one.
+    assert {m: transfers[m] - transfers_before[m] for m in MODELS} == {m: 1 for m in MODELS}
+
+
+# Well under the `llm` model's CANCEL_DRAIN_S (30 s): a cancelled request whose engine model's
+# final response did not reach the BLS model would take that long (and leave its reader thread).
+BLS_ENDS_CANCELLED_WITHIN_S = 10.0
+
+
+def _bls_threads(server) -> int:
+    """The threads of the `llm` model's stub: one serving thread and one reader a request."""
+    return len(os.listdir(f"/proc/{_stub_pid(server, 'llm')}/task"))
+
+
+def cancel_mid_decode(server) -> None:
+    """A stream cancelled once llm_decode streams its tokens: the BLS model ends the request
+    within BLS_ENDS_CANCELLED_WITHIN_S, left with no thread of it; llm_decode's engine
+    cancelled it (llm_prefill's had handed it over), both engines hold no block and the
+    next request is served."""
+    before = _counts(server.metrics_port, "inflight_cancellations_total")
+    outcome = generate(server.grpc_url, "llm", inputs_for(PROMPTS[1], {"temperature": 0, "max_tokens": 2},
+                                                          stream=True))
+    assert outcome.error is None and outcome.finals == 1, outcome.message
+    idle_threads = _bls_threads(server)
+    stream = Stream(server.grpc_url)
+    cancelled = _long_decode(stream)
+    assert _bls_threads(server) > idle_threads
+    stream.close(cancel=True)
+    wait_until(lambda: _bls_threads(server) == idle_threads, BLS_ENDS_CANCELLED_WITHIN_S, 0.05,
+               "the `llm` model's threads of the cancelled request ended")
+    _assert_cancelled_at(server, "llm_decode", before)
+    assert cancelled.finals == 0  # a client that cancels hears nothing more
+    assert _bls_threads(server) == idle_threads
+
+
+def test_a_stream_cancelled_mid_decode_is_cancelled_in_the_decode_model(disaggregated_server):
+    cancel_mid_decode(disaggregated_server)
+
+
 # ---- pressure and failure, on a server of their own (its prefill model's process is killed) ----
 
 PRESSURE_WAIT_S = 1.0  # llm_decode's kv_transfer_wait_timeout_s
@@ -266,3 +356,54 @@ def test_a_prefill_process_killed_mid_request_ends_it_with_one_error_and_nothing
     # The dead model refuses at once from now on, with one error; nothing hangs.
     refused = generate(url, "llm", inputs_for(PROMPTS[1], {"max_tokens": 4}, stream=True), timeout=30)
     assert refused.finals == 1 and refused.error is not None
+
+
+# ---- two prefill models: a request whose prefill model's process dies is sent to the other ----
+
+@pytest.fixture(scope="module")
+def two_prefill_server(tritonserver):
+    engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8", kv_transfer_timeout_s=str(PRESSURE_LIFETIME_S))
+    server = tritonserver({"llm": {"prefill_model": "llm_prefill,llm_prefill_b"}, "llm_prefill": engine,
+                           "llm_prefill_b": engine, "llm_decode": engine},
+                          source_repository=REPO_ROOT / "model_repository_disaggregated",
+                          sources={"llm": "llm", "llm_prefill": "llm_prefill", "llm_prefill_b": "llm_prefill",
+                                   "llm_decode": "llm_decode"})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_request_whose_prefill_process_dies_is_retried_once_on_the_other_prefill_model(two_prefill_server):
+    """The long prompt runs in one of two prefill models when that model's stub is SIGKILLed:
+    the request goes once more, to the other, and streams the same tokens as an undisturbed
+    request, with one final response; later requests go to the live prefill model only."""
+    url, metrics_port = two_prefill_server.grpc_url, two_prefill_server.metrics_port
+    sampling = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    prefills = ("llm_prefill", "llm_prefill_b")
+
+    def running_prefill():
+        metrics = scrape(metrics_port)
+        return next((m for m in prefills if metrics.get("inflight_requests_running", model=m) >= 1), None)
+
+    with Stream(url) as stream:
+        retried = stream.send("llm", inputs_for(LONG_PROMPT, sampling, stream=True))
+        killed = wait_until(running_prefill, 60, 0.02, "a prefill model running the long prompt")
+        os.kill(_stub_pid(two_prefill_server, killed), 9)
+        wait_for(retried, 120)
+    if two_prefill_server.proc.poll() is not None:  # tritonserver 2.51's other outcome (see the test above)
+        assert "boost::interprocess::lock_exception" in two_prefill_server.log(), two_prefill_server.log_tail(40)
+        return
+    assert retried.error is None, retried.message
+    assert retried.finals == 1 and retried.after_final == 0
+    assert f"{killed}: its process" in two_prefill_server.log() and "sending it to" in two_prefill_server.log()
+    live = next(m for m in prefills if m != killed)
+    handed_over = scrape(metrics_port).get("inflight_kv_transfers_total", model=live)
+    for _ in range(2):  # neither goes to the dead model, which would refuse it
+        undisturbed = generate(url, "llm", inputs_for(LONG_PROMPT, sampling, stream=True))
+        assert undisturbed.error is None and undisturbed.finals == 1, undisturbed.message
+        assert undisturbed.text == retried.text
+    assert scrape(metrics_port).get("inflight_kv_transfers_total", model=live) == handed_over + 2
+    for model in (live, "llm_decode"):
+        wait_idle(metrics_port, model)
+    wait_until(lambda: not _shm_transfers(), PRESSURE_LIFETIME_S + 5, 0.2, "no KV transfer left")

@@ -2,7 +2,8 @@
 llm_prefill has `kv_transfer: tcp`, so each request's KV crosses a socket (here over the
 loopback) instead of /dev/shm, and llm_decode pulls it off its step loop. The client sees the
 aggregated server's tokens in one ordinary stream; afterwards neither engine holds a block, a
-transfer or a pull, and both counted the same transfers and bytes.
+transfer or a pull, and both counted the same transfers and bytes. A stream cancelled
+mid-decode leaves no transfer held either.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import pytest
 from backend.disagg import SHM_PREFIX
 from tests.e2e.e2e_util import generate, greedy_tokens_and_texts, inputs_for, scrape, wait_idle
 from tests.e2e.server import E2E_PARAMETERS
-from tests.e2e.test_e2e_disaggregated import MAX_TOKENS, PROMPTS, serve_disaggregated
+from tests.e2e.test_e2e_disaggregated import (
+    MAX_TOKENS,
+    PROMPTS,
+    cancel_mid_decode,
+    serve_disaggregated,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,3 +57,11 @@ def test_tcp_transfer_gives_the_aggregated_servers_tokens_and_leaves_nothing(tcp
     assert metrics.get("inflight_kv_transfers_expired_total", model="llm_prefill") == 0
     # Nothing went through shared memory.
     assert {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)} == shm_before
+
+
+def test_a_stream_cancelled_mid_decode_over_tcp_leaves_no_transfer_held(tcp_server):
+    metrics_port = tcp_server.metrics_port
+    cancel_mid_decode(tcp_server)
+    metrics = scrape(metrics_port)
+    assert [metrics.get("inflight_kv_transfers_pending", model=model) for model in MODELS] == [0, 0]
+    assert metrics.get("inflight_kv_transfers_expired_total", model="llm_prefill") == 0

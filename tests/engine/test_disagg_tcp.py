@@ -22,8 +22,8 @@ import pytest
 import zmq
 
 from backend.config import EngineConfig
-from backend.disagg import Transfer
-from backend.disagg_tcp import pull_transfer
+from backend.disagg import SHM_PREFIX, Transfer, discard_transfer
+from backend.disagg_tcp import drop_transfer, pull_transfer
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.paths import REPO_ROOT
@@ -125,6 +125,29 @@ def test_a_transfer_is_served_once_and_one_nobody_pulls_is_freed(tiny_checkpoint
         assert prefill.transfer_server.num_expired == 1
         with pytest.raises(RequestError, match="no KV transfer named .* expired"):
             pull_transfer(handles["forgotten"], PULL_TIMEOUT_S)
+        assert_nothing_pending(prefill)
+    finally:
+        prefill.close()
+
+
+def test_a_transfer_whose_request_was_cancelled_is_dropped_at_once_not_at_its_expiry(tiny_checkpoint):
+    """The orchestrator lets go of a transfer it will not send to a decode engine (its client
+    cancelled in between): `discard_transfer` of a TCP handle has the prefill engine free it
+    now, long before kv_transfer_timeout_s, and it is not counted as expired."""
+    prefill = _tcp_prefill(tiny_checkpoint, kv_transfer_timeout_s=600.0)
+    try:
+        prefill.add_request("cancelled", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        handles = []
+        while prefill.has_unfinished():
+            handles.extend(out.transfer for out in prefill.step() if out.transfer is not None)
+        assert len(handles) == 1 and prefill.num_pending_transfers == 1
+        assert discard_transfer(handles[0])
+        assert prefill.num_pending_transfers == 0 and prefill.transfer_server.num_expired == 0
+        assert not discard_transfer(handles[0])  # nothing left to drop
+        with pytest.raises(RequestError, match="no KV transfer named"):
+            pull_transfer(handles[0], PULL_TIMEOUT_S)
+        # A handle whose holder is gone: nothing to drop, within the timeout, without raising.
+        assert not drop_transfer(f"tcp://127.0.0.1:1/{SHM_PREFIX}{'0' * 24}", timeout_s=0.2)
         assert_nothing_pending(prefill)
     finally:
         prefill.close()

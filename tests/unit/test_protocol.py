@@ -15,6 +15,7 @@ from backend.output import RequestOutput
 from backend.paths import REPO_ROOT
 from backend.protocol import (
     CUMULATIVE_LOGPROB,
+    ERROR_TENSOR,
     EXCLUDE_INPUT,
     FINISH_REASON,
     INPUTS,
@@ -36,7 +37,9 @@ from backend.protocol import (
     ParsedRequest,
     ResponseEncoder,
     encode_response,
+    error_output,
     parse_request,
+    read_error_output,
 )
 from backend.request import RequestError
 from backend.validation import parse_sampling_params
@@ -420,3 +423,10 @@ def test_absorbed_outputs_ride_on_the_next_response_and_nothing_is_lost(steps, a
     assert [value(r, FINISH_REASON) for r in merged[:-1]] == ["None"] * (len(merged) - 1)
     # Every response before the final one carries text: a client never gets an empty chunk mid-stream.
     assert all(value(r, TEXT_OUTPUT) for r in merged[:-1])
+
+
+@given(code=st.sampled_from(["CANCELLED", "UNAVAILABLE", "INVALID_ARG", "INTERNAL"]), message=st.text(max_size=200))
+def test_an_error_output_gives_back_its_code_and_message(code, message):
+    array = error_output(message, code)
+    assert array.shape == (1,) and array.dtype == np.object_ and ERROR_TENSOR not in OUTPUT_NAMES
+    assert read_error_output(array) == (code, message)

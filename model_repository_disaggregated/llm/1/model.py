@@ -9,38 +9,62 @@ handle goes, with the client's inputs, to the decode model, which imports the re
 streams every token from the first, as the `llm` model of model_repository/ would; its
 responses are the client's. Each response is passed on once the next has arrived, so the
 final flag rides on the last response that carries data, and the client gets exactly one
-final response whatever happens on the way.
+final response whatever happens on the way. llm_decode's errors come in its `error` output
+(backend/protocol.py ERROR_TENSOR says why), and go on to the client as errors.
+
+A client that cancels its stream (or whose connection goes) cancels the request at the
+model it waits on: tritonserver 2.51's Python backend cannot cancel a BLS request, so each
+request sent carries a cancel flag (backend/cancel_flag.py) that this model raises once its
+own request reads cancelled; the engine model then aborts it, frees its blocks and answers
+one CANCELLED error, which this model drains. A transfer the prefill model exported before
+it saw the flag is let go at once (`discard_transfer`: its segment unlinked, or its TCP
+holder told to drop it), never sent to the decode model. The client's request ends with one
+CANCELLED error.
 
 A stub process that dies leaves its requests unanswered (tritonserver 2.51 neither ends
 them nor marks the model not ready), so while a request waits on llm_prefill or llm_decode
 this model watches the processes serving that model: when one dies, the request ends with
-one UNAVAILABLE error naming the model and the process (no retry: there is one instance of
-each). A transfer the dead prefill process had exported but not yet answered with expires
+one UNAVAILABLE error naming the model and the process. With more than one prefill model
+(`prefill_model`: a comma-separated list), requests take them in turn, skipping one whose
+process is dead, and a request whose prefill model's process dies before it answered is sent
+once more, to another prefill model whose processes live; without one, it ends with that
+error. A transfer the dead prefill process had exported but not yet answered with expires
 and is swept (backend/disagg.py); one a dead decode process had claimed went with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
 import re
 import threading
+import time
 import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.protocol import TRANSFER_TENSOR
+from backend.cancel_flag import CANCEL_FLAG_TENSOR, lower_cancel_flag, new_cancel_flag, raise_cancel_flag
+from backend.protocol import ERROR_TENSOR, TRANSFER_TENSOR, read_error_output
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often a request waiting on a model asks whether the model's processes still live.
 LIVENESS_POLL_S = 0.5
+# How often a request asks Triton whether its client cancelled it (an IPC round trip).
+CANCEL_POLL_S = 0.1
+# How long a cancelled request waits for the engine model to end it before giving up on it.
+CANCEL_DRAIN_S = 30.0
 _END = object()
 
 
 class ModelProcessDied(Exception):
     """A process serving the model a request waits on has died: no answer will come."""
+
+    def __init__(self, model: str, message: str):
+        super().__init__(message)
+        self.model = model
 
 
 class TritonPythonModel:
@@ -50,7 +74,11 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("the disaggregated `llm` model streams and needs "
                                                 "`model_transaction_policy { decoupled: true }`")
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.prefill_model = parameters.get("prefill_model", "llm_prefill")
+        self.prefill_models = [m.strip() for m in parameters.get("prefill_model", "llm_prefill").split(",") if m.strip()]
+        if not self.prefill_models:
+            raise pb_utils.TritonModelException("prefill_model: names no model (expected one or more model names, "
+                                                "comma-separated)")
+        self._turn = itertools.count()
         self.decode_model = parameters.get("decode_model", "llm_decode")
         self.input_names = [i["name"] for i in config["input"]]
         self.output_names = [o["name"] for o in config["output"]]
@@ -77,24 +105,43 @@ class TritonPythonModel:
     def _serve(self, request) -> None:
         sender = request.get_response_sender()
         relay = _Relay(sender)
+        cancel = _Cancel(request)
         try:
             inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.input_names) if t is not None]
+            inputs.append(pb_utils.Tensor(CANCEL_FLAG_TENSOR, np.array([cancel.flag.encode()], dtype=np.object_)))
             requested = sorted(request.requested_output_names() or self.output_names)
             transfer = None
-            for response in self._exec(self.prefill_model, inputs, [*requested, TRANSFER_TENSOR]):
-                handle = pb_utils.get_output_tensor_by_name(response, TRANSFER_TENSOR)
-                if handle is not None and not response.has_error():
-                    transfer = handle.as_numpy().reshape(-1)[0]
-                else:  # the request ended on the prefill model: its answer is the client's
-                    relay.put(response)
-            if transfer is not None:
-                handle = np.array([transfer], dtype=np.object_)
+            prefill_model, retried = self._prefill_model(), False
+            while True:
+                answered = False
                 try:
-                    for response in self._exec(self.decode_model, [*inputs, pb_utils.Tensor(TRANSFER_TENSOR, handle)],
-                                               requested):
-                        relay.put(response)
+                    for response in self._exec(prefill_model, inputs, [*requested, TRANSFER_TENSOR], cancel):
+                        answered = True
+                        handle = pb_utils.get_output_tensor_by_name(response, TRANSFER_TENSOR)
+                        if handle is not None and not response.has_error():
+                            transfer = handle.as_numpy().reshape(-1)[0]
+                        else:  # the request ended on the prefill model: its answer is the client's
+                            cancel.relay(relay, response)
+                    break
+                except ModelProcessDied as exc:
+                    retry = None if answered or retried or cancel.raised else self._prefill_model(exclude=prefill_model)
+                    if retry is None:
+                        raise
+                    self.logger.log_warn(f"[disaggregated llm] {exc.model}: its process died while serving a "
+                                         f"request; sending it to {retry} instead")
+                    prefill_model, retried = retry, True
+            if transfer is not None:
+                imported = False
+                try:
+                    if not cancel.poll():
+                        handle = np.array([transfer], dtype=np.object_)
+                        for response in self._exec(self.decode_model,
+                                                   [*inputs, pb_utils.Tensor(TRANSFER_TENSOR, handle)],
+                                                   [*requested, ERROR_TENSOR], cancel):
+                            imported = imported or _error(response) is None
+                            cancel.relay(relay, response)
                 finally:
-                    if not relay.forwarded_any:  # never imported: its segment is this model's to remove
+                    if not imported:  # maybe never claimed: this model lets it go, not its expiry
                         _discard(transfer)
         except ModelProcessDied as exc:
             self.logger.log_error(f"[disaggregated llm] {exc}")
@@ -105,14 +152,33 @@ class TritonPythonModel:
             relay.fail(f"internal error in the disaggregated `llm` model: {exc}")
             return
         finally:
+            cancel.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
-        relay.close()
+        try:
+            if cancel.raised:
+                relay.fail("request was cancelled", pb_utils.TritonError.CANCELLED)
+            else:
+                relay.close()
+        except Exception as exc:  # its client is gone
+            self.logger.log_warn(f"[disaggregated llm] could not send a request's final response: {exc}")
 
-    def _exec(self, model: str, inputs, requested: list[str]):
+    def _prefill_model(self, exclude: str | None = None) -> str | None:
+        """The prefill model the next request goes to: the models take turns, skipping any
+        whose process is dead (or, when none lives, the next in turn, which answers with its
+        own error). With `exclude` (a retry): another one whose processes all live, or None."""
+        models = [m for m in self.prefill_models if m != exclude]
+        if len(models) > 1 or exclude is not None:
+            alive = [m for m in models if _processes_live(m)]
+            if alive or exclude is not None:
+                models = alive
+        return models[next(self._turn) % len(models)] if models else None
+
+    def _exec(self, model: str, inputs, requested: list[str], cancel: _Cancel):
         """The responses of `model` to one request, as they come (empty ones skipped); raises
         ModelProcessDied when a process serving `model` dies before the last one. The
-        responses are read on a thread of their own, so that this one can watch meanwhile."""
+        responses are read on a thread of their own, so that this one can watch meanwhile.
+        Once `cancel` is raised, the model has CANCEL_DRAIN_S to end the request."""
         stubs = _stub_pids(model)
         bls = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=requested)
         responses: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,14 +192,27 @@ class TritonPythonModel:
             responses.put(_END)
 
         threading.Thread(target=read, name=f"bls-{model}", daemon=True).start()
+        next_liveness = time.monotonic() + LIVENESS_POLL_S
+        drain_until = None
         while True:
             try:
-                item = responses.get(timeout=LIVENESS_POLL_S)
+                item = responses.get(timeout=CANCEL_POLL_S)
             except queue.Empty:
-                dead = [pid for pid in stubs if not _alive(pid)]
-                if dead:  # the reader thread stays blocked on the dead stub: nothing will wake it
-                    raise ModelProcessDied(f"{model}: its process (pid {dead[0]}) died while serving this request; "
-                                           "the request is lost, retry it") from None
+                item = None
+            now = time.monotonic()
+            if cancel.poll() and drain_until is None:
+                drain_until = now + CANCEL_DRAIN_S
+            if item is None:
+                if now >= next_liveness:
+                    next_liveness = now + LIVENESS_POLL_S
+                    dead = [pid for pid in stubs if not _alive(pid)]
+                    if dead:  # the reader thread stays blocked on the dead stub: nothing will wake it
+                        raise ModelProcessDied(model, f"{model}: its process (pid {dead[0]}) died while serving "
+                                               "this request; the request is lost, retry it") from None
+                if drain_until is not None and now > drain_until:
+                    self.logger.log_error(f"[disaggregated llm] {model} did not end a cancelled request within "
+                                          f"{CANCEL_DRAIN_S:g}s; no longer waiting for it")
+                    return
                 continue
             if item is _END:
                 return
@@ -165,6 +244,12 @@ def _stub_pids(model: str) -> list[int]:
     return pids
 
 
+def _processes_live(model: str) -> bool:
+    """`model` has stub processes, and none is dead."""
+    pids = _stub_pids(model)
+    return bool(pids) and all(_alive(pid) for pid in pids)
+
+
 def _alive(pid: int) -> bool:
     """Alive, not a zombie waiting for tritonserver to reap it."""
     try:
@@ -174,10 +259,64 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _error(response):
+    """The error `response` ends its request with: its own, or the one llm_decode sends in
+    its ERROR_TENSOR output (backend/protocol.py says why); None for a response with data."""
+    if response.has_error():
+        return response.error()
+    tensor = pb_utils.get_output_tensor_by_name(response, ERROR_TENSOR)
+    if tensor is None:
+        return None
+    code, message = read_error_output(tensor.as_numpy())
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
+
+
 def _discard(transfer) -> None:
     from backend.disagg import discard_transfer
 
     discard_transfer(transfer.decode() if isinstance(transfer, bytes) else str(transfer))
+
+
+class _Cancel:
+    """Whether the client cancelled the request, and its cancel flag (backend/cancel_flag.py),
+    raised once it has: the engine model holding the request then ends it."""
+
+    def __init__(self, request):
+        self.request = request
+        self.flag = new_cancel_flag()
+        self.raised = False
+        self._next_poll = 0.0
+
+    def poll(self) -> bool:
+        """Cancelled? Triton is asked at most every CANCEL_POLL_S."""
+        now = time.monotonic()
+        if not self.raised and now >= self._next_poll:
+            self._next_poll = now + CANCEL_POLL_S
+            try:
+                cancelled = bool(self.request.is_cancelled())
+            except Exception:  # a request Triton no longer knows: its client is gone
+                cancelled = True
+            if cancelled:
+                self.trip()
+        return self.raised
+
+    def trip(self) -> None:
+        if not self.raised:
+            self.raised = True
+            raise_cancel_flag(self.flag)
+
+    def relay(self, relay: _Relay, response) -> None:
+        """`response` on to the client; a send that fails (its client gone) cancels."""
+        if self.raised:
+            return
+        try:
+            relay.put(response)
+        except Exception:
+            self.trip()
+
+    def close(self) -> None:
+        if self.raised:
+            lower_cancel_flag(self.flag)
 
 
 class _Relay:
@@ -186,17 +325,16 @@ class _Relay:
     def __init__(self, sender):
         self.sender = sender
         self.held = None
-        self.forwarded_any = False
         self.ended = False
 
     def put(self, response) -> None:
         if self.ended:
             return
-        self.forwarded_any = True
-        if response.has_error():  # an error ends the request: one final response
+        error = _error(response)
+        if error is not None:  # an error ends the request: one final response
             self.held = None
             self.ended = True
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=response.error()), flags=FINAL)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
             return
         if self.held is not None:
             self.sender.send(self.held, flags=0)

@@ -83,18 +83,19 @@ serve-disaggregated: setup
 		--log-verbose $(LOG_VERBOSE)
 
 # One torch thread per process: the suite runs tritonserver beside its clients on 2 cores,
-# where a second spinning OpenMP thread per process costs far more than it gives. So the tests
-# that start no server run on TEST_WORKERS processes (pytest-xdist, a module to a worker, so its
-# fixtures are built once), one a core; the e2e tests then run one at a time, since they
-# measure deadlines and health checks that a second test's load would stretch. Both halves
-# always run; exit status 5 (nothing selected, e.g. PYTEST_ARGS naming one e2e file) is no failure.
+# where a second spinning OpenMP thread per process costs far more than it gives. So the suite
+# runs on TEST_WORKERS processes (pytest-xdist, a module to a worker, so its fixtures and servers
+# are built once), one a core, e2e modules beside the rest; then the modules marked `alone`
+# (deadlines and failover times that a second test's load would stretch, and machine-wide state
+# such as /dev/shm listings) run one at a time. Both halves always run; exit status 5 (nothing
+# selected, e.g. PYTEST_ARGS naming one file) is no failure.
 TEST_WORKERS ?= 2
 
 test: setup
 	@status=0; \
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not e2e" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) \
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) \
 		|| { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m e2e $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m alone $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
 	exit $$status
 
 test-fast: setup

@@ -24,7 +24,7 @@ from tests.e2e.e2e_util import Stream, generate, inputs_for, wait_for, wait_whil
 from tools import scaleout
 from tools.launch import free_ports
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 MODEL = "llm"
 # The replicas share the machine's cores: bound, both teams would take the same ones, and each

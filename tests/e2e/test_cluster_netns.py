@@ -34,7 +34,7 @@ from tests.e2e.test_cluster import (
 from tools import netns, scaleout
 from tools.launch import free_ports
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 NUM_STREAMS = 32
 

@@ -53,7 +53,7 @@ from tests.e2e.e2e_util import (
     wait_until,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 TINY, SEQ1 = "tiny", "tiny_seq1"
 # max_tokens of a request that must still be running whenever the test gets to cancel it:

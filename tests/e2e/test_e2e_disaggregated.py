@@ -38,7 +38,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers and explain why each is prime, step by step, in detail."]
 MAX_TOKENS = 12
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 
 def serve_disaggregated(tritonserver, prefill: dict, decode: dict):

@@ -22,7 +22,7 @@ from tests.e2e.test_e2e_disaggregated import MAX_TOKENS, PROMPTS
 from tools import launch, netns
 from tools.launch import free_ports
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SAMPLING = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 

@@ -22,7 +22,7 @@ from tests.e2e.test_e2e_disaggregated import (
     serve_disaggregated,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 MODELS = ("llm_prefill", "llm_decode")
 

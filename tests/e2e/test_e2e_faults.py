@@ -44,7 +44,7 @@ from tests.e2e.e2e_util import (
     wait_until,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 SICK, QUIET = "sick", "quiet"
 STALL_S = 2.0

@@ -8,7 +8,7 @@ import pytest
 
 from client.soak import SoakConfig, run_soak
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 
 def test_one_minute_soak_has_no_unexpected_error_and_leaves_the_engine_empty(triton_server):

@@ -38,6 +38,10 @@ class ChatTemplate:
     bos: str | None = None
     eos: str | None = None
 
+    @property
+    def text(self) -> str:
+        return (CHAT_TEMPLATES_DIR / self.file).read_text()
+
     def tokenizer(self):
         """The default checkpoint's tokenizer with this template and its tokens."""
         tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
@@ -48,7 +52,7 @@ class ChatTemplate:
             tokenizer.bos_token = self.bos
         if self.eos:
             tokenizer.eos_token = self.eos
-        tokenizer.chat_template = (CHAT_TEMPLATES_DIR / self.file).read_text()
+        tokenizer.chat_template = self.text
         return tokenizer
 
 

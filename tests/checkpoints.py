@@ -1,21 +1,92 @@
 """The tests' checkpoints and their oracle.
 
 Random-weight checkpoints come from backend/models/random_checkpoint.py (made on the spot, no
-download); `hf_greedy` is the correctness oracle, transformers' own `generate()`.
+download), each family's with its own chat template (`FAMILY_CHAT_TEMPLATES`); `hf_greedy` is the
+correctness oracle, transformers' own `generate()`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
 
-from backend.models.random_checkpoint import make_random_adapter, make_tiny_checkpoint
+from backend.models import random_checkpoint
+from backend.models.random_checkpoint import make_random_adapter
+from backend.paths import DEFAULT_CHECKPOINT
 
-__all__ = ["hf_greedy", "make_gguf_checkpoint", "make_random_adapter", "make_tiny_checkpoint"]
+__all__ = ["FAMILY_CHAT_TEMPLATES", "hf_greedy", "make_gguf_checkpoint", "make_random_adapter", "make_tiny_checkpoint"]
+
+CHAT_TEMPLATES_DIR = Path(__file__).parent / "data" / "chat_templates"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model's own chat template (tests/data/chat_templates/, unmodified) and the tokens it
+    emits that the default (SmolLM2) tokenizer lacks: added as special tokens, so that each is
+    one token as in the model's own tokenizer. `bos`/`eos`: the model's BOS/EOS text where the
+    template writes `bos_token`/`eos_token`."""
+
+    file: str
+    special_tokens: tuple[str, ...] = ()
+    bos: str | None = None
+    eos: str | None = None
+
+    @property
+    def text(self) -> str:
+        return (CHAT_TEMPLATES_DIR / self.file).read_text()
+
+    def tokenizer(self):
+        """The default checkpoint's tokenizer with this template and its tokens."""
+        tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+        tokens = [*self.special_tokens, *(t for t in (self.bos, self.eos) if t)]
+        tokenizer.add_tokens([transformers.AddedToken(t, special=True, normalized=False) for t in tokens],
+                             special_tokens=True)
+        if self.bos:
+            tokenizer.bos_token = self.bos
+        if self.eos:
+            tokenizer.eos_token = self.eos
+        tokenizer.chat_template = self.text
+        return tokenizer
+
+
+_QWEN25 = ChatTemplate("Qwen-Qwen2.5-7B-Instruct.jinja")  # <|im_start|>, <|im_end|>: SmolLM2 has them
+_QWEN3 = ChatTemplate("Qwen-Qwen3-0.6B.jinja")
+# family -> the chat template of an instruct model of that family. Llama keeps the default
+# checkpoint's own (SmolLM2-135M-Instruct is a Llama). Mixtral, Qwen2-MoE, OLMoE and Gemma 3
+# keep it too: their makers' templates are not in tests/data/chat_templates/ (README.md there).
+FAMILY_CHAT_TEMPLATES = {
+    "gemma2": ChatTemplate("google-gemma-2-2b-it.jinja", ("<start_of_turn>", "<end_of_turn>"), bos="<bos>",
+                           eos="<eos>"),
+    "phi3": ChatTemplate("microsoft-Phi-3.5-mini-instruct.jinja", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+                         eos="<|endoftext|>"),
+    "qwen2": _QWEN25,
+    "qwen3": _QWEN3,
+    "qwen3_moe": _QWEN3,  # the Qwen3 release's MoE models (Qwen3-30B-A3B) share its template
+    "mistral": ChatTemplate("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("[INST]", "[/INST]"), bos="<s>", eos="</s>"),
+}
+# The vocabulary grows by the added tokens, rounded up as models pad theirs.
+VOCAB_MULTIPLE = 256
+
+
+def make_tiny_checkpoint(dest: str, family: str = "llama", **kwargs) -> str:
+    """backend.models.random_checkpoint.make_tiny_checkpoint, with the tokenizer and chat template
+    of the family's own model (`FAMILY_CHAT_TEMPLATES`) where there is one (idempotent)."""
+    template = FAMILY_CHAT_TEMPLATES.get(family)
+    if template is None or os.path.exists(os.path.join(dest, "config.json")):
+        return random_checkpoint.make_tiny_checkpoint(dest, family, **kwargs)
+    tokenizer = template.tokenizer()
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    kwargs.setdefault("vocab_size", max(vocab_size, random_checkpoint.TINY_SHAPE["vocab_size"]))
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        tokenizer.save_pretrained(tokenizer_dir)
+        return random_checkpoint.make_tiny_checkpoint(dest, family, tokenizer_source=tokenizer_dir, **kwargs)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = True,

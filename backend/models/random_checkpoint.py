@@ -82,12 +82,14 @@ def copy_tokenizer(dest: str, source: str | os.PathLike = DEFAULT_CHECKPOINT) ->
 
 
 def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_shard_size: str | None = None,
-                         dtype: torch.dtype = torch.float32, **overrides) -> str:
+                         dtype: torch.dtype = torch.float32, tokenizer_source: str | os.PathLike = DEFAULT_CHECKPOINT,
+                         **overrides) -> str:
     """Write a random-weight checkpoint of `family` to `dest` (idempotent) and return it.
 
     `overrides` go to the family's `transformers` config (e.g. head_dim=64,
     attention_bias=True, rope_parameters={...}); `max_shard_size` (e.g. "1MB") saves
-    shards with an index; `dtype` is the dtype the weights are stored in.
+    shards with an index; `dtype` is the dtype the weights are stored in; the tokenizer
+    files are `tokenizer_source`'s (its vocabulary must fit the config's vocab_size).
     """
     if os.path.exists(os.path.join(dest, "config.json")):
         return dest
@@ -103,7 +105,7 @@ def make_tiny_checkpoint(dest: str, family: str = "llama", seed: int = 0, max_sh
     os.makedirs(dest, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(dtype).save_pretrained(dest, safe_serialization=True, **kwargs)
-    copy_tokenizer(dest)
+    copy_tokenizer(dest, tokenizer_source)
     return dest
 
 

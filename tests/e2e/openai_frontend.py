@@ -4,15 +4,12 @@
         client = frontend.openai()          # the official `openai` client, no retries
         client.completions.create(model="llm", prompt="Hi", max_tokens=8)
 
-Also `metric(port, name, **labels)`: one sample from Triton's Prometheus /metrics, and
-`with_chat_template(checkpoint, QWEN25_CHAT_TEMPLATE)`: a checkpoint that renders chats (and tools)
-as Qwen2.5 does.
+Also `metric(port, name, **labels)`: one sample from Triton's Prometheus /metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import subprocess
 import tempfile
@@ -98,72 +95,3 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
-
-
-# The chat template of Qwen2.5's instruct checkpoints (the `chat_template` of
-# Qwen/Qwen2.5-*-Instruct's tokenizer_config.json, Apache-2.0), with its tools section and
-# <tool_call> format: the frontend finds the format in it, renders tools with it, and parses the
-# replies it teaches. Copied from axolotl-ai-cloud/axolotl,
-# src/axolotl/utils/chat_templates/templates/qwen_25.jinja (commit 63f3186938d1), which keeps
-# Qwen's text with a few lines joined (every join sits next to a whitespace-trimming `{%-`/`{{-`,
-# so it renders the same).
-QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
-
-
-def with_chat_template(checkpoint: str, template: str) -> str:
-    """Make `template` the chat template of the checkpoint's tokenizer (tokenizer_config.json's
-    `chat_template`; a chat_template.jinja beside it would win over it, so it goes); returns the
-    checkpoint."""
-    folder = Path(checkpoint)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = template
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    return checkpoint

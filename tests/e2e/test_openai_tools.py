@@ -1,6 +1,6 @@
 """tool_choice "auto" through the OpenAI-compatible frontend, driven by the official `openai`
 client against a real tritonserver serving a tiny random-weight Qwen2 checkpoint whose tokenizer
-carries Qwen2.5's real chat template (tests/e2e/openai_frontend.py: QWEN25_CHAT_TEMPLATE).
+carries Qwen2.5's real chat template (tests/checkpoints.py: FAMILY_CHAT_TEMPLATES).
 
 The tools are rendered into the prompt by that template. Random weights call no tool of their
 own accord, so each request carries a `structured_outputs` regex (vLLM's extra, which the
@@ -21,7 +21,7 @@ import requests
 import transformers
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.e2e.openai_frontend import QWEN25_CHAT_TEMPLATE, run_frontend, with_chat_template
+from tests.e2e.openai_frontend import run_frontend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,7 +46,7 @@ CALLS_REGEX = ('Let me look that up\\.\n<tool_call>\n\\{"name": "get_weather", "
 def qwen(tritonserver, tmp_path_factory):
     """(frontend, checkpoint): a tiny Qwen2 with Qwen2.5's chat template, served as `qwen`."""
     root = tmp_path_factory.mktemp("qwen-tools")
-    checkpoint = with_chat_template(make_tiny_checkpoint(str(root / "qwen2"), family="qwen2"), QWEN25_CHAT_TEMPLATE)
+    checkpoint = make_tiny_checkpoint(str(root / "qwen2"), family="qwen2")
     parameters = {"model_path": checkpoint, "max_num_seqs": "8", "kv_cache_memory_mb": "64", "max_model_len": "1024"}
     with tritonserver({MODEL: parameters}) as server, run_frontend(server.grpc_url) as frontend:
         yield frontend, checkpoint

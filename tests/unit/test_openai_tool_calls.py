@@ -15,7 +15,9 @@ from backend.paths import DEFAULT_CHECKPOINT
 from client.openai.schema import ChatCompletionRequest, parse_request
 from client.openai.tool_calls import CLOSE, OPEN, ToolCall, ToolCallSplitter, has_tool_call_format, split_tool_calls
 from client.openai.translation import Job, Piece, client_names, sampling_parameters, validate_sampling
-from tests.e2e.openai_frontend import QWEN25_CHAT_TEMPLATE
+from tests.checkpoints import FAMILY_CHAT_TEMPLATES
+
+QWEN25_CHAT_TEMPLATE = FAMILY_CHAT_TEMPLATES["qwen2"].text
 
 
 def block(name: str, arguments: dict) -> str:

@@ -139,6 +139,10 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's field: whether encoding the text prompt adds the tokenizer's special tokens (a BOS).
+    # A prompt rendered by a chat template already writes its own, so the OpenAI frontend sends
+    # false for chat completions, as vLLM does; a second BOS would change the model's output.
+    add_special_tokens: bool = True
     # As in vLLM and transformers: only a slow (Python) tokenizer puts spaces between special
     # tokens; a fast tokenizer's decode has no such option and ignores it.
     spaces_between_special_tokens: bool = True

@@ -144,7 +144,7 @@ class Admission:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError.invalid("text_input", "must not be empty")
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
             prompt_text = prompt
         else:
             prompt_ids = list(prompt)

@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] | None = None
         return 2
 
     returns = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS) if args.stats else ()
-    inputs = make_inputs(prompt, build_sampling_parameters(args), returns=returns)
+    sampling = build_sampling_parameters(args)
+    if args.chat:
+        sampling["add_special_tokens"] = False  # the chat template wrote them
+    inputs = make_inputs(prompt, sampling, returns=returns)
     num_output_tokens, finish_reason, num_input_tokens = 0, None, None
     start = time.monotonic()
     try:

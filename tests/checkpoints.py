@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from tokenizers.processors import TemplateProcessing
 
 from backend.models import random_checkpoint
 from backend.models.random_checkpoint import make_random_adapter
@@ -31,12 +32,15 @@ class ChatTemplate:
     """A model's own chat template (tests/data/chat_templates/, unmodified) and the tokens it
     emits that the default (SmolLM2) tokenizer lacks: added as special tokens, so that each is
     one token as in the model's own tokenizer. `bos`/`eos`: the model's BOS/EOS text where the
-    template writes `bos_token`/`eos_token`."""
+    template writes `bos_token`/`eos_token`. `adds_bos`: the model's tokenizer starts every
+    encoding with its BOS too (Gemma's, Mistral's), so a rendered chat encoded with the special
+    tokens would start with two."""
 
     file: str
     special_tokens: tuple[str, ...] = ()
     bos: str | None = None
     eos: str | None = None
+    adds_bos: bool = False
 
     @property
     def text(self) -> str:
@@ -52,6 +56,10 @@ class ChatTemplate:
             tokenizer.bos_token = self.bos
         if self.eos:
             tokenizer.eos_token = self.eos
+        if self.adds_bos:
+            bos_id = tokenizer.convert_tokens_to_ids(self.bos)
+            tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+                single=f"{self.bos} $A", pair=f"{self.bos} $A {self.bos} $B", special_tokens=[(self.bos, bos_id)])
         tokenizer.chat_template = self.text
         return tokenizer
 
@@ -63,13 +71,14 @@ _QWEN3 = ChatTemplate("Qwen-Qwen3-0.6B.jinja")
 # keep it too: their makers' templates are not in tests/data/chat_templates/ (README.md there).
 FAMILY_CHAT_TEMPLATES = {
     "gemma2": ChatTemplate("google-gemma-2-2b-it.jinja", ("<start_of_turn>", "<end_of_turn>"), bos="<bos>",
-                           eos="<eos>"),
+                           eos="<eos>", adds_bos=True),
     "phi3": ChatTemplate("microsoft-Phi-3.5-mini-instruct.jinja", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
                          eos="<|endoftext|>"),
     "qwen2": _QWEN25,
     "qwen3": _QWEN3,
     "qwen3_moe": _QWEN3,  # the Qwen3 release's MoE models (Qwen3-30B-A3B) share its template
-    "mistral": ChatTemplate("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("[INST]", "[/INST]"), bos="<s>", eos="</s>"),
+    "mistral": ChatTemplate("mistralai-Mistral-Nemo-Instruct-2407.jinja", ("[INST]", "[/INST]"), bos="<s>", eos="</s>",
+                            adds_bos=True),
 }
 # The vocabulary grows by the added tokens, rounded up as models pad theirs.
 VOCAB_MULTIPLE = 256

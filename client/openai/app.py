@@ -213,12 +213,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions/render")
     async def render_completion(request: Request):
         req, prompt, sampling, info = await completion_job(request)
-        return [rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)]
+        return [rendered(req.model, await state["catalog"].token_ids(info, prompt, sampling.get("add_special_tokens", True)), sampling, req.stream)]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request):
         req, prompt, sampling, info = await chat_job(request)
-        return rendered(req.model, await state["catalog"].token_ids(info, prompt), sampling, req.stream)
+        return rendered(req.model, await state["catalog"].token_ids(info, prompt, sampling.get("add_special_tokens", True)), sampling, req.stream)
 
     async def run(request: Request, job: Job):
         generation = Generation(state["client"], settings.triton_url, job, settings.request_timeout_s)

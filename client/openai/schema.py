@@ -64,6 +64,8 @@ class _Common(_Strict):
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
+    # None: vLLM's default, true for completions and false for chat (the template writes them).
+    add_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
     bad_words: Optional[list[str]] = None

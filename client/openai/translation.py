@@ -26,7 +26,7 @@ OPENAI_RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS, RETURN_NUM
 # Fields of both endpoints that the backend's sampling_parameters takes under the same name.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "spaces_between_special_tokens",
+                    "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
                     "bad_words", "priority", "n", "stream_interval")
 
 
@@ -129,6 +129,8 @@ def sampling_parameters(req: CompletionRequest | ChatCompletionRequest) -> dict[
         return values
     if req.max_completion_tokens is not None:
         values["max_tokens"] = req.max_completion_tokens
+    if req.add_special_tokens is None:
+        values["add_special_tokens"] = False  # the chat template wrote them
     if req.logprobs:
         values["logprobs"] = req.top_logprobs or 0
     return values

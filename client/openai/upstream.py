@@ -238,10 +238,10 @@ class Catalog:
             self._tokenizers[info.name] = tokenizer
             return tokenizer
 
-    async def token_ids(self, info: ModelInfo, prompt: str) -> list[int]:
-        """The prompt's token ids as the backend's engine encodes them (backend/engine.py)."""
+    async def token_ids(self, info: ModelInfo, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids as the backend encodes them (backend/validation.py)."""
         tokenizer = await asyncio.to_thread(self._load_tokenizer, info)
-        return await asyncio.to_thread(tokenizer.encode, prompt)
+        return await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
 
     async def check_auto_tools(self, info: ModelInfo) -> None:
         """Refuse tool_choice "auto" (400 naming it) unless the model's chat template has a

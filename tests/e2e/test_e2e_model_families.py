@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import requests
 import transformers
 
 from backend.detokenizer import INCOMPLETE
@@ -143,6 +144,11 @@ def test_chat_completions_render_the_family_template(families_server, families_o
     want = hf_greedy(paths[model], [prompt_ids], CHAT_TOKENS)[0]
     out = families_openai.chat.completions.create(model=model, messages=messages, max_tokens=CHAT_TOKENS,
                                                   temperature=0, extra_body={"ignore_eos": True})
+    # Gemma's and Mistral's tokenizers add a BOS when encoding, and their templates write one:
+    # the prompt has one only if the frontend asks the backend to add no special tokens.
     assert out.usage.prompt_tokens == len(prompt_ids)
+    render = requests.post(f"{families_openai.base_url}chat/completions/render",
+                           json={"model": model, "messages": messages}, timeout=60)
+    assert render.status_code == 200 and render.json()["token_ids"] == prompt_ids, render.text
     assert out.usage.completion_tokens == CHAT_TOKENS
     assert out.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True).rstrip(INCOMPLETE)

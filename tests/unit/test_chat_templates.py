@@ -19,8 +19,10 @@ from jinja2.exceptions import TemplateError
 
 from backend.detokenizer import SharedTokenizer
 from backend.models.loader import load_tokenizer
-from client.openai.schema import ApiError
+from backend.validation import parse_sampling_params
+from client.openai.schema import ApiError, ChatCompletionRequest
 from client.openai.settings import Settings
+from client.openai.translation import sampling_parameters
 from client.openai.upstream import Catalog, ModelInfo
 from tests.checkpoints import FAMILY_CHAT_TEMPLATES, make_tiny_checkpoint
 
@@ -99,7 +101,13 @@ def test_chat_completions_prompt_is_transformers_apply_chat_template(checkpoints
         messages = CONVERSATION
     prompt = frontend_prompt(path, messages)
     assert prompt == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert engine_tokenizer.encode(prompt) == transformers_ids(tokenizer, messages)
+    # What the backend encodes the prompt with: the frontend's sampling parameters for a chat.
+    sent = parse_sampling_params(sampling_parameters(ChatCompletionRequest(model="llm", messages=messages)))
+    expected = transformers_ids(tokenizer, messages)
+    assert engine_tokenizer.encode(prompt, add_special_tokens=sent.add_special_tokens) == expected
+    if FAMILY_CHAT_TEMPLATES[family].adds_bos:  # what add_special_tokens false spares the prompt
+        assert engine_tokenizer.encode(prompt) == [tokenizer.bos_token_id, *expected]
+        assert expected[0] == tokenizer.bos_token_id
     if quirk is None:  # Gemma: BOS, the assistant is the "model", the turns' own tokens
         assert prompt == ("<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
                           "<start_of_turn>model\nParis.<end_of_turn>\n<start_of_turn>user\nAnd of Italy?<end_of_turn>\n"

@@ -3,6 +3,9 @@ user meets it, through each system's server, on the same model and the same requ
 
     python -m client.bench.speculative_serving --concurrency 1,4 --requests 8 --chat-requests 4
 
+(the defaults: an estimated 8 to 10 minutes on a quiet 2-core AVX2 machine, from the engine's
+W9 rates there and each server's start).
+
 The requests are W9's (client/bench/speculative.py): W9a, passages of the project's fixed text
 inside a copy-edit instruction, at each `--concurrency` (each concurrency with passages of its
 own, seed + its index, so no server meets a prompt it has cached); W9b, the built-in chat

@@ -23,17 +23,12 @@ tritonserver's output tokens/s and TTFT over llama-server's, against issue 47's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -41,18 +36,10 @@ from transformers import AutoTokenizer
 from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
 from client.bench import llama_cpp
 from client.bench.records import git_commit, machine, write_report
+from client.bench.servers import first_cpus, llama_server, parse_concurrencies, tritonserver
 from client.bench.stats import DEFAULT_SLO, format_ratio, ratios, summarize
 from client.bench.targets import parse_target, run_target
 from client.bench.workloads import attach_text, w3_online
-from tools.launch import (
-    free_ports,
-    launch_frontend,
-    launch_tritonserver,
-    set_parameters,
-    stop,
-    wait_frontend,
-    wait_tritonserver,
-)
 
 SHIPPED_TYPE = "Q4_1"
 TYPES = (SHIPPED_TYPE, *llama_cpp.QUANTIZED_TYPES)
@@ -70,16 +57,6 @@ def parse_types(text: str) -> list[str]:
     return types
 
 
-def parse_concurrencies(text: str) -> list[int]:
-    try:
-        values = [int(c) for c in text.split(",") if c]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"--concurrency {text!r}: comma-separated integers >= 1")
-    return values
-
-
 def requests_for(concurrency: int, num_requests: int | None) -> int:
     """`num_requests`, else three waves of the concurrency and at least 12. W3's requests are
     all of one length, so a closed loop's waves start and end together and each is as full
@@ -90,65 +67,6 @@ def requests_for(concurrency: int, num_requests: int | None) -> int:
 
 def gguf_file(gguf_type: str, checkpoint: str, shipped: str) -> str:
     return shipped if gguf_type == SHIPPED_TYPE else llama_cpp.make_quantized_gguf(checkpoint, gguf_type)
-
-
-def write_repository(dst: Path, gguf: str, tokenizer: str, cpus: list[int], slots: int) -> Path:
-    """A model repository at `dst` whose one model, `llm`, is model_repository/llm_q4 (the
-    shipped GGUF model) on `gguf`, its engine threads bound to `cpus` and `slots` sequences at once."""
-    text = re.sub(r'^name:\s*"[^"]*"', 'name: "llm"', (BASE_MODEL / "config.pbtxt").read_text(), count=1, flags=re.M)
-    text = set_parameters(text, {"model_path": os.path.abspath(gguf), "tokenizer": os.path.abspath(tokenizer),
-                                 "omp_threads_bind": ",".join(map(str, cpus)), "max_num_seqs": str(slots)})
-    (dst / "llm" / "1").mkdir(parents=True)
-    (dst / "llm" / "config.pbtxt").write_text(text)
-    return dst
-
-
-def triton_version(http_port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2", timeout=5) as resp:
-        return json.load(resp).get("version", "unknown")
-
-
-@contextmanager
-def tritonserver(gguf: str, tokenizer: str, cpus: list[int], slots: int, workdir: Path):
-    """tritonserver on `gguf` behind the OpenAI frontend: yields (OpenAI address, tritonserver's version)."""
-    repository = write_repository(workdir / "repository", gguf, tokenizer, cpus, slots)
-    http, grpc, metrics, openai = free_ports(4)
-    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
-    servers = []
-    try:
-        with open(workdir / "tritonserver.log", "w") as log:
-            servers.append(launch_tritonserver(repository, "127.0.0.1", http, grpc, metrics, env=env, stdout=log,
-                                               stderr=subprocess.STDOUT))
-        wait_tritonserver(http, timeout=600, proc=servers[0])
-        with open(workdir / "frontend.log", "w") as log:
-            servers.append(launch_frontend(f"127.0.0.1:{grpc}", "127.0.0.1", openai, model_repository=repository,
-                                           stdout=log, stderr=subprocess.STDOUT))
-        wait_frontend(openai, proc=servers[1])
-        yield f"127.0.0.1:{openai}", triton_version(http)
-    except Exception:
-        print(f"tritonserver: its logs are in {workdir}", file=sys.stderr)
-        raise
-    finally:
-        for server in reversed(servers):
-            stop(server)
-
-
-@contextmanager
-def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path):
-    """llama-server on `gguf`: yields (its address, its version)."""
-    (port,) = free_ports(1)
-    # float32: the KV cache's type, as the engine's with dtype auto on a CPU.
-    command = llama_cpp.server_command(gguf, "float32", port, slots=slots, threads=len(cpus))
-    with open(workdir / "llama-server.log", "w") as log:
-        server = llama_cpp.launch(command, cpus, log)
-    try:
-        llama_cpp.wait_ready(port, server)
-        yield f"127.0.0.1:{port}", llama_cpp.version()
-    except Exception:
-        print(f"llama-server: its log is {workdir / 'llama-server.log'}", file=sys.stderr)
-        raise
-    finally:
-        stop(server)
 
 
 def compare(results: list[dict]) -> dict:
@@ -200,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-requests must be at least 1")
     if args.slots < 1:
         parser.error("--slots must be at least 1")
-    available = sorted(os.sched_getaffinity(0))
-    cores = args.cores or len(available)
-    if not 1 <= cores <= len(available):
-        parser.error(f"--cores {cores}: this process may use {len(available)} CPUs")
-    cpus = available[:cores]
+    try:
+        cpus = first_cpus(args.cores)
+    except ValueError as exc:
+        parser.error(str(exc))
     for tool in (llama_cpp.LLAMA_SERVER, *([llama_cpp.LLAMA_QUANTIZE] if set(types) - {SHIPPED_TYPE} else [])):
         if not tool.exists():
             parser.error(f"{tool} is missing: run `make peers-llama-cpp`")
@@ -246,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             workdir = Path(tmp) / f"{gguf_type}-{system}"
             workdir.mkdir()
             start = time.perf_counter()
-            server = (tritonserver(gguf, args.model, cpus, args.slots, workdir) if system == "tritonserver"
-                      else llama_server(gguf, cpus, args.slots, workdir))
+            server = (tritonserver(BASE_MODEL, {"model_path": gguf, "tokenizer": args.model}, cpus, args.slots, workdir)
+                      if system == "tritonserver" else llama_server(gguf, cpus, args.slots, workdir))
             with server as (address, version):
                 versions[system] = version
                 print(f"{gguf_type} {system}: ready in {time.perf_counter() - start:.1f} s", flush=True)

@@ -36,6 +36,7 @@ class RequestRecord:
     label: str = ""
     end_time: float | None = None  # the final response; None: the last piece's time
     error: str | None = None
+    text: str = ""  # the output text, as the server sent it (server clients)
 
 
 @dataclass

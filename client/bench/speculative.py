@@ -39,10 +39,12 @@ METHODS = {
 EDIT_INSTRUCTION = "Copy the following text exactly, fixing only spelling mistakes:\n\n"
 
 
-def _chat(tokenizer, text: str) -> list[int]:
+def _chat(tokenizer, text: str, max_tokens: int) -> BenchRequest:
+    """`text` as the user's turn of a chat: the templated prompt's ids, and the prompt as text
+    for servers (whose special tokens attach_text's decoding would drop)."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return BenchRequest(tokenizer.encode(prompt, add_special_tokens=False), max_tokens, prompt_text=prompt)
 
 
 def w9a_grounded(tokenizer, num_requests: int, max_tokens: int, seed: int = 0) -> Workload:
@@ -53,14 +55,14 @@ def w9a_grounded(tokenizer, num_requests: int, max_tokens: int, seed: int = 0) -
     for _ in range(num_requests):
         start = int(rng.integers(0, len(words) - 200))
         passage = " ".join(words[start : start + int(rng.integers(50, 120))])
-        requests.append(BenchRequest(_chat(tokenizer, EDIT_INSTRUCTION + passage), max_tokens))
+        requests.append(_chat(tokenizer, EDIT_INSTRUCTION + passage, max_tokens))
     return Workload("W9a", f"{num_requests} copy-edit requests of passages of the fixed text, greedy, "
                     f"{max_tokens} tokens out, EOS ignored", requests, prompt_source=f"text:{TEXT.name}")
 
 
 def w9b_chat(tokenizer, num_requests: int, max_tokens: int) -> Workload:
     prompts = BUILTIN_PROMPTS[:num_requests]
-    requests = [BenchRequest(_chat(tokenizer, p), max_tokens) for p in prompts]
+    requests = [_chat(tokenizer, p, max_tokens) for p in prompts]
     return Workload("W9b", f"{len(requests)} chat prompts (built in), greedy, {max_tokens} tokens out, EOS ignored",
                     requests, prompt_source="text:builtin")
 

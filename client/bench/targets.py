@@ -125,8 +125,10 @@ class _TritonGrpc:
                     record.error = error.message() or str(error)
                     return
                 tokens = int(output_value(result, NUM_OUTPUT_TOKENS) or 0)
-                if output_value(result, TEXT_OUTPUT) or tokens:
+                text = output_value(result, TEXT_OUTPUT)
+                if text or tokens:
                     record.token_times.append(now)
+                    record.text += text or ""
                     record.num_output_tokens += tokens
                 if is_final(result):
                     finished = True
@@ -204,8 +206,10 @@ class _TritonHttp(_Http):
                     record.error = str(event["error"])
                     return
                 tokens = int(_scalar(event.get(NUM_OUTPUT_TOKENS, 0)) or 0)
-                if _scalar(event.get(TEXT_OUTPUT)) or tokens:
+                text = _scalar(event.get(TEXT_OUTPUT))
+                if text or tokens:
                     record.token_times.append(now)
+                    record.text += text or ""
                     record.num_output_tokens += tokens
                 value = _scalar(event.get(FINISH_REASON))
                 if value not in (None, "", "None"):
@@ -240,6 +244,7 @@ class _OpenAI(_Http):
                 for choice in event.get("choices") or []:
                     if choice.get("text"):
                         record.token_times.append(now)
+                        record.text += choice["text"]
                     reason = choice.get("finish_reason") or reason
         if record.error is None:
             # Without usage (a server that ignores include_usage) a chunk counts as a token, as vLLM's bench does.

@@ -40,6 +40,7 @@ def test_server_targets_complete_every_request_with_its_token_count(triton_serve
             assert r.error is None and r.finish_reason == "length", (run.system, r)
             assert r.num_output_tokens == 8, (run.system, r)
             assert r.token_times and r.arrival < r.token_times[0] <= r.token_times[-1] <= r.end_time
+            assert r.text.strip(), (run.system, r)  # every client keeps the output text
         result = summarize(run, w)
         assert result["num_completed"] == 4 and result["all_token_counts_right"], result
         assert result["ttft_ms"]["p99"] <= result["e2el_ms"]["p99"]

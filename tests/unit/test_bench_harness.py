@@ -392,6 +392,7 @@ def test_no_request_is_lost_to_a_server_that_closes_its_keep_alive_connections(l
     assert [r.error for r in run.records] == [None] * 12
     assert [r.num_output_tokens for r in run.records] == [r.max_tokens for r in w.requests]
     assert all(r.finish_reason == "length" for r in run.records)
+    assert [r.text for r in run.records] == ["a" * r.max_tokens for r in w.requests]  # the streamed pieces, joined
     # Each request answered once (the warm-up first); pooled connections were met closed.
     assert sorted(llama_server_like.answered) == sorted(["Hello"] + [f"prompt {i}" for i in range(12)])
     if concurrency is not None:  # open loop sends every request before the first ends: no reuse

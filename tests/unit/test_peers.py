@@ -21,7 +21,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.paths import MODELS_DIR, REPO_ROOT
-from client.bench import gguf_serving, llama_cpp, openvino_offline, peers, vllm_peer
+from client.bench import gguf_serving, llama_cpp, openvino_offline, peers, servers, speculative_serving, vllm_peer
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
@@ -350,10 +350,10 @@ def test_q3_types_and_concurrencies_parse_or_name_what_is_wrong():
     for bad in ("Q5_K", "Q4_1,f32", ""):
         with pytest.raises(ValueError, match="Q4_1, Q8_0, Q4_0, Q4_K_M"):
             gguf_serving.parse_types(bad)
-    assert gguf_serving.parse_concurrencies("1,32") == [1, 32]
+    assert servers.parse_concurrencies("1,32") == [1, 32]
     for bad in ("0,32", "one", ""):
         with pytest.raises(ValueError, match="integers >= 1"):
-            gguf_serving.parse_concurrencies(bad)
+            servers.parse_concurrencies(bad)
     # Three waves of the concurrency, at least 12, unless given.
     assert [gguf_serving.requests_for(c, None) for c in (1, 4, 32)] == [12, 12, 96]
     assert gguf_serving.requests_for(32, 4) == 4
@@ -387,7 +387,8 @@ PARAMETER = re.compile(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"
 
 def test_q3_repository_serves_the_gguf_file_as_llm_with_llm_q4s_settings(tmp_path):
     gguf = tmp_path / "SmolLM2-135M-Instruct-Q8_0.gguf"
-    repository = gguf_serving.write_repository(tmp_path / "repo", str(gguf), "some/tokenizer", [1, 3], 8)
+    repository = servers.write_repository(tmp_path / "repo", gguf_serving.BASE_MODEL,
+                                          {"model_path": str(gguf), "tokenizer": "some/tokenizer"}, [1, 3], 8)
     assert sorted(p.name for p in repository.iterdir()) == ["llm"]
     assert (repository / "llm" / "1").is_dir()
     config = (repository / "llm" / "config.pbtxt").read_text()
@@ -434,3 +435,142 @@ def test_q3_compares_tritonserver_to_llama_server_per_type_and_concurrency_again
     met = gguf_serving.compare([recorded("tritonserver", "Q4_0", 32, 1.0, 0.05),
                                 recorded("llama-server", "Q4_0", 32, 1.4, 0.10)])
     assert met["Q4_0"]["c=32"]["target"]["met"]
+
+
+# ---- W9 against llama-server (client/bench/speculative_serving.py) --------------------
+
+
+def test_w9_llama_methods_parse_with_off_or_name_what_is_wrong():
+    parse = speculative_serving.parse_methods
+    assert parse("off,suffix,ngram,suffix", speculative_serving.METHODS, "--methods") == ["off", "suffix", "ngram"]
+    for bad in ("ngram", "off,eagle", ""):  # no `off` to compare with, an unknown name, nothing
+        with pytest.raises(ValueError, match="--llama-methods .*`off` and any of ngram-simple, ngram-mod, draft-q8"):
+            parse(bad, speculative_serving.LLAMA_METHODS, "--llama-methods")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "ngram"], "--methods 'ngram'"),
+    (["--llama-methods", "off,lookahead"], "--llama-methods 'off,lookahead'"),
+    (["--methods", "off,draft_int8"], "--methods draft_int8: through the server a draft_model method"),
+    (["--concurrency", "1,4", "--slots", "2"], "--slots 2: fewer than the highest concurrency, 4"),
+    (["--requests", "0"], "--requests and --max-tokens must be at least 1"),
+    (["--cores", "4096"], "--cores 4096: this process may use"),
+])
+def test_w9_llama_refuses_bad_arguments_before_it_starts_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        speculative_serving.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_w9_llama_engine_repository_carries_each_methods_speculative_config(tmp_path):
+    for method in ("off", "ngram", "suffix"):
+        parameters = speculative_serving.engine_parameters(method, "some/checkpoint")
+        repository = servers.write_repository(tmp_path / method, speculative_serving.BASE_MODEL, parameters, [0], 4)
+        params = {k: v.replace('\\"', '"') for k, v in re.findall(
+            r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"',
+            (repository / "llm" / "config.pbtxt").read_text())}
+        engine = EngineConfig.from_parameters(params, str(repository / "llm" / "1"))
+        assert (engine.model_path, engine.dtype, engine.max_num_seqs) == (os.path.abspath("some/checkpoint"),
+                                                                          "float32", 4)
+        # What the backend loads: speculative.METHODS' settings, none when off.
+        expected = speculative_serving.METHODS[method]
+        assert engine.speculative_config == expected
+
+
+def llama_flags_of(command: list[str]) -> dict[str, str | None]:
+    """A command line's flags: each flag's value, None for a flag without one."""
+    flags, args = {}, command[1:]
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            flags[arg] = value
+    return flags
+
+
+def test_w9_llama_server_commands_add_each_speculation_to_the_shared_settings():
+    plain = servers.llama_server_command("/m/f32.gguf", 8090, [2, 3], 4)
+    assert plain == llama_cpp.server_command("/m/f32.gguf", "float32", 8090, slots=4, threads=2)
+    for method in speculative_serving.LLAMA_METHODS:
+        command = servers.llama_server_command("/m/f32.gguf", 8090, [2, 3], 4,
+                                               speculative_serving.llama_flags(method, "/m/Q8_0.gguf"))
+        assert command[:len(plain)] == plain
+        flags = llama_flags_of(command)
+        assert (flags["--parallel"], flags["--threads"], flags["--cache-type-k"], flags["--cache-type-v"]) == (
+            "4", "2", "f32", "f32")
+        spec = {k: v for k, v in flags.items() if k.startswith("--spec-")}
+        if method == "off":
+            assert spec == {}
+        elif method == "draft-q8":
+            assert spec == {"--spec-type": "draft-simple", "--spec-draft-model": "/m/Q8_0.gguf",
+                            "--spec-draft-n-max": "3"}
+        else:  # its n-gram speculation: a lookup of 4 (the engine's ngram's) or 8, then drafts of up to 16
+            assert spec == {"ngram-simple": {"--spec-type": "ngram-simple", "--spec-ngram-simple-size-n": "4",
+                                             "--spec-ngram-simple-size-m": "16"},
+                            "ngram-mod": {"--spec-type": "ngram-mod", "--spec-ngram-mod-n-match": "8",
+                                          "--spec-ngram-mod-n-min": "2", "--spec-ngram-mod-n-max": "16"}}[method]
+
+
+def w9_recorded(system: str, method: str, workload: str, concurrency: int, duration_s: float,
+                tpot_s: float = 0.01) -> dict:
+    """Two requests of 4 tokens, each `tpot_s` apart, the run taking `duration_s`."""
+    w = Workload(workload, "two requests", [BenchRequest([1, 2, 3], 4), BenchRequest([4, 5, 6], 4)])
+    records = [RequestRecord(0.0, [0.05 + tpot_s * i for i in range(4)], 4, 4, finish_reason="length")
+               for _ in w.requests]
+    return {"method": method, "workload": workload,
+            **summarize(SystemRun(system, records, duration_s, concurrency=concurrency), w)}
+
+
+def test_w9_llama_ratios_take_llama_servers_fastest_speculation_and_each_systems_off():
+    results = [
+        w9_recorded("tritonserver", "off", "W9a", 1, 4.0), w9_recorded("tritonserver", "ngram", "W9a", 1, 2.0, 0.005),
+        w9_recorded("tritonserver", "suffix", "W9a", 1, 1.0, 0.0025),
+        w9_recorded("llama-server", "off", "W9a", 1, 3.0), w9_recorded("llama-server", "ngram-simple", "W9a", 1, 2.5),
+        w9_recorded("llama-server", "draft-q8", "W9a", 1, 1.5, 0.02),
+        w9_recorded("tritonserver", "off", "W9a", 2, 1.0), w9_recorded("tritonserver", "suffix", "W9a", 2, 1.0),
+        w9_recorded("llama-server", "off", "W9a", 2, 1.0),  # no speculation of llama-server's: no comparison
+    ]
+    compared = speculative_serving.compare(results)
+    assert list(compared) == ["W9a c=1", "W9a c=2"]
+    c1 = compared["W9a c=1"]
+    assert c1["llama_server_best"] == "draft-q8"  # the fastest in output tokens/s, whatever its TPOT
+    assert c1["vs_llama_server"]["suffix"]["output_tokens_per_s"] == pytest.approx(1.5)
+    assert c1["vs_llama_server"]["suffix"]["tpot_p50"] == pytest.approx(0.125)
+    assert c1["vs_llama_server"]["suffix"]["target"] == {"output_tokens_per_s": 1.3, "met": True}
+    assert c1["vs_llama_server"]["ngram"]["output_tokens_per_s"] == pytest.approx(0.75)
+    assert not c1["vs_llama_server"]["ngram"]["target"]["met"]
+    assert c1["over_off"]["tritonserver"]["ngram"] == pytest.approx({"output_tokens_per_s": 2.0, "tpot_p50": 0.5})
+    theirs = c1["over_off"]["llama-server"]
+    assert list(theirs) == ["ngram-simple", "draft-q8"]
+    assert theirs["ngram-simple"] == pytest.approx({"output_tokens_per_s": 1.2, "tpot_p50": 1.0})
+    assert theirs["draft-q8"] == pytest.approx({"output_tokens_per_s": 2.0, "tpot_p50": 2.0})
+    assert "off" not in c1["vs_llama_server"] and "off" not in c1["over_off"]["tritonserver"]
+    # Concurrency 2 has no target (the smoke run's), and llama-server ran no speculation there.
+    c2 = compared["W9a c=2"]
+    assert "vs_llama_server" not in c2 and "llama_server_best" not in c2
+    assert c2["over_off"] == {"tritonserver": {"suffix": {"output_tokens_per_s": 1.0, "tpot_p50": 1.0}}}
+
+
+def test_w9_llama_greedy_texts_compare_each_method_with_its_systems_off():
+    texts = {
+        ("tritonserver", "off", "W9a", 1): ["the cat sat", "a dog"],
+        ("tritonserver", "suffix", "W9a", 1): ["the cat sat", "a dog"],
+        ("llama-server", "off", "W9a", 1): ["the cat sat", "a dig"],
+        ("llama-server", "ngram-mod", "W9a", 1): ["the hat sat", "a dog"],
+        ("tritonserver", "off", "W9b", 1): ["hi"],
+        ("tritonserver", "ngram", "W9b", 1): ["ho"],
+    }
+    greedy = speculative_serving.compare_texts(texts)
+    assert greedy["W9a c=1"] == {
+        "tritonserver": {"suffix": {"requests_differing": 0}},
+        "llama-server": {"ngram-mod": {"requests_differing": 2, "first": {"request": 0, "offset": 4}}},
+        "llama-server off vs tritonserver off": {"requests_differing": 1, "first": {"request": 1, "offset": 3}},
+    }
+    assert speculative_serving.text_difference(["abc"], ["ab"]) == {"requests_differing": 1,
+                                                                    "first": {"request": 0, "offset": 2}}
+    assert greedy["W9b c=1"] == {"tritonserver": {"ngram": {"requests_differing": 1,
+                                                            "first": {"request": 0, "offset": 1}}}}
+    # The engine's methods must give its off's text; llama-server's may differ.
+    assert not speculative_serving.engine_texts_agree(greedy)
+    del texts[("tritonserver", "ngram", "W9b", 1)]
+    assert speculative_serving.engine_texts_agree(speculative_serving.compare_texts(texts))

@@ -1,0 +1,118 @@
+"""The servers a serving benchmark starts fresh for each system it measures, and stops after:
+tritonserver behind the OpenAI frontend (client/openai/), and llama.cpp's llama-server, both
+on the CPUs they are given. Q3 (client/bench/gguf_serving.py) and W9 against llama-server
+(client/bench/speculative_serving.py) run their workloads against both through
+client.bench.targets' `openai` client.
+
+Each context manager yields (the OpenAI address, the server's version) and writes the
+server's log into the folder it is given, naming that folder on stderr when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from client.bench import llama_cpp
+from tools.launch import (
+    PATH_PARAMETERS,
+    free_ports,
+    launch_frontend,
+    launch_tritonserver,
+    set_parameters,
+    stop,
+    wait_frontend,
+    wait_tritonserver,
+)
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(c) for c in text.split(",") if c]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrency {text!r}: comma-separated integers >= 1")
+    return values
+
+
+def first_cpus(cores: int | None) -> list[int]:
+    """The first `cores` CPUs this process may run on (all of them when None)."""
+    available = sorted(os.sched_getaffinity(0))
+    count = cores or len(available)
+    if not 1 <= count <= len(available):
+        raise ValueError(f"--cores {count}: this process may use {len(available)} CPUs")
+    return available[:count]
+
+
+def write_repository(dst: Path, base: Path, parameters: Mapping[str, str], cpus: list[int], slots: int) -> Path:
+    """A model repository at `dst` whose one model, `llm`, is the model folder `base`'s
+    config.pbtxt with `parameters` set (paths made absolute: the copy lives elsewhere), its
+    engine threads bound to `cpus` and `slots` sequences at once."""
+    text = re.sub(r'^name:\s*"[^"]*"', 'name: "llm"', (base / "config.pbtxt").read_text(), count=1, flags=re.M)
+    values = {k: os.path.abspath(v) if k in PATH_PARAMETERS else v for k, v in parameters.items()}
+    text = set_parameters(text, {**values, "omp_threads_bind": ",".join(map(str, cpus)), "max_num_seqs": str(slots)})
+    (dst / "llm" / "1").mkdir(parents=True)
+    (dst / "llm" / "config.pbtxt").write_text(text)
+    return dst
+
+
+def triton_version(http_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2", timeout=5) as resp:
+        return json.load(resp).get("version", "unknown")
+
+
+@contextmanager
+def tritonserver(base: Path, parameters: Mapping[str, str], cpus: list[int], slots: int, workdir: Path):
+    """tritonserver on write_repository's model behind the OpenAI frontend: yields (OpenAI
+    address, tritonserver's version)."""
+    repository = write_repository(workdir / "repository", base, parameters, cpus, slots)
+    http, grpc, metrics, openai = free_ports(4)
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
+    servers = []
+    try:
+        with open(workdir / "tritonserver.log", "w") as log:
+            servers.append(launch_tritonserver(repository, "127.0.0.1", http, grpc, metrics, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+        wait_tritonserver(http, timeout=600, proc=servers[0])
+        with open(workdir / "frontend.log", "w") as log:
+            servers.append(launch_frontend(f"127.0.0.1:{grpc}", "127.0.0.1", openai, model_repository=repository,
+                                           stdout=log, stderr=subprocess.STDOUT))
+        wait_frontend(openai, proc=servers[1])
+        yield f"127.0.0.1:{openai}", triton_version(http)
+    except Exception:
+        print(f"tritonserver: its logs are in {workdir}", file=sys.stderr)
+        raise
+    finally:
+        for server in reversed(servers):
+            stop(server)
+
+
+def llama_server_command(gguf: str, port: int, cpus: list[int], slots: int, extra: Sequence[str] = ()) -> list[str]:
+    """llama_cpp.server_command's settings with a thread on each of `cpus` and the KV cache in
+    float32 (the engine's with dtype auto on a CPU), then the flags `extra`."""
+    return [*llama_cpp.server_command(gguf, "float32", port, slots=slots, threads=len(cpus)), *extra]
+
+
+@contextmanager
+def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path, extra: Sequence[str] = ()):
+    """llama-server on `gguf` (llama_server_command's) confined to `cpus`: yields (its address, its version)."""
+    (port,) = free_ports(1)
+    command = llama_server_command(gguf, port, cpus, slots, extra)
+    with open(workdir / "llama-server.log", "w") as log:
+        server = llama_cpp.launch(command, cpus, log)
+    try:
+        llama_cpp.wait_ready(port, server)
+        yield f"127.0.0.1:{port}", llama_cpp.version()
+    except Exception:
+        print(f"llama-server: its log is {workdir / 'llama-server.log'}", file=sys.stderr)
+        raise
+    finally:
+        stop(server)

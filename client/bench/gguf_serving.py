@@ -34,7 +34,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
-from client.bench import llama_cpp
+from client.bench import llama_cpp, servers
 from client.bench.records import git_commit, machine, write_report
 from client.bench.servers import first_cpus, llama_server, parse_concurrencies, tritonserver
 from client.bench.stats import DEFAULT_SLO, format_ratio, ratios, summarize
@@ -97,16 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT),
                         help="the float checkpoint the quantized files are made from, and the tokenizer")
     parser.add_argument("--gguf", default=str(DEFAULT_GGUF), help=f"the {SHIPPED_TYPE} file")
-    parser.add_argument("--cores", type=int, help="how many of this process's CPUs the servers use (default: all)")
     parser.add_argument("--slots", type=int, default=32,
                         help="sequences at once: the engine's max_num_seqs and llama-server's --parallel")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--note", help="free text kept in the report")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", help="the report (default: bench/results/<cpu kind>/q3_gguf_vs_llama_server.json)")
+    servers.add_run_arguments(parser, "q3_gguf_vs_llama_server.json")
     args = parser.parse_args(argv)
 
     try:

@@ -43,6 +43,17 @@ def parse_concurrencies(text: str) -> list[int]:
     return values
 
 
+def add_run_arguments(parser, default_json: str) -> None:
+    """The options every benchmark of fresh servers takes: where they run, the run's seed and
+    timeout, and where its report goes."""
+    parser.add_argument("--cores", type=int, help="how many of this process's CPUs the servers use (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--note", help="free text kept in the report")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", help=f"the report (default: bench/results/<cpu kind>/{default_json})")
+
+
 def first_cpus(cores: int | None) -> list[int]:
     """The first `cores` CPUs this process may run on (all of them when None)."""
     available = sorted(os.sched_getaffinity(0))

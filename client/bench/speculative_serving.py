@@ -47,7 +47,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
-from client.bench import llama_cpp
+from client.bench import llama_cpp, servers
 from client.bench.records import git_commit, machine, write_report
 from client.bench.servers import first_cpus, llama_server, parse_concurrencies, tritonserver
 from client.bench.speculative import METHODS, w9a_grounded, w9b_chat
@@ -184,13 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-methods", default=",".join(LLAMA_METHODS),
                         help=f"llama-server's, of {', '.join(LLAMA_METHODS)}")
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="the float32 checkpoint (and tokenizer)")
-    parser.add_argument("--cores", type=int, help="how many of this process's CPUs the servers use (default: all)")
     parser.add_argument("--slots", type=int, help="sequences at once (default: the highest concurrency)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--note", help="free text kept in the report")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", help="the report (default: bench/results/<cpu kind>/w9_vs_llama_server.json)")
+    servers.add_run_arguments(parser, "w9_vs_llama_server.json")
     args = parser.parse_args(argv)
 
     try:

@@ -85,6 +85,10 @@ def sse_payload(event: bytes):
 
 
 HI = [{"role": "user", "content": "Hi"}]
+# What every request of the kind sends whatever the client set: a chat's prompt, rendered by the
+# chat template, already holds its special tokens, so the backend adds none.
+ALWAYS = {CompletionRequest: {}, ChatCompletionRequest: {"add_special_tokens": False}}
+CHAT = ALWAYS[ChatCompletionRequest]
 
 
 # ---------------------------------------------------------------------------- requests
@@ -94,7 +98,7 @@ def test_chat_with_logprobs_asks_the_backend_for_them():
     job = translate(ChatCompletionRequest, {
         "model": "llm", "messages": HI, "max_completion_tokens": 16, "temperature": 0, "stop": ["\n\n", "User:"],
         "logprobs": True, "top_logprobs": 3, "stream": True, "stream_options": {"include_usage": True}})
-    assert job.sampling == {"max_tokens": 16, "temperature": 0.0, "stop": ["\n\n", "User:"], "logprobs": 3}
+    assert job.sampling == {**CHAT, "max_tokens": 16, "temperature": 0.0, "stop": ["\n\n", "User:"], "logprobs": 3}
     assert (job.kind, job.model, job.stream, job.include_usage, job.logprobs) == ("chat", "llm", True, True, 3)
     assert job.request_id.startswith("chatcmpl-")
     inputs = inputs_of(job)
@@ -107,7 +111,7 @@ def test_chat_with_logprobs_asks_the_backend_for_them():
 def test_chat_without_logprobs_sends_only_what_the_client_set():
     job = translate(ChatCompletionRequest, {
         "model": "llm", "messages": [{"role": "developer", "content": "Be brief."}, *HI], "max_tokens": 8})
-    assert job.sampling == {"max_tokens": 8}
+    assert job.sampling == {**CHAT, "max_tokens": 8}
     assert job.logprobs is None and not job.stream and not job.include_usage
     assert "return_logprobs" not in inputs_of(job)
     # A developer message is a system message to the chat template; content parts are joined.
@@ -117,13 +121,14 @@ def test_chat_without_logprobs_sends_only_what_the_client_set():
     assert req.check() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     # logprobs without top_logprobs asks the backend for the sampled token's logprob only.
     assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "logprobs": True}).sampling == \
-        {"logprobs": 0}
+        {**CHAT, "logprobs": 0}
 
 
 def test_user_becomes_the_tenant_and_a_bad_one_is_refused_as_user():
     for model_cls, body in ((ChatCompletionRequest, {"model": "llm", "messages": HI}),
                             (CompletionRequest, {"model": "llm", "prompt": "x"})):
-        assert translate(model_cls, {**body, "user": "team-a@example.com"}).sampling == {"tenant": "team-a@example.com"}
+        assert translate(model_cls, {**body, "user": "team-a@example.com"}).sampling == \
+            {**ALWAYS[model_cls], "tenant": "team-a@example.com"}
         assert "tenant" not in translate(model_cls, body).sampling
         error = refusal(model_cls, {**body, "user": "no spaces please"})
         assert (error.param, error.code) == ("user", "invalid_value")
@@ -158,7 +163,8 @@ def test_the_fields_a_router_adds_at_their_defaults_change_nothing():
     # their defaults, which the backend applies anyway.
     defaults = {"ignore_eos": False, "skip_special_tokens": True}
     assert translate(ChatCompletionRequest, {**chat, **ROUTER_ADDS_CHAT}).sampling == \
-        {**translate(ChatCompletionRequest, chat).sampling, **defaults} == {"max_tokens": 8, "stop": ".", **defaults}
+        {**translate(ChatCompletionRequest, chat).sampling, **defaults} == \
+        {**CHAT, "max_tokens": 8, "stop": ".", **defaults}
     completion = {"model": "llm", "prompt": "x", "max_tokens": 8}
     assert translate(CompletionRequest, {**completion, **ROUTER_ADDS}).sampling == {"max_tokens": 8, **defaults}
     # A client's own include_stop_str_in_output survives the router's no_stop_trim false.
@@ -169,7 +175,8 @@ def test_the_fields_a_router_adds_at_their_defaults_change_nothing():
 @pytest.mark.parametrize("model_cls, body", [
     (CompletionRequest, {"model": "llm", "prompt": "x"}), (ChatCompletionRequest, {"model": "llm", "messages": HI})])
 def test_no_stop_trim_keeps_the_stop_string_as_include_stop_str_in_output_does(model_cls, body):
-    assert translate(model_cls, {**body, "no_stop_trim": True}).sampling == {"include_stop_str_in_output": True}
+    assert translate(model_cls, {**body, "no_stop_trim": True}).sampling == \
+        {**ALWAYS[model_cls], "include_stop_str_in_output": True}
 
 
 def test_the_reasoning_switches_are_accepted_whatever_their_value():
@@ -177,7 +184,7 @@ def test_the_reasoning_switches_are_accepted_whatever_their_value():
     for value in (True, False):
         job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "separate_reasoning": value,
                                                 "include_reasoning": value})
-        assert job.sampling == {}
+        assert job.sampling == CHAT
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -326,11 +333,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 ])
 def test_structured_output_fields_become_the_backends_structured_outputs(fields, want):
     job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, **fields})
-    assert job.sampling == {"structured_outputs": want}
+    assert job.sampling == {**CHAT, "structured_outputs": want}
 
 
 def test_text_response_format_asks_for_nothing():
-    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "response_format": {"type": "text"}}).sampling == {}
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "response_format": {"type": "text"}}).sampling == CHAT
 
 
 def test_completions_take_the_vllm_structured_output_fields():
@@ -369,7 +376,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 def test_a_named_function_is_constrained_to_its_parameters():
     job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER, TIME],
                                             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert job.sampling == {"structured_outputs": {"json": WEATHER["function"]["parameters"]}}
+    assert job.sampling == {**CHAT, "structured_outputs": {"json": WEATHER["function"]["parameters"]}}
     assert job.forced_tool == "get_weather"
     reply = job.whole([piece('{"city": "Paris"}', "stop")])
     message = reply["choices"][0]["message"]
@@ -445,7 +452,7 @@ def test_a_streamed_tool_call_is_one_delta_at_the_end():
 
 def test_tools_with_none_generate_text():
     job = translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": "none"})
-    assert job.sampling == {} and job.forced_tool is None
+    assert job.sampling == CHAT and job.forced_tool is None
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -520,3 +527,12 @@ def test_streamed_chat_with_n_sends_each_choice_with_its_index():
         {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
     assert sse_payload(job.chunk(two, 0))["choices"] == [
         {"index": 1, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]
+
+
+def test_a_chat_asks_for_no_special_tokens_unless_its_client_does():
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI}).sampling == {"add_special_tokens": False}
+    assert translate(ChatCompletionRequest, {"model": "llm", "messages": HI, "add_special_tokens": True}
+                     ).sampling == {"add_special_tokens": True}
+    assert translate(CompletionRequest, {"model": "llm", "prompt": "x"}).sampling == {}
+    assert translate(CompletionRequest, {"model": "llm", "prompt": "x", "add_special_tokens": False}
+                     ).sampling == {"add_special_tokens": False}

@@ -180,10 +180,12 @@ def piece(text: str, reason: str | None = None, index: int = 0, final: bool = Fa
 def test_auto_is_the_default_with_tools_and_asks_for_no_constraint():
     for fields in ({}, {"tool_choice": "auto"}):
         job = auto_job(**fields)
-        assert job.auto_tools and job.forced_tool is None and job.sampling == {}
+        # No constraint: only what every chat sends (its template wrote the special tokens).
+        assert job.auto_tools and job.forced_tool is None and job.sampling == {"add_special_tokens": False}
     assert not auto_job(tool_choice="none").auto_tools and not auto_job(tool_choice="required").auto_tools
     # A constraint of the client's own may shape the reply (the e2e tests make a random model call so).
-    assert auto_job(structured_outputs={"regex": "x"}).sampling == {"structured_outputs": {"regex": "x"}}
+    assert auto_job(structured_outputs={"regex": "x"}).sampling == {"add_special_tokens": False,
+                                                                    "structured_outputs": {"regex": "x"}}
 
 
 def test_a_whole_reply_with_calls_becomes_tool_calls():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, DEFAULT_GGUF, REPO_ROOT
 from client.bench import llama_cpp, servers
-from client.bench.records import git_commit, machine, write_report
+from client.bench.records import machine, write_report
 from client.bench.servers import first_cpus, llama_server, parse_concurrencies, tritonserver
 from client.bench.stats import DEFAULT_SLO, format_ratio, ratios, summarize
 from client.bench.targets import parse_target, run_target
@@ -136,14 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results, versions = [], {}
     report = {
-        "benchmark": "Q3: GGUF files served by tritonserver and by llama-server (issue 47)",
-        "command": "python -m client.bench.gguf_serving " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "git_commit": git_commit(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": info,
-        "cpus": cpus,
-        "versions": versions,
-        "checkpoint": os.path.relpath(args.model, REPO_ROOT),
+        **servers.report_header("Q3: GGUF files served by tritonserver and by llama-server (issue 47)",
+                                "client.bench.gguf_serving", argv, info, cpus, versions, args.model),
         "gguf_files": {t: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)} for t, f in files.items()},
         "slots": args.slots,
         "workloads": {f"c={c}": w.summary() for c, w in workloads.items()},

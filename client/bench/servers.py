@@ -13,14 +13,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
+import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from backend.paths import REPO_ROOT
 from client.bench import llama_cpp
+from client.bench.records import git_commit
 from tools.launch import (
     PATH_PARAMETERS,
     free_ports,
@@ -52,6 +56,22 @@ def add_run_arguments(parser, default_json: str) -> None:
     parser.add_argument("--note", help="free text kept in the report")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", help=f"the report (default: bench/results/<cpu kind>/{default_json})")
+
+
+def report_header(benchmark: str, module: str, argv: list[str] | None, info: dict, cpus: list[int],
+                  versions: dict, checkpoint: str) -> dict:
+    """What every fresh-server benchmark's report starts with: what ran, how to run it again, where,
+    and each server's version (`versions`, filled in as the servers start)."""
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "git_commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": info,
+        "cpus": cpus,
+        "versions": versions,
+        "checkpoint": os.path.relpath(checkpoint, REPO_ROOT),
+    }
 
 
 def first_cpus(cores: int | None) -> list[int]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
 from client.bench import llama_cpp, servers
-from client.bench.records import git_commit, machine, write_report
+from client.bench.records import machine, write_report
 from client.bench.servers import first_cpus, llama_server, parse_concurrencies, tritonserver
 from client.bench.speculative import METHODS, w9a_grounded, w9b_chat
 from client.bench.stats import safe_ratio, summarize
@@ -224,14 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results, versions, texts = [], {}, {}
     report = {
-        "benchmark": "W9 against llama-server: speculative decoding through each system's server (issue 48)",
-        "command": "python -m client.bench.speculative_serving " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "git_commit": git_commit(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": info,
-        "cpus": cpus,
-        "versions": versions,
-        "checkpoint": os.path.relpath(args.model, REPO_ROOT),
+        **servers.report_header("W9 against llama-server: speculative decoding through each system's server (issue 48)",
+                                "client.bench.speculative_serving", argv, info, cpus, versions, args.model),
         "gguf_files": {name: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)}
                        for name, f in (("target", gguf), ("draft", draft)) if f},
         "slots": slots,

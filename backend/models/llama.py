@@ -268,6 +268,20 @@ class GeluTanhMLP(LlamaMLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up, lora)
 
 
+def _sigmoid_by_row(gate: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid of a [T, 1] gate whose every element's bits are its own, whatever T.
+
+    On the CPU torch's elementwise kernels run a vector body and a scalar tail whose results
+    differ in the last bit (SLEEF's expf against glibc's), and a contiguous [T, 1] tensor is one
+    run of T elements: where a token's gate lands, body or tail, depends on the batch around it.
+    Through a view with a row stride of 2 every element takes the scalar loop."""
+    if gate.device.type != "cpu":
+        return torch.sigmoid(gate)
+    spaced = gate.new_empty(*gate.shape[:-1], 2)[..., :1]
+    spaced.copy_(gate)
+    return torch.sigmoid(spaced)
+
+
 class SparseMoeBlock(nn.Module):
     """Top-k routed SwiGLU experts, computed as transformers computes Mixtral and Qwen3-MoE:
     router softmax in float32, top-k, optionally renormalised; each expert runs once on all the
@@ -315,7 +329,7 @@ class SparseMoeBlock(nn.Module):
         routed = self.cpu_block.forward(x) if self.cpu_block is not None else self._routed(x)
         if self.shared_expert is None:
             return routed
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + _sigmoid_by_row(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _routed(self, x):
         probs = torch.softmax(self.gate(x).float(), dim=-1)

@@ -11,6 +11,12 @@ kernel is refused, never timed). Also the machine's copy bandwidth, the bound a 
 reads run against. Timings: the best of `--windows` windows of `--seconds`, after warm-up calls.
 
     python -m client.bench.quant_gemm --threads 1 --json bench/results/avx2/quant_gemm.json
+
+`--bf16`: bfloat16 activations instead, as a bf16 model runs them: the bf16 panel GEMM (`bfloat16`,
+the machine's best: the AMX tiles on a Xeon with them) against each format as the engine packs it
+for bf16 (on the tiles where the machine has them, each checked to be the tile GEMM's bits on the
+weight rounded to bfloat16), and, where that is the tiles, the same format on the float32 vector
+path (`<format>_vector`: the input widened, as a machine without tiles runs it).
 """
 
 from __future__ import annotations
@@ -36,6 +42,39 @@ FORMATS = [("int8", 8, None, False, False), ("q8_0", 8, 32, False, True), ("q4_1
 
 
 
+def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> list[dict]:
+    """`--bf16`'s rows for one shape: the bf16 panel GEMM, each format as packed for bf16, and on a
+    machine with the tiles each format on the vector path too."""
+    packed = {}
+    for fmt, bits, group, mins, half in FORMATS:
+        weight = make_random_quantized_weight(n, k, bits, group, mins, half, gen)
+        packed[fmt] = (weight, kernels.pack_linear_weight(weight, dtype=torch.bfloat16))
+        if packed[fmt][1].isa == cpu_ext.Isa.AMX:
+            vector_isa = min(cpu_ext.Isa.AVX512, cpu_ext.Isa(module.gemm_vector_isa()))
+            packed[fmt + "_vector"] = (weight, kernels.pack_linear_weight(weight, isa=vector_isa, dtype=torch.bfloat16))
+    bf16 = kernels.pack_linear_weight(packed["int8"][0].dequantize().bfloat16())
+    rows_out = []
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        row = {"shape": name, "out_features": n, "in_features": k, "rows": rows}
+        calls = {"bfloat16": (lambda: kernels.linear(x, bf16.shape_only, None, bf16), n * k * 2)}
+        for fmt, (weight, p) in packed.items():
+            if p.isa == cpu_ext.Isa.AMX:
+                tiles = module.pack_panels(weight.dequantize().bfloat16(), int(cpu_ext.Isa.AMX))
+                want = module.panel_gemm(x, tiles, None, n, int(cpu_ext.Isa.AMX))
+                if not torch.equal(kernels.linear(x, p.shape_only, None, p), want):
+                    raise RuntimeError(f"{fmt} {name} at {rows} rows: not the tile GEMM's bits; refusing to time it")
+            calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
+        for fmt, (call, nbytes) in calls.items():
+            spent = seconds_per_call(call, "cpu", args.seconds, args.windows)
+            row[fmt] = {"us": spent * 1e6, "gflop_per_s": 2 * rows * n * k / spent / 1e9,
+                        "weight_gb_per_s": nbytes / spent / 1e9, "weight_bytes": nbytes}
+        print(f"{name:20s} {n:5d}x{k:<5d} rows {rows:4d}: " + "  ".join(
+            f"{fmt} {row[fmt]['gflop_per_s']:6.1f}" for fmt in calls) + " GF/s", flush=True)
+        rows_out.append(row)
+    return rows_out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
@@ -46,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch/OpenMP threads (default: torch's); 1 on a machine other processes share, "
                              "where a core taken away stalls every parallel call")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 activations (see above)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, n, k in SHAPES:
         if name not in args.shapes:
+            continue
+        if args.bf16:
+            results.extend(bf16_rows(module, name, n, k, args, gen))
             continue
         float_packed = None
         packed = {}
@@ -85,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt} {row[fmt]['gflop_per_s']:6.1f} GF/s {row[fmt]['weight_gb_per_s']:5.1f} GB/s"
                 for fmt in calls), flush=True)
             results.append(row)
-    report = {"benchmark": "quant_gemm", "command": " ".join(["python -m client.bench.quant_gemm"] + sys.argv[1:]),
+    report = {"benchmark": "quant_gemm_bf16" if args.bf16 else "quant_gemm", "command": " ".join(["python -m client.bench.quant_gemm"] + sys.argv[1:]),
               "machine": machine(), "git_commit": git_commit(), "threads": torch.get_num_threads(),
               "float_isa": float_isa.name.lower(), "quant_isa": min(cpu_ext.isa(), cpu_ext.Isa.AVX512).name.lower(),
+              "bf16_activations": args.bf16,
+              "bf16_quant_isa": kernels.pack_linear_weight(make_random_quantized_weight(
+                  16, 32, 8, None, False, False, gen), dtype=torch.bfloat16).isa.name.lower(),
               "formats": {fmt: {"bits": bits, "group_size": group, "mins": mins, "float16_group_values": half}
                           for fmt, bits, group, mins, half in FORMATS},
               "copy_bandwidth_gb_per_s": copy_bandwidth_gbps("cpu"),

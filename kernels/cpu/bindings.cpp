@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_panel_gemm", &quant_panel_gemm, kNoGil, pybind11::arg("x"), pybind11::arg("q"),
         pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bias"), pybind11::arg("n"),
         pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("isa"),
-        "float32 x [M, K] times the packed quantized weight's transpose, plus an optional bias");
+        "x [M, K] (float32; bfloat16 on the tiles) times the packed quantized weight's transpose, plus an optional bias");
   m.def("openmp_team_cpus", &openmp_team_cpus, "The CPUs each thread of the calling thread's OpenMP team may run on");
   m.def("bind_openmp_team", &bind_openmp_team, "Pin thread i of the calling thread's OpenMP team to cpus[i]; the team's thread ids");
   m.def("cumsum_rows", &cumsum_rows, kNoGil, "Running sums along each float32 row into out, torch.cumsum's bits");

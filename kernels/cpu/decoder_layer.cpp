@@ -21,7 +21,7 @@
 namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
-  if (p.bits != 0) {  // int8/int4 weights: a float32 GEMM, on the widened input where it is bfloat16
+  if (p.bits != 0) {  // int8/int4 weights: on the tiles bf16 as it is; else float32, widened where bf16
     const at::Tensor y =
         quant_panel_gemm(p.upcast ? x.to(at::kFloat) : x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits,
                          p.group_size, p.isa);

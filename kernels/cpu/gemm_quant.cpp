@@ -33,7 +33,14 @@
 //   tile of the block's rows (6 on AVX2, 12 on AVX-512, as gemm.cpp) runs the float panel GEMM's
 //   loop on it, its sums carried from one 256 k's to the next through memory (exact);
 // - kIsaNone: plain C++ (std::fma; what a CPU without AVX2 and FMA would run: slow, and kept for
-//   correctness; kernels/linear.py de-quantizes per call with torch instead there).
+//   correctness; kernels/linear.py de-quantizes per call with torch instead there);
+// - kIsaAmx: bfloat16 x on the AMX tiles (a bf16 model on a Xeon with AMX). Each item is two
+//   panels: de-quantized as above, rounded to bfloat16 (as torch rounds) into gemm.cpp's bf16
+//   panel layout in a buffer of the core's own, once a call, then run against every row of x
+//   with gemm.cpp's tile loop. So its result is gemm.cpp's AMX GEMM on dequantize().bfloat16(),
+//   to the bit, at every row count: a row's bits depend on its own x only, as on the other paths.
+//   A decode's one row pays the de-quantizing as the register path does; from 32 rows on the
+//   tiles' multiply-adds cost next to nothing, where the vector paths' FMAs bound them.
 // Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
@@ -85,6 +92,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "prefetch.h"
 #include "work_split.h"
@@ -99,7 +107,7 @@
 namespace {
 
 // As gemm.cpp (and kernels/cpu_ext.py's Isa) number them.
-enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAmx = 4 };
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
@@ -613,6 +621,165 @@ at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const 
   return out;
 }
 
+// ---- the AMX path: bfloat16 activations on the tiles ----------------------------------------
+
+#if defined(INFLIGHT_HAVE_AMX)
+#define INFLIGHT_HAVE_QUANT_AMX 1
+using inflight_cpu::kAmxRows;
+using inflight_cpu::kTileBytes;
+using inflight_cpu::kTileK;
+using inflight_cpu::kTileRows;
+using inflight_cpu::TileConfig;
+
+// Panel `panel`'s weights de-quantized as the float paths de-quantize them (w = scale * q, then
+// + min), rounded to bfloat16 as torch rounds (to nearest, ties to even), in pack_panels'
+// bfloat16 layout: [padded_k / 2, 16, 2], zeros from K on. So the tiles below compute gemm.cpp's
+// AMX GEMM on `dequantize().bfloat16()`, to the bit.
+template <int Bits>
+void dequantize_to_bf16_scalar(const Packed& w, int64_t panel, int64_t k_begin, int64_t padded_k, uint16_t* dst) {
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  for (int64_t k = k_begin; k < padded_k; ++k)
+    for (int c = 0; c < kPanel; ++c) {
+      float v = 0.f;
+      if (k < w.k) {
+        const int64_t g = panel * w.groups + k / w.group_size;
+        v = value_at(w.scales, g, c) * static_cast<float>(q_at<Bits>(q, k, c));
+        if (w.mins.base != nullptr) v = v + value_at(w.mins, g, c);
+      }
+      dst[(k / 2) * 2 * kPanel + 2 * c + k % 2] = c10::BFloat16(v).x;
+    }
+}
+
+#if defined(INFLIGHT_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Two k's a step, each column's pair side by side as the tiles want them: the integers are
+// interleaved (int8: the two k's rows byte by byte; int4: a byte's low and high nibble, which
+// are already the pair), converted in that order against scales and mins spread to match, and
+// `vcvtne2ps2bf16` rounds the 32 values into one 64-byte row of the layout, in order. That
+// instruction rounds as torch does except that it flushes denormals, which no de-quantized
+// weight is (a float16 scale times a nonzero integer is at least 6e-8; zero is exact).
+template <int Bits, bool Mins>
+void dequantize_to_bf16(const Packed& w, int64_t panel, int64_t padded_k, uint16_t* dst) {
+  if (w.group_size % 2 != 0 && w.groups > 1) return dequantize_to_bf16_scalar<Bits>(w, panel, 0, padded_k, dst);
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i spread_hi = _mm512_add_epi32(spread_lo, _mm512_set1_epi32(8));
+  const int64_t full_pairs = w.k / 2;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 s[1], m[1] = {_mm512_setzero_ps()};
+    Avx512::group_values(w.scales, panel * w.groups + g, s);
+    if (Mins) Avx512::group_values(w.mins, panel * w.groups + g, m);
+    const __m512 s_lo = _mm512_permutexvar_ps(spread_lo, s[0]), s_hi = _mm512_permutexvar_ps(spread_hi, s[0]);
+    const __m512 m_lo = _mm512_permutexvar_ps(spread_lo, m[0]), m_hi = _mm512_permutexvar_ps(spread_hi, m[0]);
+    const int64_t end = std::min(full_pairs, (g + 1) * w.group_size / 2);
+    for (int64_t j = g * w.group_size / 2; j < end; ++j) {
+      __m128i lo, hi;
+      if (Bits == 8) {
+        const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * j * kRowBytes));
+        const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * j + 1) * kRowBytes));
+        lo = _mm_unpacklo_epi8(even, odd), hi = _mm_unpackhi_epi8(even, odd);
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kRowBytes));
+        const __m128i nibble = _mm_set1_epi8(0xF);
+        const __m128i even = _mm_and_si128(bytes, nibble), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        lo = _mm_unpacklo_epi8(even, odd), hi = _mm_unpackhi_epi8(even, odd);
+      }
+      const __m512i q_lo = Bits == 8 ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+      const __m512i q_hi = Bits == 8 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+      __m512 w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), s_lo), w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), s_hi);
+      if (Mins) w_lo = _mm512_add_ps(w_lo, m_lo), w_hi = _mm512_add_ps(w_hi, m_hi);
+      _mm512_storeu_si512(dst + j * 2 * kPanel, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+  }
+  dequantize_to_bf16_scalar<Bits>(w, panel, full_pairs * 2, padded_k, dst);  // an odd K's last k, and the zeros
+}
+#else
+template <int Bits, bool Mins>
+void dequantize_to_bf16(const Packed& w, int64_t panel, int64_t padded_k, uint16_t* dst) {
+  dequantize_to_bf16_scalar<Bits>(w, panel, 0, padded_k, dst);
+}
+#endif
+
+// gemm.cpp's AMX loop (tiles 0-1: two 16-row blocks of x; 2-3: two panels' 32 k's; 4-7: their
+// four 16 x 16 sums), on panels de-quantized per item into a buffer of the thread's own. Items
+// are groups of two panels, each run against every row of x, so that a weight is de-quantized
+// once a call whatever M: x is padded once for all of them.
+template <int Bits, bool Mins>
+at::Tensor gemm_amx(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n) {
+  using In = c10::BFloat16;
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t k_tiles = (k + kTileK - 1) / kTileK, padded_k = k_tiles * kTileK;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = (num_panels + 1) / 2;
+  // (A pass of at most 16 rows leaves tile 1 out: rows 16-31 are only ever zeros there.)
+  at::Tensor padded_x = at::zeros({m <= kTileRows ? kTileRows : row_blocks * kAmxRows, padded_k}, x.options());
+  padded_x.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  const In* xp = reinterpret_cast<const In*>(padded_x.data_ptr());
+  In* op = reinterpret_cast<In*>(out.data_ptr());
+  const int64_t ldx = padded_k * int64_t(sizeof(In));
+  const int64_t threads = m * n * k < kMinParallelMacs ? 1 : std::min<int64_t>(at::get_num_threads(), groups);
+#pragma omp parallel num_threads(threads)
+  {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.bytes_per_row[t] = kTileBytes;
+    AMX_CONFIGURE(&config);
+    std::vector<uint16_t> weights(2 * padded_k * kPanel);
+    alignas(64) float sums[kAmxRows][2 * kPanel];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+      // A group of one panel (the last of an odd count) runs it in both B tiles: n ends within
+      // its 16 columns, so the second tile's sums are never stored.
+      const bool pair = 2 * g + 1 < num_panels;
+      dequantize_to_bf16<Bits, Mins>(w, 2 * g, padded_k, weights.data());
+      if (pair) dequantize_to_bf16<Bits, Mins>(w, 2 * g + 1, padded_k, weights.data() + padded_k * kPanel);
+      const uint16_t* b[2] = {weights.data(), weights.data() + (pair ? padded_k * kPanel : 0)};
+      const int64_t col = 2 * g * kPanel, cols = std::min<int64_t>(2 * kPanel, n - col);
+      for (int64_t block = 0; block < row_blocks; ++block) {
+        const In* xb = xp + block * kAmxRows * padded_k;
+        const int64_t first_row = block * kAmxRows, rows = std::min(kAmxRows, m - first_row);
+        const bool both = rows > kTileRows;
+        AMX_ZERO(4);
+        AMX_ZERO(5);
+        if (both) {
+          AMX_ZERO(6);
+          AMX_ZERO(7);
+        }
+        for (int64_t t = 0; t < k_tiles; ++t) {
+          AMX_LOAD(0, xb + t * kTileK, ldx);
+          AMX_LOAD(2, b[0] + t * kTileK * kPanel, kTileBytes);
+          AMX_LOAD(3, b[1] + t * kTileK * kPanel, kTileBytes);
+          AMX_DP(4, 0, 2);
+          AMX_DP(5, 0, 3);
+          if (both) {
+            AMX_LOAD(1, xb + kTileRows * padded_k + t * kTileK, ldx);
+            AMX_DP(6, 1, 2);
+            AMX_DP(7, 1, 3);
+          }
+        }
+        AMX_STORE(4, &sums[0][0], sizeof sums[0]);
+        AMX_STORE(5, &sums[0][kPanel], sizeof sums[0]);
+        if (both) {
+          AMX_STORE(6, &sums[kTileRows][0], sizeof sums[0]);
+          AMX_STORE(7, &sums[kTileRows][kPanel], sizeof sums[0]);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          In* o = op + (first_row + r) * n + col;
+          for (int64_t c = 0; c < cols; ++c) o[c] = In(bias != nullptr ? sums[r][c] + bias[col + c] : sums[r][c]);
+        }
+      }
+    }
+    AMX_RELEASE();
+  }
+  return out;
+}
+
+at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
+                    int64_t bits, bool mins) {
+  if (bits == 8) return mins ? gemm_amx<8, true>(x, w, num_panels, bias, n) : gemm_amx<8, false>(x, w, num_panels, bias, n);
+  return mins ? gemm_amx<4, true>(x, w, num_panels, bias, n) : gemm_amx<4, false>(x, w, num_panels, bias, n);
+}
+#endif  // the AMX path
+
 int64_t best_isa() {
 #if defined(INFLIGHT_HAVE_AVX512)
   return kIsaAvx512;
@@ -623,9 +790,24 @@ int64_t best_isa() {
 #endif
 }
 
+bool amx_built() {
+#if defined(INFLIGHT_HAVE_QUANT_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The vector paths up to the best built, and the tiles where built and, as gemm.cpp checks,
+// permitted (a tile instruction without the permission kills the process).
 void check_isa(const char* op, int64_t isa) {
-  TORCH_CHECK(isa >= kIsaNone && isa <= best_isa(), op, ": instruction set ", isa,
-              " has no quantized path built here (best: ", best_isa(), "; the bfloat16 paths take float weights)");
+  TORCH_CHECK((isa >= kIsaNone && isa <= best_isa()) || (isa == kIsaAmx && amx_built()), op, ": instruction set ",
+              isa, " has no quantized path built here (float activations: up to ", best_isa(),
+              amx_built() ? "; bfloat16 activations: 4, the AMX tiles)" : ")");
+#if defined(INFLIGHT_HAVE_QUANT_AMX)
+  TORCH_CHECK(isa != kIsaAmx || inflight_cpu::amx_permitted(), op,
+              ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
+#endif
 }
 
 // float16 where every value survives the round trip, else float32; [P, groups, 16], padded with zeros.
@@ -640,7 +822,7 @@ at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
 
 }  // namespace
 
-int64_t quant_gemm_isa() { return best_isa(); }
+int64_t quant_gemm_isa() { return amx_built() ? int64_t(kIsaAmx) : best_isa(); }
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa) {
@@ -682,7 +864,10 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
                             int64_t isa) {
   check_isa("quant_panel_gemm", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_panel_gemm: x [M, K] in float32");
+  // The tiles take bfloat16 activations (and bias, as panel_gemm's bfloat16 paths); the vector
+  // paths float32.
+  const auto dtype = isa == kIsaAmx ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "quant_panel_gemm: x [M, K] in ", dtype);
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
               "quant_panel_gemm: q panels from pack_quant_panels");
@@ -703,9 +888,9 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
   at::Tensor bias_float;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "quant_panel_gemm: bias [N] in float32");
-    bias_float = bias->contiguous();
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype,
+                "quant_panel_gemm: bias [N] in ", dtype);
+    bias_float = bias->to(at::kFloat).contiguous();
   }
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   const Packed w{q.data_ptr<uint8_t>(),
@@ -716,6 +901,10 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
                  group_size,
                  k};
   switch (isa) {
+#if defined(INFLIGHT_HAVE_QUANT_AMX)
+    case kIsaAmx:
+      return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
+#endif
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:
       return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows,

@@ -48,7 +48,8 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
 // gemm_quant.cpp: float32 x against int8 or int4 weights (kernels/quantized.py's q, scales, mins),
 // packed once into 16-column panels (returns q panels, scales, and mins where given) and
 // de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
-// C++, 1 AVX2, 2 AVX-512; quant_gemm_isa: the best built.
+// C++, 1 AVX2, 2 AVX-512; 4 the AMX tiles, for bfloat16 x (and bias): the bf16 tile GEMM's bits on
+// the de-quantized weight rounded to bfloat16. quant_gemm_isa: the best built.
 int64_t quant_gemm_isa();
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
@@ -72,6 +73,7 @@ struct Projection {
   int64_t n;                       // output columns
   int64_t isa;
   bool upcast;  // a float32 GEMM on bfloat16 activations: the input is widened, the output rounded
+                // (never on the tiles, which take bfloat16)
   // A quantized weight (quant_panel_gemm): bits 4 or 8, with its packed scales and mins; 0: float.
   int64_t bits = 0, group_size = 0;
   at::Tensor scales;

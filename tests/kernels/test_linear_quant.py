@@ -3,10 +3,17 @@ int4 weights packed once and de-quantized in registers give the float32 panel GE
 de-quantized weight (QuantizedWeight.dequantize(): scale * q then + min, never fused), for every
 group layout, shape tail and row count; a row's bits never depend on its batch; the AVX2,
 AVX-512 and plain C++ paths agree; and a decoder layer with quantized projections runs as one
-C++ call with the bits of the same layer on the de-quantized weights."""
+C++ call with the bits of the same layer on the de-quantized weights.
+
+On the AMX tiles (bfloat16 activations on an AMX Xeon) the result is instead the bf16 tile GEMM's
+(gemm.cpp) on the de-quantized weight rounded to bfloat16, `dequantize().bfloat16()`: what a bf16
+model of the de-quantized weights computes. Those tests run on AMX hardware, and under the
+software model of the tiles on any CPU (test_the_quantized_tile_path_under_a_software_model)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -14,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from backend.paths import REPO_ROOT
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
 from kernels.quantized import QuantizedWeight, quantize
@@ -29,6 +37,9 @@ def needs(isa: Isa):
 
 
 VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512)]
+# The tiles: built (on the hardware, or as the software model) and lent to this process.
+needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
+                                 reason="no AMX tiles in this build, or the kernel refused them")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
 
 # (bits, group_size or None for one group per output channel, mins, float16-exact scales)
@@ -158,6 +169,83 @@ def test_a_row_has_the_same_bits_in_any_batch(isa, layout):
         torch.set_num_threads(threads)
 
 
+def tile_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bf16 tile GEMM (kernels/cpu/gemm.cpp) on the de-quantized weight rounded to bfloat16."""
+    panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
+    return MODULE.panel_gemm(x, panels, bias, weight.shape[0], int(Isa.AMX))
+
+
+@needs_tiles
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_tiles_give_the_bf16_tile_gemms_bits_on_the_rounded_weight(layout):
+    """Every layout, at 1-16 rows (one tile of x), 17-32 (two), 33 and more (several passes), with
+    a partial last panel, an odd pair of panels, an odd K (its last pair half zeros) and short
+    groups."""
+    for n, k in [(70, 200), (33, 37), (16, 65)]:
+        weight = make_weight(n, k, layout, n + k)
+        gen = torch.Generator().manual_seed(k)
+        bias = torch.randn(n, generator=gen).bfloat16()
+        for rows in (1, 7, 16, 17, 33, 70):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            for b in (None, bias):
+                got = quant_gemm(x, weight, b, Isa.AMX)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                assert torch.equal(got, tile_gemm(x, weight, b)), (n, k, rows, b is not None)
+
+
+@needs_tiles
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g32_mins"])
+def test_a_row_has_the_same_bits_in_any_batch_on_the_tiles(layout):
+    """Batch invariance on the tiles: alone (one tile of x), beside 30 rows (two), or in a batch
+    of 300 at any position, with one thread or two."""
+    weight = make_weight(160, 576, layout, 3)
+    gen = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(160, generator=gen).bfloat16()
+    full = quant_gemm(x, weight, bias, Isa.AMX)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for first, count in [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)]:
+                assert torch.equal(quant_gemm(x[first:first + count].clone(), weight, bias, Isa.AMX),
+                                   full[first:first + count]), (num_threads, first, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_tiles
+def test_linear_runs_bf16_activations_on_the_tiles_and_float32_on_the_vector_path():
+    weight = make_weight(70, 200, "int4_g32_mins", 11)
+    gen = torch.Generator().manual_seed(11)
+    x, bias = torch.randn(2, 5, 200, generator=gen), torch.randn(70, generator=gen)
+    tiles = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
+    assert (tiles.kind, tiles.isa, tiles.upcast) == ("quant_panels", Isa.AMX, False)
+    got = kernels.linear(x.bfloat16(), tiles.shape_only, bias.bfloat16(), tiles)
+    expected = tile_gemm(x.bfloat16().reshape(10, 200), weight, bias.bfloat16()).view(2, 5, 70)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    vector = kernels.pack_linear_weight(weight, dtype=torch.float32)
+    assert vector.isa == min(Isa.AVX512, Isa(MODULE.gemm_vector_isa())) and not vector.upcast
+    assert torch.equal(kernels.linear(x, vector.shape_only, bias, vector),
+                       float_panel_gemm(x.reshape(10, 200), weight, bias, vector.isa).view(2, 5, 70))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] in BFloat16"):
+        MODULE.quant_panel_gemm(x[0], tiles.data, tiles.scales, tiles.mins, None, 70, 4, 32, int(Isa.AMX))
+
+
+@pytest.mark.slow
+def test_the_quantized_tile_path_under_a_software_model_of_the_tiles():
+    """On any CPU, this file's tile tests on the software model of the tile instructions
+    (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/amx.h), which refuses the shapes the hardware refuses:
+    the de-quantizing loop and the passes of rows (1-16 rows leave tile 1 out), in a process of
+    its own with that build. On an AMX Xeon the same tests also run on the hardware above."""
+    env = {**os.environ, "INFLIGHT_CPU_AMX_EMULATE": "1"}
+    env.pop("INFLIGHT_CPU_ISA", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k", "tiles",
+                          "-m", "not slow"], capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "skipped" not in summary and summary.startswith("15 passed"), summary
+
+
 @pytest.mark.parametrize("layout, bits_per_weight", [
     ("int4_g32_q4_1", 4 + 32 / 32), ("int8_g32_q8_0", 8 + 16 / 32), ("int4_g32_mins", 4 + 64 / 32),
     ("int4_g128_mins", 4 + 64 / 128),
@@ -237,14 +325,15 @@ def test_bad_packing_is_refused():
 
 # ---- the fused decoder layer --------------------------------------------------------------------
 
-@pytest.mark.parametrize("isa", VECTOR_PATHS)
+@pytest.mark.parametrize("isa", VECTOR_PATHS + [pytest.param(Isa.AMX, marks=needs_tiles, id="tiles")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decoder_layer_with_quantized_projections(isa, dtype):
     """A layer whose four projections are quantized (int4 g32 with mins, int8 per channel,
     int4 g64 symmetric, int8 g32), with a float LoRA adapter on q|k|v, runs as one C++ call, and
     gives the bits of the same layer on the de-quantized weights' float32 panels (that layer's
     bits are the modules' own: tests/engine/test_model_families.py), hidden state and KV writes
-    alike, over a batch of a prefill chunk and decodes."""
+    alike, over a batch of a prefill chunk and decodes. On the tiles, bf16 activations: the
+    same layer on the de-quantized weights rounded to bf16, in bf16 tile panels."""
     hidden_size, heads, kv_heads, head_dim, inter, rank = 64, 4, 2, 16, 96, 4
     qkv_size = (heads + 2 * kv_heads) * head_dim
     weights = {"qkv": make_weight(qkv_size, hidden_size, "int4_g32_mins", 1),
@@ -254,7 +343,8 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
     gen = torch.Generator().manual_seed(5)
     qkv_bias = (torch.randn(qkv_size, generator=gen) * 0.1).to(dtype)
     upcast = dtype != torch.float32
-    float_isa = min(isa, Isa.AVX512)
+    float_isa = min(isa, Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
+    tiles = isa == Isa.AMX and dtype == torch.bfloat16
 
     def float_projection(weight: torch.Tensor, bias=None):
         return MODULE.Projection(MODULE.pack_panels(weight, float_isa), None if bias is None else bias.float(),
@@ -275,6 +365,9 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
                 packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
                 assert packed.kind == "quant_panels"
                 projections.append(kernels.decoder_layer._projection(MODULE, packed, bias))
+            elif tiles:
+                panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
+                projections.append(MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False))
             else:
                 projections.append(float_projection(weight.dequantize(), bias))
         return MODULE.DecoderLayer(*norms, 1e-5, *projections, heads, kv_heads, head_dim, head_dim ** -0.5, None,

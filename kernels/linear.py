@@ -44,8 +44,8 @@ float32 panel GEMM's on the de-quantized weight, to the bit (so batch invariance
 above); a bfloat16 input is widened and the output rounded to bfloat16 once, as `upcast`. On the
 AMX tiles a bfloat16 input stays bfloat16: each panel is de-quantized, rounded to bfloat16 and
 multiplied on the tiles, the bf16 tile GEMM's bits on `dequantize().bfloat16()`, for every row
-count (so a row's bits are its own there too); 2.5-4x the float32 path's speed from 32 rows on,
-on a 2-core Xeon with AMX.
+count (so a row's bits are its own there too); on a 2-core Xeon with AMX 2.3-5.1x the float32
+path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16).
 At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
 EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and

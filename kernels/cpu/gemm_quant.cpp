@@ -631,14 +631,15 @@ using inflight_cpu::kTileK;
 using inflight_cpu::kTileRows;
 using inflight_cpu::TileConfig;
 
-// Panel `panel`'s weights de-quantized as the float paths de-quantize them (w = scale * q, then
-// + min), rounded to bfloat16 as torch rounds (to nearest, ties to even), in pack_panels'
-// bfloat16 layout: [padded_k / 2, 16, 2], zeros from K on. So the tiles below compute gemm.cpp's
-// AMX GEMM on `dequantize().bfloat16()`, to the bit.
+// Pairs [pair_begin, pair_end) of panel `panel`'s k's, de-quantized as the float paths de-quantize
+// them (w = scale * q, then + min), rounded to bfloat16 as torch rounds (to nearest, ties to
+// even), in pack_panels' bfloat16 layout (a 64-byte row a pair: each column's two k's side by
+// side) from dst on; zeros from K on. So the tiles below compute gemm.cpp's AMX GEMM on
+// `dequantize().bfloat16()`, to the bit.
 template <int Bits>
-void dequantize_to_bf16_scalar(const Packed& w, int64_t panel, int64_t k_begin, int64_t padded_k, uint16_t* dst) {
+void dequantize_pairs_scalar(const Packed& w, int64_t panel, int64_t pair_begin, int64_t pair_end, uint16_t* dst) {
   const uint8_t* q = w.q + panel * w.panel_bytes;
-  for (int64_t k = k_begin; k < padded_k; ++k)
+  for (int64_t k = 2 * pair_begin; k < 2 * pair_end; ++k)
     for (int c = 0; c < kPanel; ++c) {
       float v = 0.f;
       if (k < w.k) {
@@ -646,7 +647,7 @@ void dequantize_to_bf16_scalar(const Packed& w, int64_t panel, int64_t k_begin, 
         v = value_at(w.scales, g, c) * static_cast<float>(q_at<Bits>(q, k, c));
         if (w.mins.base != nullptr) v = v + value_at(w.mins, g, c);
       }
-      dst[(k / 2) * 2 * kPanel + 2 * c + k % 2] = c10::BFloat16(v).x;
+      dst[(k / 2 - pair_begin) * 2 * kPanel + 2 * c + k % 2] = c10::BFloat16(v).x;
     }
 }
 
@@ -658,20 +659,22 @@ void dequantize_to_bf16_scalar(const Packed& w, int64_t panel, int64_t k_begin, 
 // instruction rounds as torch does except that it flushes denormals, which no de-quantized
 // weight is (a float16 scale times a nonzero integer is at least 6e-8; zero is exact).
 template <int Bits, bool Mins>
-void dequantize_to_bf16(const Packed& w, int64_t panel, int64_t padded_k, uint16_t* dst) {
-  if (w.group_size % 2 != 0 && w.groups > 1) return dequantize_to_bf16_scalar<Bits>(w, panel, 0, padded_k, dst);
+void dequantize_pairs(const Packed& w, int64_t panel, int64_t pair_begin, int64_t pair_end, uint16_t* dst) {
+  if (w.group_size % 2 != 0 && w.groups > 1) return dequantize_pairs_scalar<Bits>(w, panel, pair_begin, pair_end, dst);
   const uint8_t* q = w.q + panel * w.panel_bytes;
   const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i spread_hi = _mm512_add_epi32(spread_lo, _mm512_set1_epi32(8));
-  const int64_t full_pairs = w.k / 2;
-  for (int64_t g = 0; g < w.groups; ++g) {
+  const int64_t vector_end = std::min(pair_end, w.k / 2);  // pairs whose two k's are both < K
+  // A group's pairs: [g * size / 2, (g + 1) * size / 2) (even sizes; one group of any size).
+  const int64_t pairs_per_group = w.groups == 1 ? w.k : w.group_size / 2;
+  for (int64_t j = pair_begin; j < vector_end;) {
+    const int64_t g = j / pairs_per_group, end = std::min(vector_end, (g + 1) * pairs_per_group);
     __m512 s[1], m[1] = {_mm512_setzero_ps()};
     Avx512::group_values(w.scales, panel * w.groups + g, s);
     if (Mins) Avx512::group_values(w.mins, panel * w.groups + g, m);
     const __m512 s_lo = _mm512_permutexvar_ps(spread_lo, s[0]), s_hi = _mm512_permutexvar_ps(spread_hi, s[0]);
     const __m512 m_lo = _mm512_permutexvar_ps(spread_lo, m[0]), m_hi = _mm512_permutexvar_ps(spread_hi, m[0]);
-    const int64_t end = std::min(full_pairs, (g + 1) * w.group_size / 2);
-    for (int64_t j = g * w.group_size / 2; j < end; ++j) {
+    for (; j < end; ++j) {
       __m128i lo, hi;
       if (Bits == 8) {
         const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * j * kRowBytes));
@@ -687,81 +690,109 @@ void dequantize_to_bf16(const Packed& w, int64_t panel, int64_t padded_k, uint16
       const __m512i q_hi = Bits == 8 ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
       __m512 w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), s_lo), w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), s_hi);
       if (Mins) w_lo = _mm512_add_ps(w_lo, m_lo), w_hi = _mm512_add_ps(w_hi, m_hi);
-      _mm512_storeu_si512(dst + j * 2 * kPanel, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+      _mm512_storeu_si512(dst + (j - pair_begin) * 2 * kPanel, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
     }
   }
-  dequantize_to_bf16_scalar<Bits>(w, panel, full_pairs * 2, padded_k, dst);  // an odd K's last k, and the zeros
+  // An odd K's last pair (its second k zero), and the zeros past K.
+  const int64_t rest = std::max(pair_begin, vector_end);
+  if (rest < pair_end) dequantize_pairs_scalar<Bits>(w, panel, rest, pair_end, dst + (rest - pair_begin) * 2 * kPanel);
 }
 #else
 template <int Bits, bool Mins>
-void dequantize_to_bf16(const Packed& w, int64_t panel, int64_t padded_k, uint16_t* dst) {
-  dequantize_to_bf16_scalar<Bits>(w, panel, 0, padded_k, dst);
+void dequantize_pairs(const Packed& w, int64_t panel, int64_t pair_begin, int64_t pair_end, uint16_t* dst) {
+  dequantize_pairs_scalar<Bits>(w, panel, pair_begin, pair_end, dst);
 }
 #endif
 
-// gemm.cpp's AMX loop (tiles 0-1: two 16-row blocks of x; 2-3: two panels' 32 k's; 4-7: their
-// four 16 x 16 sums), on panels de-quantized per item into a buffer of the thread's own. Items
-// are groups of two panels, each run against every row of x, so that a weight is de-quantized
-// once a call whatever M: x is padded once for all of them.
+// gemm.cpp's AMX GEMM (tiles 0-1: x's rows 0-15 and 16-31 of a pass; 2-3: two panels' 32 k's;
+// 4-7: their sums), each output element the tiles' sums over k in order of 32-k tiles from zero,
+// on panels de-quantized into buffers of the thread's own. Items are groups of two panels.
+// - At most 32 rows (decode): one pass, each tile of k de-quantized just before the tiles use it
+//   (2 KB, in L1), and the tiles configured to x's own rows, so that a row costs the tiles one
+//   row of work rather than 16.
+// - More rows: each panel de-quantized whole, once a call, then run against every pass of 32 rows.
+// x is copied once, zero-padded, with a row stride off a multiple of 4 KB (16 rows of one tile
+// 4 KB apart would share one set of L1).
 template <int Bits, bool Mins>
 at::Tensor gemm_amx(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n) {
   using In = c10::BFloat16;
   const int64_t m = x.size(0), k = x.size(1);
-  const int64_t k_tiles = (k + kTileK - 1) / kTileK, padded_k = k_tiles * kTileK;
+  const int64_t k_tiles = (k + kTileK - 1) / kTileK, padded_k = k_tiles * kTileK, pairs = padded_k / 2;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = (num_panels + 1) / 2;
-  // (A pass of at most 16 rows leaves tile 1 out: rows 16-31 are only ever zeros there.)
-  at::Tensor padded_x = at::zeros({m <= kTileRows ? kTileRows : row_blocks * kAmxRows, padded_k}, x.options());
-  padded_x.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  const bool one_pass = m <= kAmxRows;
+  const int64_t passes = (m + kAmxRows - 1) / kAmxRows, groups = (num_panels + 1) / 2;
+  const int64_t x_stride = padded_k + kTileK;  // elements
+  at::Tensor padded_x = at::zeros({one_pass ? m : passes * kAmxRows, x_stride}, x.options());
+  padded_x.narrow(1, 0, k).narrow(0, 0, m).copy_(x);
   const In* xp = reinterpret_cast<const In*>(padded_x.data_ptr());
   In* op = reinterpret_cast<In*>(out.data_ptr());
-  const int64_t ldx = padded_k * int64_t(sizeof(In));
+  const int64_t ldx = x_stride * int64_t(sizeof(In));
+  // Rows of x (and of the sums) in tiles 0 and 1 of a pass; 0: tile 1 left out.
+  const int64_t rows0 = one_pass ? std::min(m, kTileRows) : kTileRows;
+  const int64_t rows1 = one_pass ? std::max<int64_t>(m - kTileRows, 0) : kTileRows;
   const int64_t threads = m * n * k < kMinParallelMacs ? 1 : std::min<int64_t>(at::get_num_threads(), groups);
 #pragma omp parallel num_threads(threads)
   {
     TileConfig config;
-    for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.bytes_per_row[t] = kTileBytes;
+    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = kTileBytes;
+    config.rows[2] = config.rows[3] = kTileK / 2;
+    config.rows[0] = config.rows[4] = config.rows[5] = static_cast<uint8_t>(rows0);
+    config.rows[1] = config.rows[6] = config.rows[7] = static_cast<uint8_t>(rows1);
+    if (rows1 == 0) config.bytes_per_row[1] = config.bytes_per_row[6] = config.bytes_per_row[7] = 0;  // unused
     AMX_CONFIGURE(&config);
-    std::vector<uint16_t> weights(2 * padded_k * kPanel);
+    std::vector<uint16_t> weights(one_pass ? 2 * 2 * kTileK * kPanel : 2 * padded_k * kPanel);
     alignas(64) float sums[kAmxRows][2 * kPanel];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; ++g) {
       // A group of one panel (the last of an odd count) runs it in both B tiles: n ends within
       // its 16 columns, so the second tile's sums are never stored.
       const bool pair = 2 * g + 1 < num_panels;
-      dequantize_to_bf16<Bits, Mins>(w, 2 * g, padded_k, weights.data());
-      if (pair) dequantize_to_bf16<Bits, Mins>(w, 2 * g + 1, padded_k, weights.data() + padded_k * kPanel);
-      const uint16_t* b[2] = {weights.data(), weights.data() + (pair ? padded_k * kPanel : 0)};
+      const int64_t panel_elems = one_pass ? kTileK * kPanel : padded_k * kPanel;  // of a panel's buffer
+      const uint16_t* b[2] = {weights.data(), weights.data() + (pair ? panel_elems : 0)};
+      if (!one_pass) {
+        dequantize_pairs<Bits, Mins>(w, 2 * g, 0, pairs, weights.data());
+        if (pair) dequantize_pairs<Bits, Mins>(w, 2 * g + 1, 0, pairs, weights.data() + panel_elems);
+      }
       const int64_t col = 2 * g * kPanel, cols = std::min<int64_t>(2 * kPanel, n - col);
-      for (int64_t block = 0; block < row_blocks; ++block) {
-        const In* xb = xp + block * kAmxRows * padded_k;
-        const int64_t first_row = block * kAmxRows, rows = std::min(kAmxRows, m - first_row);
-        const bool both = rows > kTileRows;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const In* xb = xp + pass * kAmxRows * x_stride;
         AMX_ZERO(4);
         AMX_ZERO(5);
-        if (both) {
+        if (rows1 > 0) {
           AMX_ZERO(6);
           AMX_ZERO(7);
         }
+        // One pass: tile t + 1 is de-quantized into the other half of the buffer while the tiles
+        // read tile t's (a tile load right behind the stores that wrote its bytes waits for them).
+        const auto dequantize_tile = [&](int64_t t) {
+          uint16_t* dst = weights.data() + (t % 2) * 2 * panel_elems;
+          const int64_t first = t * kTileK / 2, last = first + kTileK / 2;
+          dequantize_pairs<Bits, Mins>(w, 2 * g, first, last, dst);
+          if (pair) dequantize_pairs<Bits, Mins>(w, 2 * g + 1, first, last, dst + panel_elems);
+        };
+        if (one_pass) dequantize_tile(0);
         for (int64_t t = 0; t < k_tiles; ++t) {
+          const int64_t at = one_pass ? (t % 2) * 2 * panel_elems : t * kTileK * kPanel;
+          if (one_pass && t + 1 < k_tiles) dequantize_tile(t + 1);
           AMX_LOAD(0, xb + t * kTileK, ldx);
-          AMX_LOAD(2, b[0] + t * kTileK * kPanel, kTileBytes);
-          AMX_LOAD(3, b[1] + t * kTileK * kPanel, kTileBytes);
+          AMX_LOAD(2, b[0] + at, kTileBytes);
+          AMX_LOAD(3, b[1] + at, kTileBytes);
           AMX_DP(4, 0, 2);
           AMX_DP(5, 0, 3);
-          if (both) {
-            AMX_LOAD(1, xb + kTileRows * padded_k + t * kTileK, ldx);
+          if (rows1 > 0) {
+            AMX_LOAD(1, xb + kTileRows * x_stride + t * kTileK, ldx);
             AMX_DP(6, 1, 2);
             AMX_DP(7, 1, 3);
           }
         }
         AMX_STORE(4, &sums[0][0], sizeof sums[0]);
         AMX_STORE(5, &sums[0][kPanel], sizeof sums[0]);
-        if (both) {
+        if (rows1 > 0) {
           AMX_STORE(6, &sums[kTileRows][0], sizeof sums[0]);
           AMX_STORE(7, &sums[kTileRows][kPanel], sizeof sums[0]);
         }
+        const int64_t first_row = pass * kAmxRows, rows = std::min(kAmxRows, m - first_row);
         for (int64_t r = 0; r < rows; ++r) {
           In* o = op + (first_row + r) * n + col;
           for (int64_t c = 0; c < cols; ++c) o[c] = In(bias != nullptr ? sums[r][c] + bias[col + c] : sums[r][c]);

@@ -42,6 +42,19 @@ FORMATS = [("int8", 8, None, False, False), ("q8_0", 8, 32, False, True), ("q4_1
 
 
 
+def timed_row(calls: dict, name: str, n: int, k: int, rows: int, args) -> dict:
+    """Times each of `calls` ({format: (call, weight bytes)}) and prints the shape's line."""
+    row = {"shape": name, "out_features": n, "in_features": k, "rows": rows}
+    for fmt, (call, nbytes) in calls.items():
+        spent = seconds_per_call(call, "cpu", args.seconds, args.windows)
+        row[fmt] = {"us": spent * 1e6, "gflop_per_s": 2 * rows * n * k / spent / 1e9,
+                    "weight_gb_per_s": nbytes / spent / 1e9, "weight_bytes": nbytes}
+    print(f"{name:20s} {n:5d}x{k:<5d} rows {rows:4d}: " + "  ".join(
+        f"{fmt} {row[fmt]['gflop_per_s']:6.1f} GF/s {row[fmt]['weight_gb_per_s']:5.1f} GB/s" for fmt in calls),
+        flush=True)
+    return row
+
+
 def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> list[dict]:
     """`--bf16`'s rows for one shape: the bf16 panel GEMM, each format as packed for bf16, and on a
     machine with the tiles each format on the vector path too."""
@@ -56,7 +69,6 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
     rows_out = []
     for rows in args.rows:
         x = torch.randn(rows, k, generator=gen).bfloat16()
-        row = {"shape": name, "out_features": n, "in_features": k, "rows": rows}
         calls = {"bfloat16": (lambda: kernels.linear(x, bf16.shape_only, None, bf16), n * k * 2)}
         for fmt, (weight, p) in packed.items():
             if p.isa == cpu_ext.Isa.AMX:
@@ -65,13 +77,7 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
                 if not torch.equal(kernels.linear(x, p.shape_only, None, p), want):
                     raise RuntimeError(f"{fmt} {name} at {rows} rows: not the tile GEMM's bits; refusing to time it")
             calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
-        for fmt, (call, nbytes) in calls.items():
-            spent = seconds_per_call(call, "cpu", args.seconds, args.windows)
-            row[fmt] = {"us": spent * 1e6, "gflop_per_s": 2 * rows * n * k / spent / 1e9,
-                        "weight_gb_per_s": nbytes / spent / 1e9, "weight_bytes": nbytes}
-        print(f"{name:20s} {n:5d}x{k:<5d} rows {rows:4d}: " + "  ".join(
-            f"{fmt} {row[fmt]['gflop_per_s']:6.1f}" for fmt in calls) + " GF/s", flush=True)
-        rows_out.append(row)
+        rows_out.append(timed_row(calls, name, n, k, rows, args))
     return rows_out
 
 
@@ -111,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         float_packed = kernels.pack_linear_weight(dequantized, isa=float_isa)
         for rows in args.rows:
             x = torch.randn(rows, k, generator=gen)
-            row = {"shape": name, "out_features": n, "in_features": k, "rows": rows}
             calls = {"float32": (lambda: kernels.linear(x, float_packed.shape_only, None, float_packed),
                                  n * k * 4)}
             for fmt, (weight, p) in packed.items():
@@ -120,14 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not torch.equal(got, want):
                     raise RuntimeError(f"{fmt} {name} at {rows} rows: not the float GEMM's bits; refusing to time it")
                 calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
-            for fmt, (call, nbytes) in calls.items():
-                spent = seconds_per_call(call, "cpu", args.seconds, args.windows)
-                row[fmt] = {"us": spent * 1e6, "gflop_per_s": 2 * rows * n * k / spent / 1e9,
-                            "weight_gb_per_s": nbytes / spent / 1e9, "weight_bytes": nbytes}
-            print(f"{name:20s} {n:5d}x{k:<5d} rows {rows:4d}: " + "  ".join(
-                f"{fmt} {row[fmt]['gflop_per_s']:6.1f} GF/s {row[fmt]['weight_gb_per_s']:5.1f} GB/s"
-                for fmt in calls), flush=True)
-            results.append(row)
+            results.append(timed_row(calls, name, n, k, rows, args))
     report = {"benchmark": "quant_gemm_bf16" if args.bf16 else "quant_gemm", "command": " ".join(["python -m client.bench.quant_gemm"] + sys.argv[1:]),
               "machine": machine(), "git_commit": git_commit(), "threads": torch.get_num_threads(),
               "float_isa": float_isa.name.lower(), "quant_isa": min(cpu_ext.isa(), cpu_ext.Isa.AVX512).name.lower(),

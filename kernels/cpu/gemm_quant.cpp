@@ -707,9 +707,9 @@ void dequantize_pairs(const Packed& w, int64_t panel, int64_t pair_begin, int64_
 // gemm.cpp's AMX GEMM (tiles 0-1: x's rows 0-15 and 16-31 of a pass; 2-3: two panels' 32 k's;
 // 4-7: their sums), each output element the tiles' sums over k in order of 32-k tiles from zero,
 // on panels de-quantized into buffers of the thread's own. Items are groups of two panels.
-// - At most 32 rows (decode): one pass, each tile of k de-quantized just before the tiles use it
-//   (2 KB, in L1), and the tiles configured to x's own rows, so that a row costs the tiles one
-//   row of work rather than 16.
+// - At most 32 rows (decode): one pass, each tile of k de-quantized one tile ahead of the tiles
+//   that read it (two halves of 2 KB, in L1), and the tiles configured to x's own rows, so that a
+//   row costs the tiles one row of work rather than 16.
 // - More rows: each panel de-quantized whole, once a call, then run against every pass of 32 rows.
 // x is copied once, zero-padded, with a row stride off a multiple of 4 KB (16 rows of one tile
 // 4 KB apart would share one set of L1).

@@ -152,10 +152,9 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
         return packed
     module = cpu_ext.load()
     quant_isa = Isa.NONE if module is None else min(isa, Isa(module.quant_gemm_isa()))
-    if quant_isa == Isa.AMX and dtype != torch.bfloat16:  # the tiles take bfloat16 activations only
+    # Above AVX-512 only the tiles have a quantized path, and they take bfloat16 activations only.
+    if quant_isa > Isa.AVX512 and not (quant_isa == Isa.AMX and dtype == torch.bfloat16):
         quant_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
-    elif Isa.AVX512 < quant_isa < Isa.AMX:  # a vector path below the tiles: AVX512_BF16 has no quantized one
-        quant_isa = Isa.AVX512
     upcast = dtype != torch.float32 and quant_isa != Isa.AMX
     if quant_isa < Isa.AVX2:
         packed = PackedWeight("quant", None, shape, upcast)

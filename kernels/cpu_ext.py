@@ -24,9 +24,9 @@ attention, the sampler and the float32 GEMM run with.
 `x86-64-v3`: any CPU with AVX2 and FMA), into a build of its own: how the tests compile and run
 an AVX2-only machine's kernels on an AVX-512 one, and a build for a fleet of mixed CPUs.
 
-`INFLIGHT_CPU_AMX_EMULATE=1` builds a second module in which the AMX path runs on a software
-model of the tile instructions (kernels/cpu/gemm.cpp), on any CPU: how the tests check the
-tile kernel's logic where no AMX is at hand. Never for serving: it is scalar code.
+`INFLIGHT_CPU_AMX_EMULATE=1` runs the AMX paths on a software model of the tile instructions
+(kernels/cpu/amx.h), on any CPU, in the same build (`use_tile_model`): how the tests check the
+tile kernels' logic where no AMX is at hand. Never for serving: it is scalar code.
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ def load():
             suffix = "_" + re.sub(r"\W", "_", march)
             name, build_dir = name + suffix, build_dir + suffix
             flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
-        if os.environ.get("INFLIGHT_CPU_AMX_EMULATE") == "1":
-            name, build_dir, flags = name + "_amx_model", build_dir + "_amx_model", flags + ["-DINFLIGHT_AMX_EMULATE"]
         os.makedirs(build_dir, exist_ok=True)
-        return load_extension(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=build_dir, verbose=False)
+        module = load_extension(name=name, sources=SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                build_directory=build_dir, verbose=False)
+        if os.environ.get("INFLIGHT_CPU_AMX_EMULATE") == "1":
+            module.use_tile_model()
+        return module
     except Exception as exc:  # no compiler, no headers: serve with the reference instead
         log.warning("C++ CPU kernels unavailable (%s); using the torch reference", exc)
         return None

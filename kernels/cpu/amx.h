@@ -1,12 +1,13 @@
 // The AMX tiles, shared by the bfloat16 panel GEMM (gemm.cpp) and the quantized one
-// (gemm_quant.cpp): the tile configuration, the instructions (or, under INFLIGHT_AMX_EMULATE, a
-// software model of them), the tile shapes the kernels use, and Linux's permission.
-// INFLIGHT_HAVE_AMX is defined where the build has them.
+// (gemm_quant.cpp): the tile configuration, the tile shapes the kernels use, and two ways to run
+// the tile instructions, which a kernel takes as its `Tiles` type:
+// - HardwareTiles, the instructions themselves, where the build has them
+//   (INFLIGHT_HAVE_AMX_HARDWARE) and Linux lends the process the tiles (`amx_permitted`);
+// - TileModel, a software model of them, in every build: what the tests run the tile kernels on
+//   where the CPU has no AMX (INFLIGHT_CPU_AMX_EMULATE=1, kernels/cpu_ext.py), chosen for the
+//   whole process by `use_tile_model()` before its first GEMM. Never for serving: scalar code.
+// One build has both, so testing the tile kernels on the model costs no second compile.
 #pragma once
-
-#if defined(INFLIGHT_AMX_EMULATE) || \
-    (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
-#define INFLIGHT_HAVE_AMX 1
 
 #include <ATen/ATen.h>
 
@@ -14,7 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if !defined(INFLIGHT_AMX_EMULATE)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFLIGHT_HAVE_AMX_HARDWARE 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -30,10 +32,8 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
-#if defined(INFLIGHT_AMX_EMULATE)
-// The tile instructions as the Intel SDM defines them, on a thread's 8 tiles of 16 x 64 bytes:
-// what tests/kernels/test_linear.py runs the kernel against where the CPU has no AMX. Each
-// operation refuses the shapes the hardware refuses (#UD), so a wrong configuration fails here.
+// The tile instructions as the Intel SDM defines them, on a thread's 8 tiles of 16 x 64 bytes.
+// Each operation refuses the shapes the hardware refuses (#UD), so a wrong configuration fails here.
 namespace amx_model {
 inline thread_local TileConfig config;
 inline thread_local bool configured = false;
@@ -94,38 +94,76 @@ __attribute__((optimize("no-tree-vectorize"))) inline void dpbf16ps(int c, int a
     }
 }
 }  // namespace amx_model
-#define AMX_CONFIGURE(config) inflight_cpu::amx_model::configure(config)
-#define AMX_RELEASE() inflight_cpu::amx_model::release()
-#define AMX_ZERO(t) inflight_cpu::amx_model::zero(t)
-#define AMX_LOAD(t, base, stride) inflight_cpu::amx_model::load(t, base, stride)
-#define AMX_STORE(t, base, stride) inflight_cpu::amx_model::store(t, base, stride)
-#define AMX_DP(c, a, b) inflight_cpu::amx_model::dpbf16ps(c, a, b)
+
+// The kernels' `Tiles` type: which of the two runs their tile instructions.
+struct TileModel {
+  static constexpr bool kHardware = false;
+};
+
+// In a kernel templated on `class Tiles`. The tile numbers are literals: the instructions take
+// them as immediates (GCC's intrinsics paste them into the register names).
+#if defined(INFLIGHT_HAVE_AMX_HARDWARE)
+struct HardwareTiles {
+  static constexpr bool kHardware = true;
+};
+#define INFLIGHT_AMX_EITHER(hardware, model) \
+  do {                                       \
+    if constexpr (Tiles::kHardware) {        \
+      hardware;                              \
+    } else {                                 \
+      model;                                 \
+    }                                        \
+  } while (0)
 #else
-#define AMX_CONFIGURE(config) _tile_loadconfig(config)
-#define AMX_RELEASE() _tile_release()
-#define AMX_ZERO(t) _tile_zero(t)
-#define AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
-#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define INFLIGHT_AMX_EITHER(hardware, model) model
 #endif
+#define AMX_CONFIGURE(config) INFLIGHT_AMX_EITHER(_tile_loadconfig(config), inflight_cpu::amx_model::configure(config))
+#define AMX_RELEASE() INFLIGHT_AMX_EITHER(_tile_release(), inflight_cpu::amx_model::release())
+#define AMX_ZERO(t) INFLIGHT_AMX_EITHER(_tile_zero(t), inflight_cpu::amx_model::zero(t))
+#define AMX_LOAD(t, base, stride) \
+  INFLIGHT_AMX_EITHER(_tile_loadd(t, base, stride), inflight_cpu::amx_model::load(t, base, stride))
+#define AMX_STORE(t, base, stride) \
+  INFLIGHT_AMX_EITHER(_tile_stored(t, base, stride), inflight_cpu::amx_model::store(t, base, stride))
+#define AMX_DP(c, a, b) INFLIGHT_AMX_EITHER(_tile_dpbf16ps(c, a, b), inflight_cpu::amx_model::dpbf16ps(c, a, b))
 
 // Rows and k's of one tile: 16 rows of 64 bytes, 32 bf16 k's of x a row, 16 pairs of k's of a
 // panel (its 16 columns side by side, as pack_panels lays them), or 16 float sums a row.
 constexpr int64_t kTileRows = 16, kTileK = 32, kTileBytes = 64;
 constexpr int64_t kAmxRows = 2 * kTileRows;  // x rows a pass: tiles 0 and 1
 
-#if !defined(INFLIGHT_AMX_EMULATE)
+// Set once, before the first GEMM, by use_tile_model() (ops.h), for the process's life.
+inline bool tile_model_in_use = false;
+
+// Whether the tile paths can run here: on the model once chosen, else on the hardware.
+inline bool tiles_built() {
+#if defined(INFLIGHT_HAVE_AMX_HARDWARE)
+  return true;
+#else
+  return tile_model_in_use;
+#endif
+}
+
 // Linux lends a process the tiles' 8 KB of state only when asked (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
-// Asked once: the answer holds for the process's life.
+// Asked once: the answer holds for the process's life. The model needs no permission.
 inline bool amx_permitted() {
+  if (tile_model_in_use) return true;
+#if defined(INFLIGHT_HAVE_AMX_HARDWARE)
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
-}
 #else
-inline bool amx_permitted() { return true; }
+  return false;
 #endif
+}
+
+// body(Tiles{}) with the tiles this process runs: the model where chosen, else the hardware.
+// Only called where tiles_built().
+template <class Body>
+decltype(auto) with_tiles(Body&& body) {
+#if defined(INFLIGHT_HAVE_AMX_HARDWARE)
+  if (!tile_model_in_use) return body(HardwareTiles{});
+#endif
+  return body(TileModel{});
+}
 
 }  // namespace inflight_cpu
-
-#endif  // INFLIGHT_HAVE_AMX

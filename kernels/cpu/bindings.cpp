@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_vector_isa", &gemm_vector_isa, "The best instruction set panel_gemm is built with here, AMX aside");
   m.def("request_amx_permission", &request_amx_permission,
         "Ask Linux for the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM); whether it was lent");
+  m.def("use_tile_model", &use_tile_model,
+        "From now on the AMX paths run on a software model of the tile instructions, on any CPU (tests only)");
   m.def("pack_panels", &pack_panels, kNoGil, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, kNoGil, "x [M, K] times the packed weight's transpose, plus an optional bias");
   m.def("quant_gemm_isa", &quant_gemm_isa, "The best instruction set quant_panel_gemm is built with here (0: plain C++)");

@@ -27,7 +27,7 @@
 //   built and Linux lends the process the tiles (`request_amx_permission`; kernels/cpu_ext.py
 //   falls back to the best vector path, with one warning, where it does not). Tested on AMX
 //   hardware and, on any CPU, against a software model of the tile instructions
-//   (INFLIGHT_AMX_EMULATE, tests/kernels/test_linear.py), which also checks each tile
+//   (TileModel in amx.h, tests/kernels/test_linear.py), which also checks each tile
 //   operation's shapes as the hardware would refuse them.
 //
 // Layouts. float32: W [N, K] becomes [ceil(N / 16), K, 16]: panel p holds output columns
@@ -296,10 +296,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
   return out;
 }
 
-#if defined(INFLIGHT_HAVE_AMX)
 using namespace inflight_cpu;
 
 // Tiles 0-1: two 16-row blocks of x; 2-3: two panels' 32 k's; 4-7: their four 16 x 16 sums.
+template <class Tiles>
 at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   using In = c10::BFloat16;
   const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
@@ -376,8 +376,6 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, const float* 
   return out;
 }
 
-#endif  // AMX
-
 int64_t vector_isa() {
 #if defined(INFLIGHT_HAVE_AVX512_BF16)
   return kIsaAvx512Bf16;
@@ -395,31 +393,19 @@ int64_t vector_isa() {
 void check_isa(const char* op, int64_t isa) {
   TORCH_CHECK(isa > kIsaNone && isa <= gemm_isa(), op, ": instruction set ", isa,
               " is not built for this machine (best: ", gemm_isa(), ")");
-#if defined(INFLIGHT_HAVE_AMX)
   TORCH_CHECK(isa != kIsaAmx || amx_permitted(), op,
               ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
-#endif
 }
 
 }  // namespace
 
-int64_t gemm_isa() {
-#if defined(INFLIGHT_HAVE_AMX)
-  return kIsaAmx;
-#else
-  return vector_isa();
-#endif
-}
+int64_t gemm_isa() { return tiles_built() ? kIsaAmx : vector_isa(); }
 
 int64_t gemm_vector_isa() { return vector_isa(); }
 
-bool request_amx_permission() {
-#if defined(INFLIGHT_HAVE_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool request_amx_permission() { return amx_permitted(); }
+
+void use_tile_model() { tile_model_in_use = true; }
 
 at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
   check_isa("pack_panels", isa);
@@ -460,10 +446,8 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
   }
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   switch (isa) {
-#if defined(INFLIGHT_HAVE_AMX)
     case kIsaAmx:
-      return gemm_amx(x, panels, bias_data, n);
-#endif
+      return with_tiles([&](auto tiles) { return gemm_amx<decltype(tiles)>(x, panels, bias_data, n); });
 #if defined(INFLIGHT_HAVE_AVX512_BF16)
     case kIsaAvx512Bf16:
       return gemm<Avx512Bf16>(x, panels, bias_data, n);

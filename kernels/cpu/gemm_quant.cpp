@@ -623,8 +623,6 @@ at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const 
 
 // ---- the AMX path: bfloat16 activations on the tiles ----------------------------------------
 
-#if defined(INFLIGHT_HAVE_AMX)
-#define INFLIGHT_HAVE_QUANT_AMX 1
 using inflight_cpu::kAmxRows;
 using inflight_cpu::kTileBytes;
 using inflight_cpu::kTileK;
@@ -713,7 +711,7 @@ void dequantize_pairs(const Packed& w, int64_t panel, int64_t pair_begin, int64_
 // - More rows: each panel de-quantized whole, once a call, then run against every pass of 32 rows.
 // x is copied once, zero-padded, with a row stride off a multiple of 4 KB (16 rows of one tile
 // 4 KB apart would share one set of L1).
-template <int Bits, bool Mins>
+template <class Tiles, int Bits, bool Mins>
 at::Tensor gemm_amx(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n) {
   using In = c10::BFloat16;
   const int64_t m = x.size(0), k = x.size(1);
@@ -806,10 +804,13 @@ at::Tensor gemm_amx(const at::Tensor& x, const Packed& w, int64_t num_panels, co
 
 at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
                     int64_t bits, bool mins) {
-  if (bits == 8) return mins ? gemm_amx<8, true>(x, w, num_panels, bias, n) : gemm_amx<8, false>(x, w, num_panels, bias, n);
-  return mins ? gemm_amx<4, true>(x, w, num_panels, bias, n) : gemm_amx<4, false>(x, w, num_panels, bias, n);
+  return inflight_cpu::with_tiles([&](auto tiles) {
+    using Tiles = decltype(tiles);
+    if (bits == 8)
+      return mins ? gemm_amx<Tiles, 8, true>(x, w, num_panels, bias, n) : gemm_amx<Tiles, 8, false>(x, w, num_panels, bias, n);
+    return mins ? gemm_amx<Tiles, 4, true>(x, w, num_panels, bias, n) : gemm_amx<Tiles, 4, false>(x, w, num_panels, bias, n);
+  });
 }
-#endif  // the AMX path
 
 int64_t best_isa() {
 #if defined(INFLIGHT_HAVE_AVX512)
@@ -821,13 +822,7 @@ int64_t best_isa() {
 #endif
 }
 
-bool amx_built() {
-#if defined(INFLIGHT_HAVE_QUANT_AMX)
-  return true;
-#else
-  return false;
-#endif
-}
+bool amx_built() { return inflight_cpu::tiles_built(); }
 
 // The vector paths up to the best built, and the tiles where built and, as gemm.cpp checks,
 // permitted (a tile instruction without the permission kills the process).
@@ -835,10 +830,8 @@ void check_isa(const char* op, int64_t isa) {
   TORCH_CHECK((isa >= kIsaNone && isa <= best_isa()) || (isa == kIsaAmx && amx_built()), op, ": instruction set ",
               isa, " has no quantized path built here (float activations: up to ", best_isa(),
               amx_built() ? "; bfloat16 activations: 4, the AMX tiles)" : ")");
-#if defined(INFLIGHT_HAVE_QUANT_AMX)
   TORCH_CHECK(isa != kIsaAmx || inflight_cpu::amx_permitted(), op,
               ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
-#endif
 }
 
 // float16 where every value survives the round trip, else float32; [P, groups, 16], padded with zeros.
@@ -932,10 +925,8 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
                  group_size,
                  k};
   switch (isa) {
-#if defined(INFLIGHT_HAVE_QUANT_AMX)
     case kIsaAmx:
       return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
-#endif
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:
       return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows,

@@ -36,10 +36,12 @@ at::Tensor silu_and_mul(at::Tensor x);
 // (`isa`: 1 AVX2 float32, 2 AVX-512 float32, 3 AVX512-BF16 bfloat16, 4 AMX bfloat16; 0: none
 // built). gemm_isa: the best path built; gemm_vector_isa: the best without AMX tiles;
 // request_amx_permission: asks Linux for the tiles (once a process), whether it lent them
-// (false where AMX is not built).
+// (false where AMX is not built); use_tile_model: the tile paths (isa 4) run on a software model
+// of the tile instructions from now on, in any build (amx.h; for tests, never for serving).
 int64_t gemm_isa();
 int64_t gemm_vector_isa();
 bool request_amx_permission();
+void use_tile_model();
 
 at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 

@@ -5,7 +5,7 @@ of the model (projections, LoRA, the output head, tied or not) is packed for the
 engine stays batch invariant on them.
 
 Each check runs in a process of its own (`isa()` is decided once a process) on the build in
-which the tiles are a software model (INFLIGHT_CPU_AMX_EMULATE=1, kernels/cpu/gemm.cpp), so
+which the tiles are a software model (INFLIGHT_CPU_AMX_EMULATE=1, kernels/cpu/amx.h), so
 it runs on any CPU; on an AMX Xeon tests/kernels/test_linear.py runs the same paths on the
 hardware."""
 

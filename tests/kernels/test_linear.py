@@ -364,7 +364,7 @@ def _pytest_in_a_process_of_its_own(args: list[str], env: dict[str, str]) -> str
 @pytest.mark.slow
 def test_the_tile_path_under_a_software_model_of_the_tiles():
     """On any CPU, the tile kernel runs on a software model of the tile instructions
-    (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/gemm.cpp), which refuses the shapes the hardware
+    (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/amx.h), which refuses the shapes the hardware
     refuses: this file's panel GEMM tests of the AMX path (any shape, row blocks over threads,
     a row's bits in any batch, bad shapes refused), in a process of its own with that build.
     What the model cannot check is the instructions themselves; on an AMX CPU every AMX test

@@ -41,10 +41,10 @@ MAX_TOKENS = 12
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 
-def serve_disaggregated(tritonserver, prefill: dict, decode: dict):
+def serve_disaggregated(tritonserver, prefill: dict, decode: dict, args=()):
     """A started tritonserver of model_repository_disaggregated/: the BLS `llm` in front of
     `llm_prefill` and `llm_decode` with these engine parameters."""
-    return tritonserver({"llm": {}, "llm_prefill": prefill, "llm_decode": decode},
+    return tritonserver({"llm": {}, "llm_prefill": prefill, "llm_decode": decode}, args=args,
                         source_repository=REPO_ROOT / "model_repository_disaggregated",
                         sources={name: name for name in ("llm", "llm_prefill", "llm_decode")})
 
@@ -267,7 +267,8 @@ def pressure_server(tritonserver):
     prefill model whose transfers live PRESSURE_LIFETIME_S unclaimed."""
     engine = dict(E2E_PARAMETERS, long_prefill_token_threshold="8", kv_transfer_timeout_s=str(PRESSURE_LIFETIME_S))
     server = serve_disaggregated(tritonserver, engine,
-                                 dict(engine, max_num_seqs="1", kv_transfer_wait_timeout_s=str(PRESSURE_WAIT_S)))
+                                 dict(engine, max_num_seqs="1", kv_transfer_wait_timeout_s=str(PRESSURE_WAIT_S)),
+                                 args=["--exit-timeout-secs=3"])  # a killed model's unload never ends
     try:
         yield server
     finally:
@@ -367,7 +368,8 @@ def two_prefill_server(tritonserver):
                            "llm_prefill_b": engine, "llm_decode": engine},
                           source_repository=REPO_ROOT / "model_repository_disaggregated",
                           sources={"llm": "llm", "llm_prefill": "llm_prefill", "llm_prefill_b": "llm_prefill",
-                                   "llm_decode": "llm_decode"})
+                                   "llm_decode": "llm_decode"},
+                          args=["--exit-timeout-secs=3"])  # the killed model's unload never ends: no drain to wait for
     try:
         yield server
     finally:

@@ -409,8 +409,9 @@ def test_a_killed_stub_fails_new_requests_at_once_and_an_unload_then_load_recove
     shared-memory mutex, tritonserver itself aborts (boost::interprocess::lock_exception
     in libtriton_python.so)."""
     model = "stub"
-    with tritonserver({model: tiny(tiny_checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}"],
-                      ) as srv:
+    # The dead requests hold the first instance's unload to the end: a short exit timeout.
+    with tritonserver({model: tiny(tiny_checkpoint)}, args=["--model-control-mode=explicit", f"--load-model={model}",
+                                                            "--exit-timeout-secs=3"]) as srv:
         streams = [Stream(srv.grpc_url) for _ in range(16)]
         outcomes = [s.send(model, request(i, max_tokens=LONG_TOKENS)) for i, s in enumerate(streams)]
         wait_until(lambda: all(len(o.responses) >= 2 for o in outcomes), 60, 0.02, "16 streaming")

@@ -126,17 +126,20 @@ def tritonserver(base: Path, parameters: Mapping[str, str], cpus: list[int], slo
             stop(server)
 
 
-def llama_server_command(gguf: str, port: int, cpus: list[int], slots: int, extra: Sequence[str] = ()) -> list[str]:
+def llama_server_command(gguf: str, port: int, cpus: list[int], slots: int, extra: Sequence[str] = (),
+                         dtype: str = "float32", slot_context: int = 2048) -> list[str]:
     """llama_cpp.server_command's settings with a thread on each of `cpus` and the KV cache in
-    float32 (the engine's with dtype auto on a CPU), then the flags `extra`."""
-    return [*llama_cpp.server_command(gguf, "float32", port, slots=slots, threads=len(cpus)), *extra]
+    `dtype` (float32: the engine's with dtype auto on a CPU), then the flags `extra`."""
+    return [*llama_cpp.server_command(gguf, dtype, port, slots=slots, slot_context=slot_context, threads=len(cpus)),
+            *extra]
 
 
 @contextmanager
-def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path, extra: Sequence[str] = ()):
+def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path, extra: Sequence[str] = (),
+                 dtype: str = "float32", slot_context: int = 2048):
     """llama-server on `gguf` (llama_server_command's) confined to `cpus`: yields (its address, its version)."""
     (port,) = free_ports(1)
-    command = llama_server_command(gguf, port, cpus, slots, extra)
+    command = llama_server_command(gguf, port, cpus, slots, extra, dtype, slot_context)
     with open(workdir / "llama-server.log", "w") as log:
         server = llama_cpp.launch(command, cpus, log)
     try:

@@ -21,7 +21,16 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.paths import MODELS_DIR, REPO_ROOT
-from client.bench import gguf_serving, llama_cpp, openvino_offline, peers, servers, speculative_serving, vllm_peer
+from client.bench import (
+    gguf_serving,
+    kv_serving,
+    llama_cpp,
+    openvino_offline,
+    peers,
+    servers,
+    speculative_serving,
+    vllm_peer,
+)
 from client.bench.records import RequestRecord, SystemRun
 from client.bench.stats import summarize
 from client.bench.workloads import BenchRequest, Workload
@@ -574,3 +583,72 @@ def test_w9_llama_greedy_texts_compare_each_method_with_its_systems_off():
     assert not speculative_serving.engine_texts_agree(greedy)
     del texts[("tritonserver", "ngram", "W9b", 1)]
     assert speculative_serving.engine_texts_agree(speculative_serving.compare_texts(texts))
+
+
+# ---- quantized KV against llama-server (client/bench/kv_serving.py) ---------------------
+
+
+def test_kv_long_prompts_are_stretches_of_the_fixed_text_that_share_no_prefix():
+    from transformers import AutoTokenizer
+
+    from backend.paths import DEFAULT_CHECKPOINT
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_CHECKPOINT)
+    workload = kv_serving.long_prompts(tokenizer, 6, 500, 32, seed=3)
+    assert [r.max_tokens for r in workload.requests] == [32] * 6
+    for r in workload.requests:
+        assert r.prompt_token_ids == tokenizer.encode(r.prompt_text)  # what a server tokenizes
+        assert abs(len(r.prompt_token_ids) - 500) <= 5
+    firsts = {tuple(r.prompt_token_ids[:8]) for r in workload.requests}
+    assert len(firsts) == 6  # no server can reuse one request's KV for another
+    assert [r.prompt_text for r in kv_serving.long_prompts(tokenizer, 6, 500, 32, seed=3).requests] == \
+        [r.prompt_text for r in workload.requests]
+    with pytest.raises(ValueError, match="--input-len 10000000: the fixed text has"):
+        kv_serving.long_prompts(tokenizer, 1, 10_000_000, 8)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-dtypes", "int8"], "--kv-dtypes 'int8': comma-separated, auto and any of int8, fp8_e4m3, fp8_e5m2"),
+    (["--llama-cache-types", "model,q5_1"], "--llama-cache-types 'model,q5_1'"),
+    (["--requests", "0"], "--concurrency, --requests, --input-len and --max-tokens must be at least 1"),
+    (["--cores", "4096"], "--cores 4096: this process may use"),
+])
+def test_kv_llama_refuses_bad_arguments_before_it_starts_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        kv_serving.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_kv_llama_servers_quantized_caches_override_the_model_dtypes_and_the_engine_gets_its_kv_dtype(tmp_path):
+    plain = servers.llama_server_command("/m/bf16.gguf", 8090, [0, 1], 8, dtype="bfloat16", slot_context=4200)
+    flags = llama_flags_of(plain)
+    assert (flags["--cache-type-k"], flags["--cache-type-v"], flags["--ctx-size"]) == ("bf16", "bf16", str(8 * 4200))
+    assert kv_serving.llama_flags("model") == []
+    command = servers.llama_server_command("/m/bf16.gguf", 8090, [0, 1], 8, kv_serving.llama_flags("q8_0"),
+                                           dtype="bfloat16", slot_context=4200)
+    # llama.cpp's parser takes flags in order: the later cache type is the one it runs.
+    assert command[:len(plain)] == plain and command[len(plain):] == ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
+    parameters = kv_serving.engine_parameters("int8", "some/checkpoint", "bfloat16", 1024, 4200)
+    repository = servers.write_repository(tmp_path / "repo", kv_serving.BASE_MODEL, parameters, [0], 8)
+    params = dict(re.findall(r'key:\s*"([^"]+)",\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
+                             (repository / "llm" / "config.pbtxt").read_text()))
+    engine = EngineConfig.from_parameters(params, str(repository / "llm" / "1"))
+    assert (engine.kv_cache_dtype, engine.dtype, engine.kv_cache_memory_mb, engine.max_model_len,
+            engine.enable_prefix_caching, engine.max_num_seqs) == ("int8", "bfloat16", 1024, 4200, False, 8)
+
+
+def test_kv_llama_ratios_put_each_engine_cache_against_llama_servers_q8_0_and_each_systems_own():
+    def recorded(system, setting, duration_s, tpot_s=0.01):
+        return {"setting": setting, **w9_recorded(system, setting, "long-context", 8, duration_s, tpot_s)}
+
+    compared = kv_serving.compare([recorded("tritonserver", "auto", 4.0), recorded("tritonserver", "int8", 2.0, 0.005),
+                                   recorded("llama-server", "model", 3.0), recorded("llama-server", "q8_0", 2.5)])
+    ours = compared["tritonserver_over_llama_server_q8_0"]
+    assert ours["int8"]["output_tokens_per_s"] == pytest.approx(1.25) and ours["int8"]["target"]["met"]
+    assert ours["auto"]["output_tokens_per_s"] == pytest.approx(0.625) and not ours["auto"]["target"]["met"]
+    assert compared["tritonserver_over_its_auto"]["int8"]["output_tokens_per_s"] == pytest.approx(2.0)
+    assert compared["tritonserver_over_its_auto"]["int8"]["tpot_p50"] == pytest.approx(0.5)
+    assert compared["llama_server_over_its_model_dtype"]["q8_0"]["output_tokens_per_s"] == pytest.approx(1.2)
+    # Without llama-server's q8_0 run there is nothing to hold the target against.
+    assert "tritonserver_over_llama_server_q8_0" not in kv_serving.compare([recorded("tritonserver", "auto", 1.0)])

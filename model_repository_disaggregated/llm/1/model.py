@@ -105,7 +105,7 @@ class TritonPythonModel:
     def _serve(self, request) -> None:
         sender = request.get_response_sender()
         relay = _Relay(sender)
-        cancel = _Cancel(request)
+        cancel = _Cancel(request, relay)
         try:
             inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in self.input_names) if t is not None]
             inputs.append(pb_utils.Tensor(CANCEL_FLAG_TENSOR, np.array([cancel.flag.encode()], dtype=np.object_)))
@@ -121,7 +121,7 @@ class TritonPythonModel:
                         if handle is not None and not response.has_error():
                             transfer = handle.as_numpy().reshape(-1)[0]
                         else:  # the request ended on the prefill model: its answer is the client's
-                            cancel.relay(relay, response)
+                            cancel.relay(response)
                     break
                 except ModelProcessDied as exc:
                     retry = None if answered or retried or cancel.raised else self._prefill_model(exclude=prefill_model)
@@ -139,7 +139,7 @@ class TritonPythonModel:
                                                    [*inputs, pb_utils.Tensor(TRANSFER_TENSOR, handle)],
                                                    [*requested, ERROR_TENSOR], cancel):
                             imported = imported or _error(response) is None
-                            cancel.relay(relay, response)
+                            cancel.relay(response)
                 finally:
                     if not imported:  # maybe never claimed: this model lets it go, not its expiry
                         _discard(transfer)
@@ -281,16 +281,20 @@ class _Cancel:
     """Whether the client cancelled the request, and its cancel flag (backend/cancel_flag.py),
     raised once it has: the engine model holding the request then ends it."""
 
-    def __init__(self, request):
+    def __init__(self, request, relay: _Relay):
         self.request = request
+        self.relay_to = relay
         self.flag = new_cancel_flag()
         self.raised = False
         self._next_poll = 0.0
 
     def poll(self) -> bool:
-        """Cancelled? Triton is asked at most every CANCEL_POLL_S."""
+        """Cancelled? Triton is asked at most every CANCEL_POLL_S, and never once the client's
+        final response is sent: Triton frees the request's response factory with it, and asking
+        then reads freed memory (tritonserver 2.51 dies of a SIGSEGV in
+        TRITONBACKEND_ResponseFactoryIsCancelled)."""
         now = time.monotonic()
-        if not self.raised and now >= self._next_poll:
+        if not self.raised and not self.relay_to.ended and now >= self._next_poll:
             self._next_poll = now + CANCEL_POLL_S
             try:
                 cancelled = bool(self.request.is_cancelled())
@@ -305,12 +309,12 @@ class _Cancel:
             self.raised = True
             raise_cancel_flag(self.flag)
 
-    def relay(self, relay: _Relay, response) -> None:
+    def relay(self, response) -> None:
         """`response` on to the client; a send that fails (its client gone) cancels."""
         if self.raised:
             return
         try:
-            relay.put(response)
+            self.relay_to.put(response)
         except Exception:
             self.trip()
 

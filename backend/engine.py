@@ -39,7 +39,7 @@ from backend.disagg_tcp import TransferPuller, TransferServer, is_tcp_handle
 from backend.kv_cache import KVCacheManager, SwapSpace
 from backend.kv_events import ZmqEventPublisher
 from backend.lora import install_adapters, load_adapter
-from backend.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
+from backend.model_runner import ModelRunner, kv_block_bytes, resolve_batch_invariance, resolve_device, resolve_dtype
 from backend.models.llama import StepInterrupted
 from backend.models.loader import checkpoint_dtype, eos_token_ids, load_arch, load_model, load_tokenizer
 from backend.output import RequestOutput, logprob_entry
@@ -109,7 +109,9 @@ def is_device_fault(exc: BaseException) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
-        config = replace(config, max_num_batched_tokens=token_budget(config, self.device.type))
+        # Resolved before the weights are packed: a quantized weight's CPU path follows the mode.
+        config = replace(config, max_num_batched_tokens=token_budget(config, self.device.type),
+                         batch_invariant=resolve_batch_invariance(config.batch_invariant, self.device))
         self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model_path))
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer)
@@ -118,7 +120,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, arch)
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len,
                                                 quantization=config.quantization,
-                                                quantization_group_size=config.quantization_group_size)
+                                                quantization_group_size=config.quantization_group_size,
+                                                batch_invariant=config.batch_invariant)
         self.weight_bytes = self.model.resident_weight_bytes()
         self.arch = self.model.arch
         self.vocab_size = self.arch.vocab_size

@@ -40,7 +40,8 @@ def _projection(module, packed: PackedWeight | None, bias: torch.Tensor | None):
     n = packed.shape_only.shape[0]
     if packed.kind == "quant_panels":
         return module.Projection.quantized(packed.data, packed.scales, packed.mins, packed.bits, packed.group_size,
-                                           bias, n, int(packed.isa), packed.upcast)
+                                           bias, n, int(packed.isa), packed.upcast, packed.vector_rows,
+                                           int(packed.vector_isa))
     return module.Projection(packed.data, bias, n, int(packed.isa), packed.upcast)
 
 

@@ -45,7 +45,9 @@ above); a bfloat16 input is widened and the output rounded to bfloat16 once, as 
 AMX tiles a bfloat16 input stays bfloat16: each panel is de-quantized, rounded to bfloat16 and
 multiplied on the tiles, the bf16 tile GEMM's bits on `dequantize().bfloat16()`, for every row
 count (so a row's bits are its own there too); on a 2-core Xeon with AMX 2.3-5.1x the float32
-path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16).
+path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16). Packed with
+`batch_invariant=False` (the engine's mode off), calls of up to VECTOR_ROWS_BESIDE_TILES rows
+take the vector path on the same panels instead.
 At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
 EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and
@@ -69,6 +71,13 @@ from .cpu_ext import Isa
 from .linear_quant import linear_quant_triton, pack_quant_weight_triton
 from .quantized import QuantizedWeight
 
+# Up to this many rows, a quantized weight packed for the AMX tiles runs the AVX-512 path when the
+# engine is not batch invariant: at a few rows the tiles' de-quantize-to-bf16 pass costs more than
+# the vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
+# 2-core AMX Xeon, Llama-3.2-1B's MLP and SmolLM2's gate|up, int8/q8_0/q4_1/int4: the vector path
+# 1.6-2.0x faster at 1 row, 1.1-1.8x at 2, 1.05-1.6x at 3, even at 4; the tiles 1.2-2.6x faster at 8).
+VECTOR_ROWS_BESIDE_TILES = 3
+
 # The GEMM libraries choose their blocking from an expected row count; any row count is
 # correct, and measured speed varied little between hints of 1 and 256.
 _BATCH_HINT = 64
@@ -87,7 +96,7 @@ class PackedWeight:
     """A weight in a CPU GEMM's own layout, with what `linear` needs to call it."""
 
     __slots__ = ("kind", "data", "upcast", "isa", "shape_only", "gemm_shape_only", "bits", "group_size", "scales",
-                 "mins", "quantized")
+                 "mins", "quantized", "vector_rows", "vector_isa")
 
     def __init__(self, kind: str, data: torch.Tensor | None, weight: torch.Tensor, upcast: bool = False,
                  isa: Isa = Isa.NONE):
@@ -109,6 +118,10 @@ class PackedWeight:
         # for kind "quant", the QuantizedWeight itself.
         self.bits = self.group_size = 0
         self.scales = self.mins = self.quantized = None
+        # A quantized weight on the tiles, outside the batch-invariant mode: calls of at most
+        # `vector_rows` rows run the float32 vector path `vector_isa` on the same panels instead.
+        self.vector_rows = 0
+        self.vector_isa = Isa.NONE
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +155,8 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
     return None
 
 
-def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device) -> PackedWeight:
+def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device,
+                    batch_invariant: bool) -> PackedWeight:
     # What a module keeps in the weight's place: its shape, in the activations' dtype.
     shape = torch.empty(0, dtype=dtype, device=device).new_empty(1).as_strided(weight.shape, (0, 0))
     if device.type == "cuda":  # the Triton W8A16/W4A16 kernel's own layout, on the GPU
@@ -164,21 +178,28 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
+        if quant_isa == Isa.AMX and not batch_invariant:
+            # The panels are the same for every path; only the activations' dtype differs.
+            packed.vector_rows = VECTOR_ROWS_BESIDE_TILES
+            packed.vector_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
     packed.bits, packed.group_size = weight.bits, weight.group_size
     return packed
 
 
 def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None = None,
-                       dtype: torch.dtype | None = None, device: torch.device | None = None) -> PackedWeight | None:
+                       dtype: torch.dtype | None = None, device: torch.device | None = None,
+                       batch_invariant: bool = True) -> PackedWeight | None:
     """Pack `weight` [out, in] for fast CPU matmuls, or None where that does not apply or
     would not be faster. `isa`: the panel GEMM path to pack for (default `cpu_ext.isa()`;
     Isa.NONE: the libraries' layouts). A `QuantizedWeight` is packed as it is (kind
     `quant_panels`, or `quant` without the C++ kernels); `dtype` is then the dtype of the
     activations it will see (default float32), which `shape_only` carries, and `device` where
-    they live (default the CPU; CUDA: kind `quant_triton`, kernels/linear_quant.py)."""
+    they live (default the CPU; CUDA: kind `quant_triton`, kernels/linear_quant.py).
+    `batch_invariant` False (the engine's mode off) lets a quantized weight on the AMX tiles run
+    calls of a few rows on the vector path, faster there but not the tiles' bits."""
     if isinstance(weight, QuantizedWeight):
         return _pack_quantized(weight, cpu_ext.isa() if isa is None else isa, dtype or torch.float32,
-                               torch.device(device or "cpu"))
+                               torch.device(device or "cpu"), batch_invariant)
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach().contiguous()
@@ -207,13 +228,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if packed.kind in ("quant_panels", "quant"):  # bf16 on the tiles; elsewhere float32, bf16 widened, rounded once
-        if packed.upcast:
+        isa = packed.isa
+        if packed.upcast or rows.shape[0] <= packed.vector_rows:
             rows = rows.float()
             bias = None if bias is None else bias.float()
+            isa = packed.isa if packed.upcast else packed.vector_isa
         if packed.kind == "quant_panels":
             out = cpu_ext.load().quant_panel_gemm(rows, packed.data, packed.scales, packed.mins, bias,
                                                   packed.shape_only.shape[0], packed.bits, packed.group_size,
-                                                  int(packed.isa))
+                                                  int(isa))
         else:  # no C++ kernels: the float weight exists only during the call
             out = F.linear(rows, packed.quantized.dequantize(), bias)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])

@@ -530,14 +530,15 @@ def _shape_only(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
                pack_weights: bool = True, quantization: str = "none",
-               quantization_group_size: int = 128) -> tuple[LlamaForCausalLM, object]:
+               quantization_group_size: int = 128, batch_invariant: bool = True) -> tuple[LlamaForCausalLM, object]:
     """Build the model for `model_path` with weights in `dtype` on `device`.
 
     With `pack_weights` (the serving default) the projections are packed for the CPU's GEMM
     library and their `weight` parameters keep only shapes: inspect weights with False.
     Quantized weights (a quantized checkpoint, or `quantization` "int8"/"int4", the latter with
     groups of `quantization_group_size` inputs) live in their module's `quantized` and are
-    packed either way; their `weight` keeps only the shape.
+    packed either way; their `weight` keeps only the shape. `batch_invariant`: whether the engine
+    will run batch invariant (resolve_batch_invariance's answer), which their CPU path follows.
 
     Each tensor is read once, checked, converted and moved to the device; a fused
     parameter is assembled as soon as its last part arrives, so peak memory stays near
@@ -642,9 +643,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     model.local_cos_sin_cache = local.to(device) if local is not None else None
     model.eval()
     if pack_weights:
-        model.pack_weights()
+        model.pack_weights(batch_invariant)
     else:
-        model.pack_quantized_weights()
+        model.pack_quantized_weights(batch_invariant)
     log.info("model weights: %.1f MiB resident (%s)", model.resident_weight_bytes() / 2**20,
              quantization if quantization != "none" else (already or "float"))
     return model, hf_config

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="none", help="the engine's quantization: none, int8, int4")
     parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--batch-invariant", choices=["auto", "true", "false"], default="auto",
+                        help="the engine's batch_invariant (false: a bf16 model's quantized GEMMs of a few rows beside "
+                             "the AMX tiles)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--json", help="write the report here")
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_seqs=max(batches), max_model_len=max(contexts),
                           num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1,
                           quantization=args.quantization, quantization_group_size=args.group_size,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          batch_invariant={"auto": None, "true": True, "false": False}[args.batch_invariant])
     engine = LLMEngine(config)
     bandwidth = copy_bandwidth_gbps(engine.device)
     rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "as stored" if engine.model.is_quantized() else "none"),
         "group_size": args.group_size if args.quantization == "int4" else None,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_invariant": engine.runner.batch_invariant,
         "copy_bandwidth_gbps": bandwidth,
         "results": rows,
     }

@@ -51,15 +51,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static(
           "quantized",
           [](at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins, int64_t bits, int64_t group_size,
-             std::optional<at::Tensor> bias, int64_t n, int64_t isa, bool upcast) {
+             std::optional<at::Tensor> bias, int64_t n, int64_t isa, bool upcast, int64_t vector_rows,
+             int64_t vector_isa) {
             TORCH_CHECK(bits == 4 || bits == 8, "Projection.quantized: bits must be 4 or 8, not ", bits);
             Projection p{q, bias, n, isa, upcast};
             p.bits = bits, p.group_size = group_size, p.scales = scales, p.mins = mins;
+            p.vector_rows = vector_rows, p.vector_isa = vector_isa;
             return p;
           },
           pybind11::arg("q"), pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("bits"),
           pybind11::arg("group_size"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"),
-          pybind11::arg("upcast"), "A quantized weight's packed panels (pack_quant_panels), for DecoderLayer");
+          pybind11::arg("upcast"), pybind11::arg("vector_rows") = 0, pybind11::arg("vector_isa") = 0,
+          "A quantized weight's packed panels (pack_quant_panels), for DecoderLayer");
   pybind11::class_<LoraProjection>(m, "LoraProjection", "Every LoRA adapter's weights for one projection")
       .def(pybind11::init<std::vector<Projection>, std::vector<std::vector<Projection>>, std::vector<int64_t>,
                           int64_t>(),

@@ -22,6 +22,12 @@ namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
   if (p.bits != 0) {  // int8/int4 weights: on the tiles bf16 as it is; else float32, widened where bf16
+    if (!p.upcast && x.size(0) <= p.vector_rows) {  // a few rows beside the tiles: the vector path, as linear()
+      const std::optional<at::Tensor> bias = p.bias.has_value() ? std::optional(p.bias->to(at::kFloat)) : std::nullopt;
+      return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size,
+                              p.vector_isa)
+          .to(x.scalar_type());
+    }
     const at::Tensor y =
         quant_panel_gemm(p.upcast ? x.to(at::kFloat) : x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits,
                          p.group_size, p.isa);

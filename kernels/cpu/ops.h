@@ -80,6 +80,9 @@ struct Projection {
   int64_t bits = 0, group_size = 0;
   at::Tensor scales;
   std::optional<at::Tensor> mins;
+  // A quantized weight on the tiles outside the batch-invariant mode (kernels/linear.py's
+  // PackedWeight): inputs of at most vector_rows rows run the float32 path vector_isa instead.
+  int64_t vector_rows = 0, vector_isa = 0;
 };
 
 // Every loaded LoRA adapter's weights for one projection (kernels/lora.py's layout): per

@@ -24,9 +24,11 @@ from safetensors.torch import load_file, save_file
 import kernels
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.models.llama import Linear
 from backend.models.loader import CheckpointError, load_model
 from backend.models.quantization import gguf_quantized
 from backend.request import SamplingParams
+from kernels.linear import VECTOR_ROWS_BESIDE_TILES
 from tests.checkpoints import make_gguf_checkpoint, make_tiny_checkpoint
 from tests.engine.test_engine_equivalence import (
     MAX_TOKENS,
@@ -255,6 +257,32 @@ def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
     alone = logprobs_beside([])
     assert len(alone) == 12
     assert logprobs_beside(PROMPTS[:9]) == alone
+
+
+@pytest.mark.skipif(kernels.cpu_ext.isa() < kernels.cpu_ext.Isa.AMX, reason="no AMX tiles here")
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_a_bf16_models_quantized_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant):
+    """The engine's mode reaches the packing: outside it every quantized projection of a bf16
+    model runs calls of a few rows on the vector path beside the tiles (kernels/linear.py), in it none
+    does; and the fused C++ layers take the same path as the modules, so that a request's
+    tokens are the same either way (the CPU runs the fused layers; the modules are what the
+    other devices run)."""
+    prompts = PROMPTS[:3]
+    rows = 0 if batch_invariant else VECTOR_ROWS_BESIDE_TILES
+
+    def check_packing(engine: LLMEngine) -> None:
+        assert engine.runner.batch_invariant == batch_invariant
+        packed = [m.packed for m in engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+        assert packed and {(p.isa, p.vector_rows) for p in packed} == {(kernels.cpu_ext.Isa.AMX, rows)}
+
+    def unfuse(engine: LLMEngine) -> None:
+        check_packing(engine)
+        engine.model.cpu_layers = None
+
+    config = dict(dtype="bfloat16", quantization="int8", batch_invariant=batch_invariant, num_kv_blocks=64)
+    _, fused, _ = run_engine(tiny_checkpoint, prompts, [8] * 3, [0, 2, 4], on_engine=check_packing, **config)
+    _, modules, _ = run_engine(tiny_checkpoint, prompts, [8] * 3, [0, 2, 4], on_engine=unfuse, **config)
+    assert fused == modules and all(len(t) == 8 for t in fused.values())
 
 
 # --------------------------------------------------------------------------------------

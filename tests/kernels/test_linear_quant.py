@@ -231,6 +231,33 @@ def test_linear_runs_bf16_activations_on_the_tiles_and_float32_on_the_vector_pat
         MODULE.quant_panel_gemm(x[0], tiles.data, tiles.scales, tiles.mins, None, 70, 4, 32, int(Isa.AMX))
 
 
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1, 40])
+def test_outside_batch_invariance_a_few_rows_beside_the_tiles_run_the_vector_path(rows):
+    """Packed with the engine's batch-invariant mode off, a quantized weight for the tiles runs a
+    call of at most VECTOR_ROWS_BESIDE_TILES rows on the AVX-512 path, on the same panels (the
+    bf16 input widened, the output rounded once, as `upcast`), and more rows on the tiles; packed
+    in the mode, every call on the tiles."""
+    weight = make_weight(70, 200, "int8_g32_q8_0", 12)
+    gen = torch.Generator().manual_seed(12)
+    x, bias = torch.randn(rows, 200, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
+    invariant = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
+    fast = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
+    vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
+    assert (invariant.isa, invariant.vector_rows) == (Isa.AMX, 0)
+    assert (fast.isa, fast.vector_rows, fast.vector_isa) == (Isa.AMX, LINEAR.VECTOR_ROWS_BESIDE_TILES, vector_isa)
+    assert torch.equal(fast.data, invariant.data) and torch.equal(fast.scales, invariant.scales)
+    tiles = tile_gemm(x, weight, bias)
+    assert torch.equal(kernels.linear(x, invariant.shape_only, bias, invariant), tiles)
+    got = kernels.linear(x, fast.shape_only, bias, fast)
+    if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES:
+        assert torch.equal(got, float_panel_gemm(x.float(), weight, bias.float(), vector_isa).bfloat16())
+    else:
+        assert torch.equal(got, tiles)
+    # A float32 model's weight is on the vector path already: nothing beside it.
+    assert kernels.pack_linear_weight(weight, dtype=torch.float32, batch_invariant=False).vector_rows == 0
+
+
 @pytest.mark.slow
 def test_the_quantized_tile_path_under_a_software_model_of_the_tiles():
     """On any CPU, this file's tile tests on the software model of the tile instructions
@@ -396,6 +423,56 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert all(torch.equal(a, b) for a, b in zip(got_kv, expected_kv))
     assert not torch.equal(got[0], hidden)
+
+
+@needs_tiles
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_invariant):
+    """One token through the fused layer with bf16 activations and quantized projections: in the
+    batch-invariant mode each projection on the tiles (the layer of bf16 tile panels of the
+    rounded weights), outside it each on the vector path beside them (the layer of float32 panels
+    of the de-quantized weights, bf16 widened and rounded once), as linear() runs them."""
+    hidden_size, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
+    weights = [make_weight((heads + 2 * kv_heads) * head_dim, hidden_size, "int4_g32_mins", 1),
+               make_weight(hidden_size, heads * head_dim, "int8_per_channel", 2),
+               make_weight(2 * inter, hidden_size, "int4_g128_symmetric", 3),
+               make_weight(hidden_size, inter, "int8_g32_q8_0", 4)]
+    gen = torch.Generator().manual_seed(6)
+    qkv_bias = (torch.randn(weights[0].shape[0], generator=gen) * 0.1).bfloat16()
+    vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
+    norms = [(1 + 0.1 * torch.randn(hidden_size, generator=gen)).bfloat16() for _ in range(2)]
+
+    def layer(projection):
+        projections = [projection(w, qkv_bias if i == 0 else None) for i, w in enumerate(weights)]
+        return MODULE.DecoderLayer(*norms, 1e-5, *projections, heads, kv_heads, head_dim, head_dim ** -0.5, None,
+                                   None, True, 8, [None] * 4)
+
+    def quantized(weight, bias):
+        packed = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=batch_invariant)
+        return kernels.decoder_layer._projection(MODULE, packed, bias)
+
+    def reference(weight, bias):
+        if batch_invariant:
+            panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
+            return MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False)
+        return MODULE.Projection(MODULE.pack_panels(weight.dequantize(), int(vector_isa)),
+                                 None if bias is None else bias.float(), weight.shape[0], int(vector_isa), True)
+
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    meta = kernels.cpu_step_meta(torch.tensor([20]), kernels.build_cos_sin_cache(head_dim, 64, 10000.0),
+                                 torch.tensor([20]), tables, torch.tensor([21], dtype=torch.int32),
+                                 torch.tensor([0, 1], dtype=torch.int32))
+    shape = (2, 16, kv_heads, head_dim)
+    cache = (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
+    hidden, residual = (torch.randn(1, hidden_size, generator=gen).bfloat16() for _ in range(2))
+
+    def forward(projection):
+        kv = tuple(c.clone() for c in cache)
+        return layer(projection).forward(hidden, residual, *kv, meta), kv
+
+    (got, got_kv), (expected, expected_kv) = forward(quantized), forward(reference)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, expected_kv))
 
 
 def test_cpu_decoder_layer_takes_quantized_projections():

@@ -457,17 +457,21 @@ def test_w9_llama_methods_parse_with_off_or_name_what_is_wrong():
             parse(bad, speculative_serving.LLAMA_METHODS, "--llama-methods")
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--methods", "ngram"], "--methods 'ngram'"),
-    (["--llama-methods", "off,lookahead"], "--llama-methods 'off,lookahead'"),
-    (["--methods", "off,draft_int8"], "--methods draft_int8: through the server a draft_model method"),
-    (["--concurrency", "1,4", "--slots", "2"], "--slots 2: fewer than the highest concurrency, 4"),
-    (["--requests", "0"], "--requests and --max-tokens must be at least 1"),
-    (["--cores", "4096"], "--cores 4096: this process may use"),
-])
-def test_w9_llama_refuses_bad_arguments_before_it_starts_anything(argv, message, capsys):
+@pytest.mark.parametrize("benchmark,argv,message", [
+    (speculative_serving, ["--methods", "ngram"], "--methods 'ngram'"),
+    (speculative_serving, ["--llama-methods", "off,lookahead"], "--llama-methods 'off,lookahead'"),
+    (speculative_serving, ["--methods", "off,draft_int8"], "--methods draft_int8: through the server a draft_model"),
+    (speculative_serving, ["--concurrency", "1,4", "--slots", "2"], "--slots 2: fewer than the highest concurrency, 4"),
+    (speculative_serving, ["--requests", "0"], "--requests and --max-tokens must be at least 1"),
+    (speculative_serving, ["--cores", "4096"], "--cores 4096: this process may use"),
+    (kv_serving, ["--kv-dtypes", "int8"], "--kv-dtypes 'int8': comma-separated, auto and any of int8, fp8_e4m3, fp8_e5m2"),
+    (kv_serving, ["--llama-cache-types", "model,q5_1"], "--llama-cache-types 'model,q5_1'"),
+    (kv_serving, ["--requests", "0"], "--concurrency, --requests, --input-len and --max-tokens must be at least 1"),
+    (kv_serving, ["--cores", "4096"], "--cores 4096: this process may use"),
+], ids=lambda v: v.__name__.rsplit(".", 1)[-1] if hasattr(v, "__name__") else None)
+def test_serving_benchmarks_refuse_bad_arguments_before_they_start_anything(benchmark, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        speculative_serving.main(argv)
+        benchmark.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -605,19 +609,6 @@ def test_kv_long_prompts_are_stretches_of_the_fixed_text_that_share_no_prefix():
         [r.prompt_text for r in workload.requests]
     with pytest.raises(ValueError, match="--input-len 10000000: the fixed text has"):
         kv_serving.long_prompts(tokenizer, 1, 10_000_000, 8)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--kv-dtypes", "int8"], "--kv-dtypes 'int8': comma-separated, auto and any of int8, fp8_e4m3, fp8_e5m2"),
-    (["--llama-cache-types", "model,q5_1"], "--llama-cache-types 'model,q5_1'"),
-    (["--requests", "0"], "--concurrency, --requests, --input-len and --max-tokens must be at least 1"),
-    (["--cores", "4096"], "--cores 4096: this process may use"),
-])
-def test_kv_llama_refuses_bad_arguments_before_it_starts_anything(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        kv_serving.main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_kv_llama_servers_quantized_caches_override_the_model_dtypes_and_the_engine_gets_its_kv_dtype(tmp_path):

@@ -22,16 +22,13 @@ namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
   if (p.bits != 0) {  // int8/int4 weights: on the tiles bf16 as it is; else float32, widened where bf16
-    if (!p.upcast && x.size(0) <= p.vector_rows) {  // a few rows beside the tiles: the vector path, as linear()
-      const std::optional<at::Tensor> bias = p.bias.has_value() ? std::optional(p.bias->to(at::kFloat)) : std::nullopt;
-      return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size,
-                              p.vector_isa)
-          .to(x.scalar_type());
-    }
-    const at::Tensor y =
-        quant_panel_gemm(p.upcast ? x.to(at::kFloat) : x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits,
-                         p.group_size, p.isa);
-    return p.upcast ? y.to(x.scalar_type()) : y;
+    // A few rows beside the tiles take the vector path, widened as an upcast weight is (linear()'s rule).
+    const bool beside = !p.upcast && x.size(0) <= p.vector_rows;
+    if (!p.upcast && !beside) return quant_panel_gemm(x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits, p.group_size, p.isa);
+    const std::optional<at::Tensor> bias = beside && p.bias.has_value() ? std::optional(p.bias->to(at::kFloat)) : p.bias;
+    return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size,
+                            beside ? p.vector_isa : p.isa)
+        .to(x.scalar_type());
   }
   if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, p.isa);
   // A bfloat16 weight packed as its float32 upcast (kernels/linear.py): widen the input, round

@@ -27,8 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
-import time
-from pathlib import Path
+from functools import partial
 
 from transformers import AutoTokenizer
 
@@ -148,14 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-q3-")
     for gguf_type, gguf in files.items():
         for system in SYSTEMS:
-            workdir = Path(tmp) / f"{gguf_type}-{system}"
-            workdir.mkdir()
-            start = time.perf_counter()
-            server = (tritonserver(BASE_MODEL, {"model_path": gguf, "tokenizer": args.model}, cpus, args.slots, workdir)
-                      if system == "tritonserver" else llama_server(gguf, cpus, args.slots, workdir))
-            with server as (address, version):
-                versions[system] = version
-                print(f"{gguf_type} {system}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+            start = (partial(tritonserver, BASE_MODEL, {"model_path": gguf, "tokenizer": args.model}, cpus, args.slots)
+                     if system == "tritonserver" else partial(llama_server, gguf, cpus, args.slots))
+            with servers.started(f"{gguf_type} {system}", system, start, tmp, versions) as address:
                 target = parse_target(f"{system}=openai://{address}")
                 for concurrency, workload in workloads.items():
                     run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)

@@ -34,8 +34,7 @@ import os
 import shutil
 import sys
 import tempfile
-import time
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 from transformers import AutoTokenizer
@@ -166,18 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-kv-llama-")
     settings = [("tritonserver", k) for k in kv_dtypes] + [("llama-server", c) for c in cache_types]
     for system, setting in settings:
-        workdir = Path(tmp) / f"{system}-{setting}"
-        workdir.mkdir()
-        start = time.perf_counter()
-        if system == "tritonserver":
-            server = tritonserver(BASE_MODEL, engine_parameters(setting, args.model, args.dtype, args.kv_cache_mb,
-                                                                context), cpus, args.concurrency, workdir)
-        else:
-            server = llama_server(gguf, cpus, args.concurrency, workdir, llama_flags(setting), dtype=args.dtype,
-                                  slot_context=context)
-        with server as (address, version):
-            versions[system] = version
-            print(f"{system} {setting}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+        start = (partial(tritonserver, BASE_MODEL,
+                         engine_parameters(setting, args.model, args.dtype, args.kv_cache_mb, context), cpus,
+                         args.concurrency) if system == "tritonserver" else
+                 partial(llama_server, gguf, cpus, args.concurrency, extra=llama_flags(setting), dtype=args.dtype,
+                         slot_context=context))
+        with servers.started(f"{system} {setting}", system, start, tmp, versions) as address:
             run = run_target(parse_target(f"{system}=openai://{address}"), workload, args.concurrency,
                              not args.no_progress, args.request_timeout)
             texts[(system, setting)] = [r.text for r in run.records]

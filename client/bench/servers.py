@@ -5,7 +5,8 @@ on the CPUs they are given. Q3 (client/bench/gguf_serving.py) and W9 against lla
 client.bench.targets' `openai` client.
 
 Each context manager yields (the OpenAI address, the server's version) and writes the
-server's log into the folder it is given, naming that folder on stderr when it fails.
+server's log into the folder it is given, naming that folder on stderr when it fails;
+`started` gives one of them a fresh folder, records its version and says when it is ready.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, ContextManager, Mapping, Sequence
 
 from backend.paths import REPO_ROOT
 from client.bench import llama_cpp
@@ -150,3 +151,17 @@ def llama_server(gguf: str, cpus: list[int], slots: int, workdir: Path, extra: S
         raise
     finally:
         stop(server)
+
+
+@contextmanager
+def started(label: str, system: str, start: Callable[[Path], ContextManager], tmp: str, versions: dict):
+    """`start(workdir)` (`tritonserver` or `llama_server` with every argument but the folder) in a
+    fresh folder of `tmp` named by `label`: yields its OpenAI address while it serves, with its
+    version in versions[system]."""
+    workdir = Path(tmp) / re.sub(r"\W+", "-", label)
+    workdir.mkdir()
+    begin = time.perf_counter()
+    with start(workdir) as (address, version):
+        versions[system] = version
+        print(f"{label}: ready in {time.perf_counter() - begin:.1f} s", flush=True)
+        yield address

@@ -40,8 +40,7 @@ import os
 import shutil
 import sys
 import tempfile
-import time
-from pathlib import Path
+from functools import partial
 
 from transformers import AutoTokenizer
 
@@ -238,14 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-w9-llama-")
     settings = [("tritonserver", m) for m in methods] + [("llama-server", m) for m in llama_methods]
     for system, method in settings:
-        workdir = Path(tmp) / f"{system}-{method}"
-        workdir.mkdir()
-        start = time.perf_counter()
-        server = (tritonserver(BASE_MODEL, engine_parameters(method, args.model), cpus, slots, workdir)
-                  if system == "tritonserver" else llama_server(gguf, cpus, slots, workdir, llama_flags(method, draft)))
-        with server as (address, version):
-            versions[system] = version
-            print(f"{system} {method}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+        start = (partial(tritonserver, BASE_MODEL, engine_parameters(method, args.model), cpus, slots)
+                 if system == "tritonserver" else partial(llama_server, gguf, cpus, slots, extra=llama_flags(method, draft)))
+        with servers.started(f"{system} {method}", system, start, tmp, versions) as address:
             target = parse_target(f"{system}=openai://{address}")
             for workload, concurrency in runs:
                 run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)

@@ -415,6 +415,28 @@ def test_q3_repository_serves_the_gguf_file_as_llm_with_llm_q4s_settings(tmp_pat
     assert (engine.model_path, engine.max_num_seqs, engine.omp_threads_bind) == (str(gguf), 8, "1,3")
 
 
+def test_started_gives_each_server_a_fresh_folder_records_its_version_and_stops_it(tmp_path, capsys):
+    from contextlib import contextmanager
+
+    events = []
+
+    @contextmanager
+    def fake_server(workdir):
+        events.append(("start", workdir))
+        yield "127.0.0.1:1234", "v9"
+        events.append(("stop", workdir))
+
+    versions = {}
+    with servers.started("llama-server q8_0", "llama-server", fake_server, str(tmp_path), versions) as address:
+        assert address == "127.0.0.1:1234" and versions == {"llama-server": "v9"}
+        assert events == [("start", tmp_path / "llama-server-q8_0")] and events[0][1].is_dir()
+    assert events[-1] == ("stop", tmp_path / "llama-server-q8_0")
+    assert "llama-server q8_0: ready in" in capsys.readouterr().out
+    with pytest.raises(FileExistsError):  # a label run twice would mix two servers' logs
+        with servers.started("llama-server q8_0", "llama-server", fake_server, str(tmp_path), versions):
+            pass
+
+
 def recorded(system: str, gguf_type: str, concurrency: int, duration_s: float, ttft_s: float) -> dict:
     """A summarized run of two requests of 4 tokens, each first token `ttft_s` after it was sent."""
     workload = Workload("W3", "two requests", [BenchRequest([1, 2, 3], 4), BenchRequest([4, 5, 6], 4)])

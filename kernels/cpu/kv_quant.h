@@ -31,8 +31,14 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 template <int L>
 using FloatLanes = std::conditional_t<L == 8, f32x8, f32x16>;
+template <int L>
+using BitLanes = std::conditional_t<L == 8, u32x8, u32x16>;
+template <int L>
+using HalfBitLanes = std::conditional_t<L == 8, u16x8, u16x16>;
 
 // fp8 with kExp exponent and kMan mantissa bits. Decoding goes through float16, whose format
 // each fp8 one sits inside: `half_bits` moves a code's bits, sign-extended to 16 (what one
@@ -182,6 +188,19 @@ inline FloatLanes<L> decode_lanes(const C* src) {
   FloatLanes<L> lanes;
   for (int i = 0; i < L; ++i) lanes[i] = Q::decode(src[i]) * (1.f / Q::kLaneFactor);
   return lanes;
+}
+
+// n codes (a multiple of L) as bfloat16 bits, each decode_lanes' float exactly: a decoded code
+// has at most 7 significant bits (int8's 127; fp8's 4 or 3), which bfloat16's 8 hold, so the
+// float's low 16 bits are zero and dropping them loses nothing. A bfloat16 load of the result
+// gives decode_lanes' very lanes: a row widened once serves many reads at a bfloat16 row's cost.
+template <int L, typename C>
+inline void decode_to_bfloat16(const C* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += L) {
+    const HalfBitLanes<L> bits =
+        __builtin_convertvector(reinterpret_cast<BitLanes<L>>(decode_lanes<L>(src + i)) >> 16, HalfBitLanes<L>);
+    std::memcpy(dst + i, &bits, sizeof bits);
+  }
 }
 
 // dst[i] = decode(src[i]) * scale, float32, for the plain loops; the same bits whichever loop

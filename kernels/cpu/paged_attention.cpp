@@ -8,8 +8,9 @@
 // the same for the values. Scores for the whole prefix are kept (heads x len floats per token).
 // Accumulation is float32 whatever the cache dtype. A quantized cache (int8, fp8) is copied as
 // stored, a byte a value, and its codes are widened to float32 lanes in the compute loops'
-// registers; each row's scale multiplies its dot product (a score) and its probability (a value
-// row's weight) once, so the cache moves a quarter of float32's bytes through the core. A run's
+// registers (an fp8 block that several tokens read is widened once, to bfloat16, first); each
+// row's scale multiplies its dot product (a score) and its probability (a value row's weight)
+// once, so the cache moves a quarter of float32's bytes through the core. A run's
 // tokens share the copy but not the arithmetic, where a GEMM-based kernel would share each load
 // among a tile of queries: long
 // chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
@@ -229,9 +230,10 @@ template <int L, int kVectors>
 constexpr int kHeadsPerPass = (L == 16 && kVectors <= 8) ? 3 : 1;
 
 // Scores of `kHeads` query heads (`q`, [kHeads, head_dim] float32) against the keys at `rows`,
-// written to scores + h * scores_stride + [0, valid). A quantized cache's dot products are
-// multiplied by their rows' `row_factors` (scale * kLaneFactor).
-template <typename C, int L, int kVectors, int kHeads>
+// written to scores + h * scores_stride + [0, valid). A quantized cache's dot products
+// (kScaled; its rows as stored, or widened to bfloat16 by decode_to_bfloat16) are multiplied by
+// their rows' `row_factors` (scale * kLaneFactor).
+template <typename C, int L, int kVectors, int kHeads, bool kScaled = inflight_cpu::kIsQuantizedKv<C>>
 inline void score_tile(const C* const (&rows)[kTileRows], const float (&row_factors)[kTileRows], const float* q,
                        float* scores, int64_t scores_stride, int64_t valid) {
   constexpr int64_t kHeadDim = kVectors * L;
@@ -253,7 +255,7 @@ inline void score_tile(const C* const (&rows)[kTileRows], const float (&row_fact
     } else {
       tile = sum_lanes_of_8(dots[h]);
     }
-    if constexpr (inflight_cpu::kIsQuantizedKv<C>) tile *= load_vector<8>(row_factors);
+    if constexpr (kScaled) tile *= load_vector<8>(row_factors);
     float* s = scores + h * scores_stride;
     if (valid == kTileRows)
       store_vector<8>(s, tile);
@@ -264,8 +266,8 @@ inline void score_tile(const C* const (&rows)[kTileRows], const float (&row_fact
 
 // out[h] += sum over the block's `count` rows of p[h][r] * value row r, for `kHeads` heads
 // (`out` [kHeads, head_dim] float32, `p` the first head's probabilities at the block's start);
-// a quantized row's weight is p[h][r] * row_factors[r] (scale * kLaneFactor).
-template <typename C, int L, int kVectors, int kHeads>
+// a quantized row's weight (kScaled, as score_tile) is p[h][r] * row_factors[r] (scale * kLaneFactor).
+template <typename C, int L, int kVectors, int kHeads, bool kScaled = inflight_cpu::kIsQuantizedKv<C>>
 inline void accumulate_values(const C* values, const float* row_factors, int64_t row_width, int64_t count,
                               const float* p, int64_t scores_stride, float* out) {
   constexpr int64_t kHeadDim = kVectors * L;
@@ -276,7 +278,7 @@ inline void accumulate_values(const C* values, const float* row_factors, int64_t
     float weight[kHeads];
     for (int h = 0; h < kHeads; ++h) {
       weight[h] = p[h * scores_stride + r];
-      if constexpr (inflight_cpu::kIsQuantizedKv<C>) weight[h] *= row_factors[r];
+      if constexpr (kScaled) weight[h] *= row_factors[r];
     }
     for (int j = 0; j < kVectors; ++j) {
       const vec<L> value = load_row_lanes<L>(values + r * row_width + j * L);
@@ -423,6 +425,27 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
                                        g * kHeadDim + j * L) *
                             scale);
 
+  // An fp8 block's codes take more work to widen in registers than a bfloat16 row (float16's
+  // conversion beside the shifts): with several tokens to read each row, the block is widened
+  // once into bfloat16 (decode_to_bfloat16: the same lanes, so the same bits), which its tokens
+  // read at a bfloat16 row's cost. int8's codes widen as cheaply as bfloat16's; a decode reads
+  // each row once.
+  constexpr bool kQuantized = inflight_cpu::kIsQuantizedKv<C>;
+  constexpr bool kWidensFp8 = kQuantized && !std::is_same_v<C, int8_t>;
+  thread_local std::vector<c10::BFloat16> widened;
+  if constexpr (kWidensFp8) grow(widened, block_size * width);
+  // Calls body(rows) with the block's `rows` rows (at `block_rows`): as stored, or widened.
+  const auto with_block_rows = [&](const C* block_rows, int64_t rows, auto&& body) {
+    if constexpr (kWidensFp8) {
+      if (task.num_tokens > 1) {
+        inflight_cpu::decode_to_bfloat16<L>(block_rows, reinterpret_cast<uint16_t*>(widened.data()), rows * width);
+        body(static_cast<const c10::BFloat16*>(widened.data()));
+        return;
+      }
+    }
+    body(block_rows);
+  };
+
   Gatherer<C> keys{k_cache,   table,    shape.block_stride, block_size,        row_width,    task.head_begin * kHeadDim,
                    width,     local_data, k_scale,          shape.scale_block_stride, kHeadDim, local_scales_data,
                    segment_rows};
@@ -439,32 +462,35 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
       if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
-      const C* block_rows = local_data + (b - s0) * block_size * width;
       const float* block_scales = local_scales_data + (b - s0) * block_size;
-      for (int64_t t = 0; t < task.num_tokens; ++t) {
-        const int64_t len = task.first_len + t;
-        if (first >= len) continue;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-          int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
-          for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
-          const int64_t valid = std::min(kTileRows, count - r0);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const C* head_rows[kTileRows];
-            float row_factors[kTileRows] = {};
-            for (int64_t i = 0; i < kTileRows; ++i) {
-              head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
-              if constexpr (inflight_cpu::kIsQuantizedKv<C>) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
+      with_block_rows(local_data + (b - s0) * block_size * width, std::min(block_size, max_len - first),
+                      [&](const auto* block_rows) {
+        using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
+        for (int64_t t = 0; t < task.num_tokens; ++t) {
+          const int64_t len = task.first_len + t;
+          if (first >= len) continue;
+          const int64_t count = std::min(block_size, len - first);
+          for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+            int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+            for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
+            const int64_t valid = std::min(kTileRows, count - r0);
+            for (int64_t h = 0; h < num_heads; ++h) {
+              const R* head_rows[kTileRows];
+              float row_factors[kTileRows] = {};
+              for (int64_t i = 0; i < kTileRows; ++i) {
+                head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
+                if constexpr (kQuantized) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
+              }
+              for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+                const int64_t row = h * group + g;
+                score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                    head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
+                    scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
+              });
             }
-            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-              const int64_t row = h * group + g;
-              score_tile<C, L, kVectors, decltype(heads)::value>(
-                  head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
-                  scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
-            });
           }
         }
-      }
+      });
     }
   }
 
@@ -493,21 +519,25 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       const int64_t first = b * block_size;
       for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
         next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
-      const C* block_rows = local_data + (b - s0) * block_size * width;
       const float* block_scales = local_scales_data + (b - s0) * block_size;
-      for (int64_t t = 0; t < task.num_tokens; ++t) {
-        const int64_t len = task.first_len + t;
-        if (first >= len) continue;
-        const int64_t count = std::min(block_size, len - first);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-            const int64_t row = h * group + g;
-            accumulate_values<C, L, kVectors, decltype(heads)::value>(
-                block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count, scores_data + t * token_scores + row * scores_stride + first,
-                scores_stride, out + t * heads_width + row * kHeadDim);
-          });
+      with_block_rows(local_data + (b - s0) * block_size * width, std::min(block_size, max_len - first),
+                      [&](const auto* block_rows) {
+        using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
+        for (int64_t t = 0; t < task.num_tokens; ++t) {
+          const int64_t len = task.first_len + t;
+          if (first >= len) continue;
+          const int64_t count = std::min(block_size, len - first);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+              const int64_t row = h * group + g;
+              accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                  block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count,
+                  scores_data + t * token_scores + row * scores_stride + first, scores_stride,
+                  out + t * heads_width + row * kHeadDim);
+            });
+          }
         }
-      }
+      });
     }
   }
 }

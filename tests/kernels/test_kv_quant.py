@@ -182,6 +182,23 @@ def test_every_fp8_code_decodes_to_torchs_value(head_dim, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("cpp_")])
+def test_a_chunks_tokens_get_the_bits_each_gets_as_a_decode(path, kind):
+    """The C++ kernel widens an fp8 block to bfloat16 once when a task has several tokens to
+    read it, and in registers for a decode: the same floats, so each token of a chunk gets the
+    bits it gets as a decode over the same prefix (what the engine's batch invariance needs,
+    since the batch decides how a prompt is chunked)."""
+    chunk, context = 40, 300
+    (query, k, v, tables, lens, cu, scale), _ = quantized_batch([chunk], [context], HEADS["gqa3"], seed=11,
+                                                                kind=KV_QUANT_DTYPES[kind])
+    together = PATHS[path](query, k, v, tables, lens, cu, scale)
+    as_decodes = PATHS[path](query, k, v, tables.expand(chunk, -1).contiguous(),
+                             torch.arange(context - chunk + 1, context + 1, dtype=torch.int32),
+                             torch.arange(chunk + 1, dtype=torch.int32), scale)
+    assert torch.equal(together, as_decodes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_attention_dequantizes_bfloat16_query(kind):
     """A bf16 model's query over quantized KV: rows de-quantized to float32 all the same."""
     args, _ = quantized_batch([1, 9, 1], [40, 20, 300], (9, 3), seed=5, dtype=torch.bfloat16,

@@ -20,6 +20,10 @@ as the engine schedules a step. TFLOP/s counts the causal attention's q.k and p.
 explicit boolean causal mask over [cached + chunk] keys (again on gathered K/V); it computes
 the masked-out scores as well, but is credited with the causal FLOPs alone.
 
+`--kv-cache-dtype` int8, fp8_e4m3 or fp8_e5m2 runs every implementation on the cache quantized
+as the engine stores it (`kernels.QuantizedKV`: one byte a value and a float32 scale per row;
+the reference and SDPA's gather de-quantize it); GB/s then counts those bytes, scales included.
+
 Every shape is checked before it is timed: the engine kernel's and SDPA's outputs must match
 the torch reference's (`check_matches`), so a wrong kernel is refused, never timed. Timings
 are the best of `--windows` windows of `--seconds` each, after a few warm-up calls.
@@ -44,7 +48,8 @@ import kernels
 from backend.model_runner import resolve_device, resolve_dtype
 from client.bench.flops import WARMUP_CALLS, copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
-from kernels import cpu_ext
+from kernels import QuantizedKV, cpu_ext
+from kernels.kv_store import KV_QUANT_DTYPES, quantize_kv_rows
 from kernels.testing import PagedBatch, make_paged_batch
 
 IMPLEMENTATIONS = ("engine", "reference", "sdpa")
@@ -73,16 +78,39 @@ def check_matches(name: str, out: torch.Tensor, want: torch.Tensor, what: str) -
                            f"(of {scale:.3g}) over the tolerance {tolerance:g} for {want.dtype}; refusing to time it")
 
 
-def engine_kernel_name(device: torch.device) -> str:
+def engine_kernel_name(device: torch.device, batch_invariant: bool) -> str:
     if device.type == "cuda":
         return "triton"
     if cpu_ext.load() is None:
         return "torch reference (the C++ kernels could not be built)"
+    if batch_invariant:
+        return "c++ (batch-invariant: every token, long prefill chunks too)"
     return "c++ (long prefill chunks at long contexts: SDPA per chunk, as paged_attention_cpu chooses)"
 
 
-def on_device(batch: PagedBatch, device: torch.device) -> PagedBatch:
-    return PagedBatch(*(t.to(device) for t in batch.args()[:6]), batch.scale)
+def on_device(batch: PagedBatch, device: torch.device, kv_cache_dtype: str = "auto") -> PagedBatch:
+    """The batch on `device`, its caches quantized as the engine stores them where
+    `kv_cache_dtype` is not auto."""
+    moved = PagedBatch(*(t.to(device) for t in batch.args()[:6]), batch.scale)
+    if kv_cache_dtype == "auto":
+        return moved
+    kind = KV_QUANT_DTYPES[kv_cache_dtype]
+
+    def quantized(cache: torch.Tensor) -> QuantizedKV:
+        out = QuantizedKV.zeros(*cache.shape, kind, device=device)
+        codes, scales = quantize_kv_rows(cache.float(), kind)
+        out.data.copy_(codes)
+        out.scale.copy_(scales)
+        return out
+
+    return PagedBatch(moved.query, quantized(moved.k_cache), quantized(moved.v_cache), *moved.args()[3:6],
+                      batch.scale)
+
+
+def kv_row_bytes(cache: torch.Tensor | QuantizedKV) -> int:
+    """Bytes of one position's K (or V) row of one KV head, as stored (a quantized row's scale included)."""
+    head_dim = cache.shape[-1]
+    return head_dim + 4 if isinstance(cache, QuantizedKV) else head_dim * cache.element_size()
 
 
 def first_sequences(batch: PagedBatch, count: int) -> PagedBatch:
@@ -99,25 +127,26 @@ def gathered_kv(batch: PagedBatch, seqs: slice, seq_len: int) -> tuple[torch.Ten
     num_blocks = -(-seq_len // block_size)
     index = batch.block_tables[seqs, :num_blocks].reshape(-1).long()
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache[index].view(-1, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
+    def gather(cache: torch.Tensor | QuantizedKV) -> torch.Tensor:
+        blocks = cache.dequantize(index).to(batch.query.dtype) if isinstance(cache, QuantizedKV) else cache[index]
+        rows = blocks.view(-1, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
         return rows.transpose(1, 2).contiguous()
 
     return gather(batch.k_cache), gather(batch.v_cache)
 
 
-def engine_call(batch: PagedBatch, max_seqlen_q: int, max_seqlen_k: int):
+def engine_call(batch: PagedBatch, max_seqlen_q: int, max_seqlen_k: int, batch_invariant: bool = False):
     # The bounds the engine passes with a step: they pick the Triton kernel's tile shape, and
     # spare the CPU path a look at the batch where no chunk is long enough for SDPA.
-    return lambda: kernels.paged_attention(*batch.args(), max_seqlen_q, max_seqlen_k)
+    return lambda: kernels.paged_attention(*batch.args(), max_seqlen_q, max_seqlen_k, batch_invariant)
 
 
 def measure_decode(batch: PagedBatch, context: int, device: torch.device, seconds: float,
-                   windows: int, copy_gbps: float) -> dict:
+                   windows: int, copy_gbps: float, batch_invariant: bool = False) -> dict:
     num_seqs = batch.seq_lens.shape[0]
     _, num_kv_heads, head_dim = batch.k_cache.shape[1:]
     want = kernels.paged_attention_reference(*batch.args())
-    engine = engine_call(batch, 1, context)
+    engine = engine_call(batch, 1, context, batch_invariant)
     check_matches("the engine kernel", engine(), want, f"decode batch {num_seqs} at context {context}")
     keys, values = gathered_kv(batch, slice(0, num_seqs), context)
     query = batch.query[:, :, None, :]                                   # [batch, heads, 1, head_dim]
@@ -127,7 +156,7 @@ def measure_decode(batch: PagedBatch, context: int, device: torch.device, second
 
     check_matches("SDPA", sdpa()[:, :, 0], want, f"decode batch {num_seqs} at context {context}")
     calls = {"engine": engine, "reference": lambda: kernels.paged_attention_reference(*batch.args()), "sdpa": sdpa}
-    kv_bytes = num_seqs * context * num_kv_heads * head_dim * 2 * batch.k_cache.element_size()
+    kv_bytes = num_seqs * context * num_kv_heads * 2 * kv_row_bytes(batch.k_cache)
     row = {"batch": num_seqs, "context": context, "kv_bytes": kv_bytes}
     for name in IMPLEMENTATIONS:
         spent = seconds_per_call(calls[name], device, seconds, windows)
@@ -142,10 +171,10 @@ def measure_prefill(args, dtype: torch.dtype, device: torch.device) -> dict:
     # Decodes first, then the chunks: the scheduler lists running requests before admitted ones.
     q_lens, seq_lens = [1] * decodes + [chunk] * seqs, [seq_len] * (decodes + seqs)
     batch = on_device(make_paged_batch(q_lens, seq_lens, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                                       dtype=dtype, seed=1, unwritten=0.0), device)
+                                       dtype=dtype, seed=1, unwritten=0.0), device, args.kv_cache_dtype)
     what = f"{seqs} chunks of {chunk} after {cached} cached beside {decodes} decodes"
     want = kernels.paged_attention_reference(*batch.args())
-    engine = engine_call(batch, chunk, seq_len)
+    engine = engine_call(batch, chunk, seq_len, args.batch_invariant)
     check_matches("the engine kernel", engine(), want, what)
 
     keys, values = gathered_kv(batch, slice(decodes, decodes + seqs), seq_len)
@@ -174,6 +203,7 @@ def measure_prefill(args, dtype: torch.dtype, device: torch.device) -> dict:
 def print_tables(report: dict) -> None:
     shape = report["shape"]
     print(f"G2 paged attention on {report['device_name']} ({report['device']}), {report['dtype']}, "
+          f"KV {report['kv_cache_dtype']}, "
           f"{shape['heads']} query / {shape['kv_heads']} KV heads x {shape['head_dim']}, block {shape['block_size']}; "
           f"engine kernel: {report['engine_kernel']}")
     print(f"decode, GB/s of K/V read; copy bandwidth {report['copy_bandwidth_gbps']:.1f} GB/s")
@@ -203,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_QUANT_DTYPES),
+                        help="auto: the cache in --dtype; else quantized as the engine stores it")
     parser.add_argument("--batch", default="1,32,128,256", help="comma-separated decode batch sizes")
     parser.add_argument("--context", default="512,2048", help="comma-separated decode context lengths")
     parser.add_argument("--chunk", type=int, default=512, help="new tokens per prefill chunk")
@@ -210,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-context", type=int, default=1536, help="cached tokens before each chunk")
     parser.add_argument("--prefill-decodes", type=int, default=32,
                         help="decodes in the mixed batch, at the context where the chunks end")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's default on the CPU: every token through the C++ kernel, long chunks too")
     parser.add_argument("--seconds", type=float, default=0.25, help="length of one timing window")
     parser.add_argument("--windows", type=int, default=4, help="timing windows; the best counts")
     parser.add_argument("--copy-megabytes", type=int, default=1024,
@@ -231,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     for context in contexts:
         largest = on_device(make_paged_batch([1] * batches[-1], [context] * batches[-1], args.heads, args.kv_heads,
                                              args.head_dim, args.block_size, dtype=dtype, seed=context,
-                                             unwritten=0.0), device)
+                                             unwritten=0.0), device, args.kv_cache_dtype)
         for batch in batches:
             decode.append(measure_decode(first_sequences(largest, batch), context, device, args.seconds, args.windows,
-                                         copy_gbps))
+                                         copy_gbps, args.batch_invariant))
         del largest  # before the next context's cache is built beside it
     decode.sort(key=lambda row: (row["batch"], row["context"]))
     host = machine()
@@ -247,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else host["cpu"],
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                   "block_size": args.block_size},
-        "engine_kernel": engine_kernel_name(device),
+        "engine_kernel": engine_kernel_name(device, args.batch_invariant),
+        "batch_invariant": args.batch_invariant,
         "timing": {"seconds_per_window": args.seconds, "windows": args.windows, "warmup_calls": WARMUP_CALLS},
         "copy_bandwidth_gbps": copy_gbps,
         "decode": decode,

@@ -21,7 +21,7 @@ def test_report_has_every_decode_shape_and_the_mixed_prefill_for_every_implement
     report = json.loads(out.read_text())
     assert report["command"].endswith("-m client.bench.attention " + " ".join([*TINY, "--json", str(out)]))
     assert report["machine"]["cores"] >= 1 and report["git_commit"] and report["timestamp"]
-    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["kv_cache_dtype"] == "auto"
     assert report["copy_bandwidth_gbps"] > 0
     assert [(row["batch"], row["context"]) for row in report["decode"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
     for row in report["decode"]:
@@ -38,6 +38,19 @@ def test_report_has_every_decode_shape_and_the_mixed_prefill_for_every_implement
     assert prefill["sdpa_flops"] == attention.attention_flops([8, 8], [32, 32], 4, 16)
     for name in attention.IMPLEMENTATIONS:
         assert prefill[name]["ms"] > 0 and prefill[name]["tflop_per_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_is_timed_on_every_implementation_and_its_bytes_counted_as_stored(tmp_path, kind):
+    out = tmp_path / "attention.json"
+    assert attention.main([*TINY, "--kv-cache-dtype", kind, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["kv_cache_dtype"] == kind and report["dtype"] == "float32"
+    for row in report["decode"]:
+        # K and V, 2 KV heads x (16 one-byte values + a float32 scale) per token.
+        assert row["kv_bytes"] == row["batch"] * row["context"] * 2 * (16 + 4) * 2
+        assert all(row[name]["gb_per_s"] > 0 for name in attention.IMPLEMENTATIONS)
+    assert all(report["prefill"][name]["tflop_per_s"] > 0 for name in attention.IMPLEMENTATIONS)
 
 
 def test_attention_flops_counts_the_keys_each_query_token_attends():

@@ -58,6 +58,8 @@ def print_table(report: dict) -> None:
 
 
 RESULTS_DOC = os.path.join(REPO_ROOT, "docs", "results.md")
+# The dicts inside a ratio entry that are part of it (format_ratio's), not ratios of their own.
+RATIO_DETAILS = ("ttft_p99_by_class", "e2el_p99_by_class", "target")
 
 
 def results_document(paths: list[str], link_base: str = os.path.dirname(RESULTS_DOC)) -> str:
@@ -142,17 +144,24 @@ def table(paths: list[str], link_base: str = REPO_ROOT) -> str:
         weights = "" if quantization == "none" else f" {quantization} weights"
         for r in report["results"]:
             where = ", ".join(filter(None, [load_label(r), run_label(r)]))
+            # A serving bench's runs of one system differ by a setting (kv_serving's cache dtype).
+            system = r["system"] + (f" {r['setting']}" if r.get("setting") else "")
+            dtype = r.get("dtype") or report.get("dtype") or "-"
             lines.append(
-                f"| {name} | {model} | {r['system']}{' @ ' + where if where else ''} | {r.get('dtype', '-')}{weights} | {r['num_completed']}/{r['num_requests']} | "
+                f"| {name} | {model} | {system}{' @ ' + where if where else ''} | {dtype}{weights} | {r['num_completed']}/{r['num_requests']} | "
                 f"{_fmt(r['output_tokens_per_s'], '.1f')} | {_fmt(r['ttft_ms']['mean'], '.0f')} | "
                 f"{_fmt(r['ttft_ms']['p99'], '.0f')} | {_fmt(r['tpot_ms']['mean'], '.1f')} | "
                 f"{_fmt(r.get('slot_occupancy'), '.2f')} | {r.get('preemptions', '-')} | "
                 f"{_fmt(r.get('prefix_hit_rate'), '.2f')} | {_fmt(r.get('fraction_of_flop_bound'), '.1%')} | "
                 f"[{os.path.basename(path)}]({rel}) |"
             )
+        dtype = next((r["dtype"] for r in report["results"] if r.get("dtype")), report.get("dtype", "-"))
         for ratio_name, values in report.get("ratios", {}).items():
-            dtype = next((r["dtype"] for r in report["results"] if r.get("dtype")), "-")
-            ratios.append(f"- {name} ({model}, {dtype}) {ratio_name}: " + format_ratio(values))
+            # A ratio per setting (kv_serving's {"int8": {...}, ...}) or one entry.
+            by_setting = {k: v for k, v in values.items() if isinstance(v, dict) and k not in RATIO_DETAILS}
+            for setting, entry in (by_setting or {"": values}).items():
+                ratios.append(f"- {name} ({model}, {dtype}) {ratio_name}{' ' + setting if setting else ''}: "
+                              + format_ratio(entry))
     tables = [rows for rows in (lines, genai_lines) if len(rows) > 2]
     tables = [line for rows in tables for line in rows + [""]]
     return "\n".join(tables + ratios + ["", "Machine: " + "; ".join(sorted(machines))])

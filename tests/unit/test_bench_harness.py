@@ -8,6 +8,7 @@ and the same harness against a real tritonserver is tests/e2e/test_bench_targets
 from __future__ import annotations
 
 import json
+import re
 import socketserver
 import subprocess
 import sys
@@ -455,6 +456,15 @@ def test_results_are_tabled_by_machine_kind_and_never_mixed():
     assert [s.splitlines()[0] for s in sections] == ["avx2", "amx"]
     assert "results/avx2/w2_vs_peers_fp32.json" in sections[0] and "results/amx/" not in sections[0]
     assert "results/amx/w1_vs_vllm_fp32.json" in sections[1] and "results/avx2/" not in sections[1]
+
+
+def test_a_serving_benchs_settings_each_get_a_row_and_their_ratios_a_line():
+    report = Path(REPO_ROOT) / "bench" / "results" / "amx" / "kv_vs_llama_server.json"
+    text = table.tables([str(report)])
+    for system, setting in (("tritonserver", "auto"), ("tritonserver", "int8"), ("llama-server", "q8_0")):
+        assert f"| {system} {setting} @ c=8 | bfloat16 |" in text
+    assert re.search(r"tritonserver_over_llama_server_q8_0 int8: output tokens per s \d+\.\d\dx", text)
+    assert not re.search(r": $", text, flags=re.M)  # no ratio line left empty
 
 
 def test_a_gpu_run_is_tabled_apart_from_its_hosts_cpu_kind(tmp_path):

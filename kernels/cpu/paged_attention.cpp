@@ -434,16 +434,26 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   constexpr bool kWidensFp8 = kQuantized && !std::is_same_v<C, int8_t>;
   thread_local std::vector<c10::BFloat16> widened;
   if constexpr (kWidensFp8) grow(widened, block_size * width);
-  // Calls body(rows) with the block's `rows` rows (at `block_rows`): as stored, or widened.
-  const auto with_block_rows = [&](const C* block_rows, int64_t rows, auto&& body) {
+  // Calls body(rows, t, count) for each token t of the task that sees block b of the segment
+  // starting at block s0, `count` of the block's rows; `rows` its copied rows, as stored or widened.
+  const auto for_tokens_seeing_block = [&](int64_t b, int64_t s0, auto&& body) {
+    const int64_t first = b * block_size;
+    const auto each_token = [&](const auto* rows) {
+      for (int64_t t = 0; t < task.num_tokens; ++t) {
+        const int64_t len = task.first_len + t;
+        if (first < len) body(rows, t, std::min(block_size, len - first));
+      }
+    };
+    const C* block_rows = local_data + (b - s0) * block_size * width;
     if constexpr (kWidensFp8) {
       if (task.num_tokens > 1) {
-        inflight_cpu::decode_to_bfloat16<L>(block_rows, reinterpret_cast<uint16_t*>(widened.data()), rows * width);
-        body(static_cast<const c10::BFloat16*>(widened.data()));
+        inflight_cpu::decode_to_bfloat16<L>(block_rows, reinterpret_cast<uint16_t*>(widened.data()),
+                                            std::min(block_size, max_len - first) * width);
+        each_token(static_cast<const c10::BFloat16*>(widened.data()));
         return;
       }
     }
-    body(block_rows);
+    each_token(block_rows);
   };
 
   Gatherer<C> keys{k_cache,   table,    shape.block_stride, block_size,        row_width,    task.head_begin * kHeadDim,
@@ -463,31 +473,25 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       const int64_t first = b * block_size;
       if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
       const float* block_scales = local_scales_data + (b - s0) * block_size;
-      with_block_rows(local_data + (b - s0) * block_size * width, std::min(block_size, max_len - first),
-                      [&](const auto* block_rows) {
+      for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
-        for (int64_t t = 0; t < task.num_tokens; ++t) {
-          const int64_t len = task.first_len + t;
-          if (first >= len) continue;
-          const int64_t count = std::min(block_size, len - first);
-          for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-            int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
-            for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
-            const int64_t valid = std::min(kTileRows, count - r0);
-            for (int64_t h = 0; h < num_heads; ++h) {
-              const R* head_rows[kTileRows];
-              float row_factors[kTileRows] = {};
-              for (int64_t i = 0; i < kTileRows; ++i) {
-                head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
-                if constexpr (kQuantized) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
-              }
-              for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-                const int64_t row = h * group + g;
-                score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
-                    head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
-                    scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
-              });
+        for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+          int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+          for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
+          const int64_t valid = std::min(kTileRows, count - r0);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const R* head_rows[kTileRows];
+            float row_factors[kTileRows] = {};
+            for (int64_t i = 0; i < kTileRows; ++i) {
+              head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
+              if constexpr (kQuantized) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
             }
+            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+              const int64_t row = h * group + g;
+              score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                  head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
+                  scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
+            });
           }
         }
       });
@@ -520,22 +524,16 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
         next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
       const float* block_scales = local_scales_data + (b - s0) * block_size;
-      with_block_rows(local_data + (b - s0) * block_size * width, std::min(block_size, max_len - first),
-                      [&](const auto* block_rows) {
+      for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
-        for (int64_t t = 0; t < task.num_tokens; ++t) {
-          const int64_t len = task.first_len + t;
-          if (first >= len) continue;
-          const int64_t count = std::min(block_size, len - first);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-              const int64_t row = h * group + g;
-              accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
-                  block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count,
-                  scores_data + t * token_scores + row * scores_stride + first, scores_stride,
-                  out + t * heads_width + row * kHeadDim);
-            });
-          }
+        for (int64_t h = 0; h < num_heads; ++h) {
+          for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+            const int64_t row = h * group + g;
+            accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count,
+                scores_data + t * token_scores + row * scores_stride + first, scores_stride,
+                out + t * heads_width + row * kHeadDim);
+          });
         }
       });
     }

@@ -108,6 +108,9 @@ class EngineConfig:
     tenant_output_token_cost: float = 2.0
     # Seed of the generator for requests that bring no seed of their own.
     seed: int = 0
+    # On CUDA, every decode-only step as an eager forward pass instead of a replayed CUDA graph
+    # (backend/cuda_graphs.py); vLLM's name. Ignored on the CPU, which has no graphs.
+    enforce_eager: bool = False
     # Every reduction in an order fixed per row and per token, never chosen from the batch's
     # shape: a request's logprobs are bitwise the same whatever shares its batch. None
     # ("auto"): on where the kernels allow it (CPU with the C++ kernels), off elsewhere.

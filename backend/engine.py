@@ -181,6 +181,7 @@ class LLMEngine:
                              if self.speculative is not None and self.speculative.adaptive else None)
         if self.device.type == "cuda":
             self.warm_up()
+            self._capture_decode_graphs()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.admission = Admission(
@@ -229,7 +230,7 @@ class LLMEngine:
         kinds = [SamplingParams(temperature=0.0, logprobs=2),
                  SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.1)]
         try:
-            logits = self.runner.warm_up()
+            logits = self.runner.warm_up(self.max_model_len)
             requests = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], params=kinds[i % 2], max_tokens=1,
                                 arrival_time=0.0, arrival_seq=-1, needs_logprobs=kinds[i % 2].logprobs is not None)
                         for i in range(logits.shape[0])]
@@ -244,6 +245,19 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("warmed up the %s kernels in %.1f s", self.device.type, time.perf_counter() - started)
+
+    def _capture_decode_graphs(self) -> None:
+        """The decode step as CUDA graphs (backend/cuda_graphs.py) unless `enforce_eager`."""
+        if self.config.enforce_eager:
+            return
+        reason = self.runner.decode_graphs_possible()
+        if reason is not None:
+            log.info("decode steps run eagerly: %s", reason)
+            return
+        started = time.perf_counter()
+        self.runner.capture_decode_graphs(self.max_model_len)
+        log.info("recorded the decode step at %d batch sizes up to %d in %.1f s", len(self.runner.graphs.sizes),
+                 self.runner.graphs.max_batch, time.perf_counter() - started)
 
     def _blocks_for_memory(self, block_bytes: int) -> int:
         if self.device.type == "cuda" and self.config.gpu_memory_utilization > 0:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from backend.config import EngineConfig
-from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch
+from backend.cuda_graphs import DecodeGraphs, capture_sizes
+from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch, StepInterrupted
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
@@ -95,6 +96,9 @@ class StepInputs:
     # With draft tokens scheduled (speculative decoding): the logits rows of each sampling
     # request, consecutive (1 + its drafts granted); None: one each.
     num_logit_rows: list[int] | None = None
+    # A decode step staged for the CUDA graph of this many rows (backend/cuda_graphs.py), whose
+    # first len(input_ids) rows are the step's; 0: the step runs eagerly on the tensors above.
+    graph_batch: int = 0
 
 
 class ModelRunner:
@@ -123,6 +127,28 @@ class ModelRunner:
         # swapping, copy-on-write and zeroing move, whatever the KV dtype.
         self.kv_blocks = [(kv_storage(k), kv_storage(v)) for k, v in self.kv_caches]
         self.host_blocks = [(kv_storage(k), kv_storage(v)) for k, v in self.host_caches]
+        # The recorded decode steps (capture_decode_graphs), None: every step runs eagerly.
+        self.graphs: DecodeGraphs | None = None
+
+    def decode_graphs_possible(self) -> str | None:
+        """Why this model's decode step cannot be recorded as a CUDA graph, or None if it can."""
+        if self.arch.num_experts:
+            return "a mixture of experts routes on the host"
+        if self.model.embed_tokens.quantized is not None:
+            return "a quantized embedding table is looked up on the host"
+        return None
+
+    def capture_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Record the decode step at every size of `capture_sizes(max_num_seqs)`, for sequences
+        of up to `max_model_len` tokens (the engine does so at load on CUDA unless `enforce_eager`).
+        `capture` false (tests on a CPU): the padded steps over static buffers, run eagerly."""
+        def body(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
+        self.graphs = DecodeGraphs(body, self.device, capture_sizes(self.config.max_num_seqs),
+                                   -(-max_model_len // self.block_size), self.batch_invariant, capture)
+        with torch.inference_mode():
+            self.graphs.record()
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         scheduled = plan.scheduled
@@ -176,6 +202,8 @@ class ModelRunner:
             )
         block_tables = table.gather(rows)
         slot_mapping = np.multiply(table.ids[token_rows, positions // bs], bs, dtype=np.int64) + positions % bs
+        graph_batch = (self.graphs.size_for(n, block_tables.shape[1])
+                       if self.graphs is not None and total == n and not num_drafts and lora_indices is None else None)
         num_logit_rows = None
         if num_drafts:
             # A request whose grant reaches its last token keeps that row and one per draft after it.
@@ -195,6 +223,10 @@ class ModelRunner:
             ends_input = seq_lens == np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
             logits_indices = cu[1:][ends_input] - 1
             sample_requests = [r for r, ends in zip(requests, ends_input.tolist()) if ends]
+
+        if graph_batch is not None:
+            self.graphs.stage(graph_batch, input_ids, positions, slot_mapping, seq_lens, block_tables)
+            return self._graph_inputs(graph_batch, n, logits_indices, sample_requests)
 
         def to_device(array: np.ndarray, dtype: np.dtype) -> torch.Tensor:
             # dtype converted by numpy, cheaper than torch; on the CPU the tensor is the array.
@@ -233,6 +265,19 @@ class ModelRunner:
             num_logit_rows=num_logit_rows,
         )
 
+    def _graph_inputs(self, graph_batch: int, n: int, logits_indices: np.ndarray,
+                      sample_requests: list[Request]) -> StepInputs:
+        """The StepInputs of a decode step staged for graph `graph_batch`: its tensors are the
+        graph's own buffers; `logits_indices` picks the sampling rows when not all n sample."""
+        input_ids, positions, meta = self.graphs.views(graph_batch)
+        every_row = len(logits_indices) == n
+        return StepInputs(
+            input_ids=input_ids[:n], positions=positions[:n], meta=meta,
+            logits_indices=(self.graphs.cu_seqlens_q[:n] if every_row  # 0..n-1, already there
+                            else torch.from_numpy(logits_indices.astype(np.int64)).to(self.device)),
+            sample_requests=sample_requests, graph_batch=graph_batch,
+        )
+
     def synthetic_inputs(self, q_lens: list[int], seq_lens: list[int] | None = None,
                          lora: bool = False) -> StepInputs:
         """A step over made-up sequences, for the warm-up and the benchmarks: sequence i holds
@@ -254,6 +299,12 @@ class ModelRunner:
         seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
+        graph_batch = (self.graphs.size_for(len(q_lens), tables.shape[1])
+                       if self.graphs is not None and not lora and max(q_lens) == 1 else None)
+        if graph_batch is not None:
+            self.graphs.stage(graph_batch, np.zeros(len(q_lens), np.int64), positions, slots, np.asarray(seq_lens), tables)
+            return self._graph_inputs(graph_batch, len(q_lens), cu[1:] - 1, [])
+
         def put(array, dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device)
 
@@ -271,22 +322,25 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of `inputs` and the logits of its sampling rows (float32)."""
+        if inputs.graph_batch:
+            return self._replay(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
-    def warm_up(self) -> torch.Tensor:
+    def warm_up(self, max_model_len: int) -> torch.Tensor:
         """The largest steps the engine can take, once each, before any request: a chunk
         filling the token budget beside a decode (64-row attention tiles), then max_num_seqs
         decodes alone (16-row tiles), each again through the LoRA kernels when adapters are
         loaded. The first requests then wait neither for Triton to compile a kernel nor for
         the allocator to grow, and a batch too big for the memory left fails here, at load,
         not in a request. Returns the decode pass's logits, for the caller to warm the
-        sampler with. The blocks it writes are zeroed again after."""
+        sampler with. The blocks it writes are zeroed again after. The chunk stays within
+        `max_model_len` positions, which is all the RoPE table holds."""
         bs = self.block_size
         num_blocks = self.kv_caches[0][0].shape[0]
         # Within the pool: a small pool (a test's) warms smaller steps, and never writes past it.
-        budget = self.config.max_num_batched_tokens
+        budget = min(self.config.max_num_batched_tokens, max_model_len)
         chunk = [max(1, min(budget - 1, (num_blocks - 1) * bs)), 1] if num_blocks > 1 else [min(budget, bs)]
         decodes = [1] * min(self.config.max_num_seqs, num_blocks)
         logits = None
@@ -330,8 +384,19 @@ class ModelRunner:
         self.swap(plan)
         if inputs is None:
             return None, []
+        if inputs.graph_batch:
+            if interrupt is not None and interrupt():
+                raise StepInterrupted()
+            logits = self._replay(inputs)  # a step with no sample still writes its KV
+            return (logits if inputs.sample_requests else None), inputs.sample_requests
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, interrupt)
         if not inputs.sample_requests:
             return None, []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits, inputs.sample_requests
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor:
+        """The sampling rows' logits of a step staged for a graph."""
+        logits = self.graphs.replay(inputs.graph_batch)
+        n = len(inputs.input_ids)
+        return logits[:n] if len(inputs.logits_indices) == n else logits[inputs.logits_indices]

@@ -165,14 +165,16 @@ def _warm_up(engine) -> None:
     engine.reset_prefix_cache()
 
 
-def run_hf_static(workload: Workload, model_path: str, batch_size: int, progress: bool = True) -> SystemRun:
-    """Hugging Face `generate()` in static padded batches of `batch_size`, arrival order.
+def run_hf_static(workload: Workload, model_path: str, batch_size: int, dtype: str = "float32",
+                  progress: bool = True, device: torch.device | str = "cpu") -> SystemRun:
+    """Hugging Face `generate()` in static padded batches of `batch_size`, arrival order, in
+    `dtype` on `device` (the engine's).
 
     A batch runs until its longest member is done; shorter members' extra tokens are
     waste and are not counted. All of a batch's tokens arrive when the batch ends, so
     TTFT is the batch's end (generate() streams nothing).
     """
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     records = [RequestRecord(arrival=0.0, expected_output_tokens=r.max_tokens, label=r.label) for r in workload.requests]
     order = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s)
     start = time.perf_counter()
@@ -192,9 +194,11 @@ def run_hf_static(workload: Workload, model_path: str, batch_size: int, progress
             for row, s in enumerate(specs):  # left padding, as generate() expects
                 ids[row, longest - len(s.prompt_token_ids):] = torch.tensor(s.prompt_token_ids)
                 mask[row, longest - len(s.prompt_token_ids):] = 1
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(s.max_tokens for s in specs),
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(s.max_tokens for s in specs),
                            min_new_tokens=max(s.max_tokens for s in specs), do_sample=False,
                            eos_token_id=None, pad_token_id=0)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
             done = time.perf_counter()
             for i, s in zip(batch, specs):
                 records[i].token_times = [done] * s.max_tokens
@@ -203,4 +207,5 @@ def run_hf_static(workload: Workload, model_path: str, batch_size: int, progress
                 records[i].queue_time = 0.0
             bar.update(len(batch))
     bar.close()
-    return SystemRun("hf-static", records, time.perf_counter() - start, {"batch_size": batch_size})
+    return SystemRun("hf-static", records, time.perf_counter() - start,
+                     {"batch_size": batch_size, "dtype": dtype, "device": str(device)})

@@ -23,6 +23,7 @@ RATIOS = {
            ("continuous", "vllm-offline"), ("batch-invariant", "not-batch-invariant"),
            ("structured-half", "continuous")],
     "G3": [("continuous", "static"), ("continuous", "hf-continuous")],
+    "G5": [("continuous", "static"), ("continuous", "hf-static")],
     "W4": [("prefix-cache", "no-prefix-cache")],
     "W5": [("priority", "fcfs")],
     "W7": [("continuous", "separate-no-prefix-cache")],

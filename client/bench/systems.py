@@ -46,6 +46,7 @@ DEFAULT_SYSTEMS = {
     "W1": ["continuous", "static"],
     "W2": ["continuous", "static"],
     "G3": ["continuous", "static", "hf-continuous"],
+    "G5": ["continuous", "static", "hf-static"],
     "W3": ["continuous"],
     "W4": ["prefix-cache", "no-prefix-cache"],
     "W5": ["priority", "fcfs"],
@@ -120,7 +121,8 @@ def _separate_runner(workload: Workload, ctx: RunContext) -> SystemRun:
 def _hf_static_runner(workload: Workload, ctx: RunContext) -> SystemRun:
     if ctx.concurrency:
         raise ValueError("hf-static runs whole static batches; --concurrency applies to the engine systems and targets")
-    return run_hf_static(workload, ctx.model, _peer_batch(workload), ctx.progress)
+    return run_hf_static(workload, ctx.model, _peer_batch(workload), engine_dtype_name(ctx.engine_parameters),
+                         ctx.progress, device=engine_device(ctx.engine_parameters))
 
 
 def engine_dtype_name(engine_parameters: dict) -> str:

@@ -212,6 +212,13 @@ def g3_offline(seed: int = 0, num_requests: int = 256, source: PromptSource | No
     return replace(workload, name="G3", description=workload.description + " (W2 at GPU size)")
 
 
+def g5_variance(seed: int = 0, num_requests: int = 1024, source: PromptSource | None = None) -> Workload:
+    """docs/benchmarks.md's G5: W1 at GPU size, 1024 requests at once into 256 seats (W1's 256
+    into 32, both scaled by 4 and 8 as G3 scales W2's batch)."""
+    workload = w1_variance(seed, num_requests, max_num_seqs=256, source=source)
+    return replace(workload, name="G5", description=workload.description + " (W1 at GPU size)")
+
+
 def w3_online(seed: int = 0, num_requests: int = 64, input_len: int = 128, output_len: int = 128,
               rate_per_s: float = 1.0, source: PromptSource | None = None) -> Workload:
     """Poisson arrivals at `rate_per_s`, fixed input and output lengths (docs/benchmarks.md: 128 / 128).
@@ -436,6 +443,7 @@ WORKLOADS = {
     "W1": w1_variance,
     "W2": w2_offline,
     "G3": g3_offline,
+    "G5": g5_variance,
     "W3": w3_online,
     "W4": w4_shared_prefix,
     "W5": w5_priority,

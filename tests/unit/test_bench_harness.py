@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import socketserver
+import statistics
 import subprocess
 import sys
 import threading
@@ -195,6 +196,15 @@ def test_metrics_are_summed_over_the_samples_with_the_asked_labels():
     assert metric_sum(samples, "inflight_kv_transfers_total", model="llm_decode") == 4
     assert metric_sum(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 7
     assert metric_sum(samples, "process_open_fds") == 12 and metric_sum(samples, "absent") == 0
+
+
+def test_g5_is_w1_at_gpu_size():
+    g5 = workloads.WORKLOADS["G5"](seed=2)
+    assert g5.name == "G5" and len(g5.requests) == 1024 and g5.engine_overrides == {"max_num_seqs": 256}
+    w1 = workloads.w1_variance(seed=2, num_requests=1024, max_num_seqs=256)
+    assert [(r.prompt_token_ids, r.max_tokens) for r in g5.requests] == [(r.prompt_token_ids, r.max_tokens)
+                                                                       for r in w1.requests]
+    assert max(r.max_tokens for r in g5.requests) > 4 * statistics.mean(r.max_tokens for r in g5.requests)
 
 
 def test_g3_is_w2_at_gpu_size():

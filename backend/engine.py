@@ -255,7 +255,13 @@ class LLMEngine:
             log.info("decode steps run eagerly: %s", reason)
             return
         started = time.perf_counter()
-        self.runner.capture_decode_graphs(self.max_model_len)
+        try:
+            self.runner.capture_decode_graphs(self.max_model_len)
+        except Exception:  # a step that cannot be recorded must not keep the model from serving
+            self.runner.graphs = None
+            log.error("could not record the decode step as CUDA graphs; decode steps run eagerly\n%s",
+                      traceback.format_exc())
+            return
         log.info("recorded the decode step at %d batch sizes up to %d in %.1f s", len(self.runner.graphs.sizes),
                  self.runner.graphs.max_batch, time.perf_counter() - started)
 

@@ -723,7 +723,8 @@ class LLMEngine:
         return output
 
     def import_request(self, handle: str | Transfer, request_id: str | None = None, prompt_text: str = "",
-                       arrival_time: float | None = None) -> tuple[Request, RequestOutput | None]:
+                       arrival_time: float | None = None,
+                       params: SamplingParams | None = None) -> tuple[Request, RequestOutput | None]:
         """role decode: the request a prefill engine exported as `handle` (a shared-memory
         handle, or a TCP transfer already pulled: `transfer_puller`), straight into the
         running batch after its first token; the request and its first output, which carries
@@ -733,7 +734,10 @@ class LLMEngine:
         waited kv_transfer_wait_timeout_s, ends it with UNAVAILABLE naming that limit.
         RequestError, the transfer let go: INVALID_ARG for a handle that names no transfer, or
         one of another KV layout or a request this engine refuses; UNAVAILABLE when the engine
-        is full and kv_transfer_wait_timeout_s is 0, or the waiting queue is (max_queue_len)."""
+        is full and kv_transfer_wait_timeout_s is 0, or the waiting queue is (max_queue_len).
+        `params`: the decode half's own sampling parameters, which the request runs on with instead
+        of the handed-over ones (vllm-router sends the prefill half with max_tokens and min_tokens
+        1, and the client's on the decode half); its seeded generator goes on where it was."""
         if self.config.role != "decode":
             raise RequestError.invalid("transfer", f"this model's role is {self.config.role!r}; only role 'decode' "
                                        "imports a transfer")
@@ -745,7 +749,7 @@ class LLMEngine:
                 raise RequestError.invalid("transfer", f"KV layout {transfer.layout} is not this engine's "
                                            f"{self.kv_layout} (same model, dtype, kv_cache_dtype and block_size needed)")
             header = transfer.header
-            params = SamplingParams.model_validate(header["params"])
+            params = params or SamplingParams.model_validate(header["params"])
             request = self.make_request(request_id or header["request_id"], header["prompt_token_ids"], params,
                                         header["needs_logprobs"], arrival_time)
             request.prompt_text = prompt_text
@@ -818,6 +822,8 @@ class LLMEngine:
             top = header["first_top_logprobs"]
             logprobs_delta = [logprob_entry(first, header["first_logprob"], [tuple(t) for t in top] if top else None,
                                             self.shared_tokenizer.decoder())]
+        if request.num_output_tokens >= request.max_tokens:  # a decode half that asked for one token
+            return self.finish(request, FinishReason.LENGTH, token_ids=[first], logprobs_delta=logprobs_delta)
         return RequestOutput.of(request, detok.take_delta(finished=False), [first], logprobs_delta, now=now)
 
     def _sweep_transfers(self, now: float) -> None:

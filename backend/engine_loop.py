@@ -52,6 +52,7 @@ class ImportRequest:
     prompt_text: str
     on_output: OutputCallback
     is_cancelled: CancelCheck | None = None
+    params: SamplingParams | None = None  # the decode half's own (LLMEngine.import_request)
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,12 @@ class EngineLoop:
         return request
 
     def submit_transfer(self, request_id: str, transfer: str, prompt_text: str, on_output: OutputCallback,
-                        is_cancelled: CancelCheck | None = None) -> None:
+                        is_cancelled: CancelCheck | None = None, params: SamplingParams | None = None) -> None:
         """Hand an exported request to the loop thread, which imports it between steps (the
         KV pool is the loop's); a refusal (RequestError) comes back as its one final output."""
         if self._stop.is_set():
             raise RequestError(RequestError.UNAVAILABLE, "the model is shutting down")
-        self._commands.put(ImportRequest(transfer, request_id, prompt_text, on_output, is_cancelled))
+        self._commands.put(ImportRequest(transfer, request_id, prompt_text, on_output, is_cancelled, params))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -200,7 +201,8 @@ class EngineLoop:
                     self._call_back(on_output, RequestOutput.refused(request_id, transfer))
                     return
                 try:
-                    request, first = self.engine.import_request(transfer, request_id, command.prompt_text)
+                    request, first = self.engine.import_request(transfer, request_id, command.prompt_text,
+                                                                params=command.params)
                 except RequestError as exc:  # refused: its one output, an error
                     self._call_back(on_output, RequestOutput.refused(request_id, exc))
                     return

@@ -63,6 +63,7 @@ from backend.cancel_flag import CANCEL_FLAG_TENSOR, cancel_flag_path
 from backend.protocol import (
     ERROR_TENSOR,
     INPUTS,
+    NUM_INPUT_TOKENS,
     OUTPUTS,
     TRANSFER_TENSOR,
     BadRequest,
@@ -302,15 +303,15 @@ class TritonPythonModel:
                 self._send_error(sender, f"could not read the request: {exc}", "INVALID_ARG")
                 continue
 
+            # Role decode: a request handed over by a prefill model, or one that never was (a
+            # router's plain request, or one whose first token ended it on the prefill side),
+            # served whole, as a vLLM decode instance serves a request without kv_transfer_params.
             transfer = None
             if self.loop.engine.config.role == "decode":
                 transfer = _input_reader(request)(TRANSFER_TENSOR)
-                if transfer is None:
-                    self._send_error(sender, f"{TRANSFER_TENSOR}: a model of role 'decode' serves only requests "
-                                     f"handed over by a prefill model (the input '{TRANSFER_TENSOR}')", "INVALID_ARG")
-                    continue
-                transfer = transfer.reshape(-1)[0]
-                transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
+                if transfer is not None:
+                    transfer = transfer.reshape(-1)[0]
+                    transfer = transfer.decode() if isinstance(transfer, bytes) else str(transfer)
             request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
             # Only a response after the first can be lost (backend/protocol.py ERROR_TENSOR), so
             # an error answered before the request is live goes as an error.
@@ -324,7 +325,8 @@ class TritonPythonModel:
                 if transfer is not None:
                     self.loop.submit_transfer(request_id, transfer, parsed.prompt,
                                               on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
-                                              is_cancelled=lambda live=live: live.cancelled)
+                                              is_cancelled=lambda live=live: live.cancelled,
+                                              params=params)
                     continue
                 live.request = self.loop.submit(
                     request_id,
@@ -530,8 +532,12 @@ class TritonPythonModel:
                 self._send_error(live.sender, "request was cancelled", "CANCELLED", live.error_as_output)
                 return
             if output.transfer is not None:  # role prefill: the decode model generates the rest
-                handle = np.array([output.transfer.encode()], dtype=np.object_)
-                live.sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(TRANSFER_TENSOR, handle)]),
+                tensors = [pb_utils.Tensor(TRANSFER_TENSOR, np.array([output.transfer.encode()], dtype=np.object_))]
+                if NUM_INPUT_TOKENS in live.encoder.request.outputs:
+                    # The prompt's tokens were computed here: a router's usage takes them from this half.
+                    tensors.append(pb_utils.Tensor(NUM_INPUT_TOKENS,
+                                                   np.array([output.num_prompt_tokens], dtype=np.uint32)))
+                live.sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
                                  flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
         arrays = live.encoder.encode(output)

@@ -201,12 +201,17 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, prompt, sampling, info = await completion_job(request)
-        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
+        return await run(request, job_for(req, prompt, sampling, info))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, prompt, sampling, info = await chat_job(request)
-        return await run(request, Job.of(req, prompt, sampling, triton_model=info.name))
+        return await run(request, job_for(req, prompt, sampling, info))
+
+    def job_for(req, prompt: str, sampling: dict, info: ModelInfo) -> Job:
+        job = Job.of(req, prompt, sampling, triton_model=info.name)
+        job.check_role(info.parameters.get("role", "both"))
+        return job
 
     # vLLM's render endpoints: the prompt's token ids without generating. vllm-router's kv_aware
     # policy asks a worker for them to match a request against the KV events' token ids.

@@ -80,6 +80,11 @@ class _Common(_Strict):
     guided_json: Optional[Union[dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
+    # vLLM's disaggregated prefill/decode handshake, which vllm-router's P/D mode speaks
+    # (translation.py's KV_TRANSFER_HANDLE; docs/features.md): {"do_remote_decode": true} asks a
+    # role-prefill model to hand the request over after its first token, and the answer's
+    # kv_transfer_params, sent on with the request, lets a role-decode model take it over.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
         if self.logit_bias:
@@ -89,9 +94,18 @@ class _Common(_Strict):
         if self.return_hidden_states:
             raise ApiError(400, "return_hidden_states is not supported (this server returns no hidden states)",
                            "return_hidden_states", "unsupported_value")
+        if self.hands_over and self.stream:
+            raise ApiError(400, "kv_transfer_params: do_remote_decode answers one JSON response (its handle); "
+                                "send stream false", "kv_transfer_params", "invalid_value")
         if self.no_stop_trim and self.include_stop_str_in_output is False:
             raise ApiError(400, "no_stop_trim true and include_stop_str_in_output false disagree; send one",
                            "no_stop_trim", "invalid_value")
+
+    @property
+    def hands_over(self) -> bool:
+        """The prefill half of a disaggregated request: run the prompt and the first token,
+        then answer the handle of the request's KV transfer."""
+        return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
 
     def keeps_stop_str(self) -> Optional[bool]:
         """include_stop_str_in_output, or SGLang's no_stop_trim for it; None when neither was set."""

@@ -13,7 +13,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backend.protocol import RETURN_FINISH_REASON, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS
+import numpy as np
+
+from backend.protocol import (
+    RETURN_FINISH_REASON,
+    RETURN_LOGPROBS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    TRANSFER_TENSOR,
+)
 from backend.request import RequestError
 from backend.validation import parse_sampling_params
 from client.openai.schema import ApiError, ChatCompletionRequest, CompletionRequest
@@ -28,6 +36,12 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "prese
                     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
                     "bad_words", "priority", "n", "stream_interval")
+
+
+# The key of kv_transfer_params that carries a role-prefill model's transfer handle
+# (backend/disagg.py) from its answer to the role-decode model. vLLM's own keys (remote_engine_id,
+# remote_block_ids, ...) name NIXL's transfers; a router copies the whole object unread.
+KV_TRANSFER_HANDLE = "inflight_transfer"
 
 
 # Messages the backend (backend/model.py, backend/engine.py) and Triton send. Triton's
@@ -182,6 +196,8 @@ class Piece:
     logprobs: list[dict[str, dict[str, Any]]]
     final: bool  # the request's last response
     index: int = 0
+    # A role-prefill model's answer: the handle of the request's KV transfer (backend/disagg.py).
+    transfer: str | None = None
 
 
 def _element(result, name: str, index: int):
@@ -209,6 +225,7 @@ def piece_of(result, index: int = 0) -> Piece:
         logprobs=logprobs or [],
         final=is_final(result),
         index=index,
+        transfer=_element(result, TRANSFER_TENSOR, 0),
     )
 
 
@@ -297,6 +314,10 @@ class Job:
     # The Triton model that runs the job: `model` itself, or the model serving the LoRA
     # adapter that `model` names (then `sampling` carries its lora_name).
     triton_model: str = ""
+    # Disaggregated serving through a router (kv_transfer_params): `hand_over`, the prefill half,
+    # answers the request's transfer handle; `transfer`, the decode half, takes that handle over.
+    hand_over: bool = False
+    transfer: str | None = None
 
     @property
     def n(self) -> int:
@@ -321,14 +342,36 @@ class Job:
         adapter of it."""
         if triton_model and triton_model != req.model:
             sampling = {**sampling, "lora_name": req.model}
+        if req.hands_over:
+            # vllm-router sends the prefill half with max_tokens and min_tokens 1 (vLLM's prefill
+            # instance stops there, and its decode instance samples the first token again). Here
+            # the first token is the prefill model's, handed over with the request: neither may
+            # change it. The decode half brings the client's values, which the request runs on
+            # with; a first token that is a stop token ends the request here, without a handle,
+            # and the decode model then serves the plain request whole.
+            sampling = {k: v for k, v in sampling.items() if k not in ("max_tokens", "min_tokens")}
+        handle = (req.kv_transfer_params or {}).get(KV_TRANSFER_HANDLE)
+        if handle is not None and not isinstance(handle, str):
+            raise ApiError(400, f"kv_transfer_params: {KV_TRANSFER_HANDLE} must be the string a prefill answer "
+                                "carried", "kv_transfer_params", "invalid_value")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        handover = {"hand_over": req.hands_over, "transfer": handle}
         if isinstance(req, CompletionRequest):
             return cls("completion", req.model, prompt, sampling, req.stream, include_usage, req.logprobs,
-                       echo=req.echo, aliases=client_names(req), triton_model=triton_model)
+                       echo=req.echo, aliases=client_names(req), triton_model=triton_model, **handover)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return cls("chat", req.model, prompt, sampling, req.stream, include_usage, top_logprobs,
                    forced_tool=req.forced_tool, auto_tools=req.auto_tools, aliases=client_names(req),
-                   triton_model=triton_model)
+                   triton_model=triton_model, **handover)
+
+    def check_role(self, role: str) -> None:
+        """Refuse a kv_transfer_params half that the model's `role` cannot serve (400 naming it):
+        without its max_tokens, a model that does not hand over would run to its default."""
+        wanted = "prefill" if self.hand_over else "decode" if self.transfer is not None else None
+        if wanted is not None and role != wanted:
+            field = "do_remote_decode" if self.hand_over else KV_TRANSFER_HANDLE
+            raise ApiError(400, f"kv_transfer_params: {field} needs a model of role '{wanted}', and model "
+                                f"`{self.triton_model}` has role '{role}'", "kv_transfer_params", "invalid_value")
 
     def triton_inputs(self) -> list:
         """The inputs of the job's one Triton request, without the prompt in its text: streamed
@@ -337,7 +380,14 @@ class Job:
         (the backend streams no such request; a client that asks gets the backend's refusal)."""
         flags = OPENAI_RETURN_FLAGS + ((RETURN_LOGPROBS,) if self.logprobs is not None else ())
         stream = self.stream or not self.ranks_at_end
-        return make_inputs(self.prompt, self.sampling, stream=stream, exclude_input=True, returns=flags)
+        inputs = make_inputs(self.prompt, self.sampling, stream=stream, exclude_input=True, returns=flags)
+        if self.transfer is not None:
+            import tritonclient.grpc as grpcclient
+
+            handle = grpcclient.InferInput(TRANSFER_TENSOR, [1], "BYTES")
+            handle.set_data_from_numpy(np.array([self.transfer.encode()], dtype=np.object_))
+            inputs.append(handle)
+        return inputs
 
     def backend_error(self, message: str) -> ApiError:
         """The ApiError for an error the backend answered this job with, naming the client's field."""
@@ -375,7 +425,12 @@ class Job:
             by_index[p.index].append(p)
         prompt_tokens = next((p.num_input_tokens for p in pieces if p.num_input_tokens is not None), 0)
         usage = _usage(prompt_tokens, sum(p.num_output_tokens for p in pieces))
-        return self._envelope([self._choice(i, by_index[i]) for i in sorted(by_index)], usage)
+        body = self._envelope([self._choice(i, by_index[i]) for i in sorted(by_index)], usage)
+        handle = next((p.transfer for p in pieces if p.transfer is not None), None)
+        if handle is not None:  # the decode half's tokens, the first one included, come from the decode model
+            body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                          KV_TRANSFER_HANDLE: handle}
+        return body
 
     def _choice(self, index: int, pieces: list[Piece]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)

@@ -250,6 +250,34 @@ def test_a_first_token_that_ends_the_request_ends_it_on_the_prefill_engine(tiny_
     assert_no_blocks_held(prefill, decode)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 6, MAX_NEW])
+def test_the_decode_half_runs_on_with_its_own_sampling_parameters(tiny_checkpoint, oracle, max_tokens):
+    """vllm-router's shape: the prefill half carries neither max_tokens nor min_tokens (the
+    frontend drops the router's 1s), the decode half the client's. The request runs on with the
+    decode half's: exactly max_tokens of transformers' greedy tokens, max_tokens 1 ending at import."""
+    prefill, decode = _engine(tiny_checkpoint, "prefill"), _engine(tiny_checkpoint, "decode")
+    handles = exported(prefill, PROMPTS[2:4], SamplingParams(temperature=0.0, ignore_eos=True))
+    client = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for handle in handles:
+        request, first = decode.import_request(handle, params=client)
+        assert first.finished == (max_tokens == 1) and request.max_tokens == max_tokens
+        tokens[request.request_id] = list(first.token_ids_delta)
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens[out.request_id].extend(out.token_ids_delta)
+            assert not out.finished or out.finish_reason == "length"
+    assert tokens == {f"r{i}": oracle[tuple(p)][:max_tokens] for i, p in enumerate(PROMPTS[2:4])}
+    assert_no_blocks_held(prefill, decode)
+
+
+def test_a_decode_engine_serves_a_request_that_was_never_handed_over_whole(tiny_checkpoint, oracle):
+    decode = _engine(tiny_checkpoint, "decode")
+    tokens, _ = run_aggregated(decode, PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert tokens == {f"r{i}": oracle[tuple(p)] for i, p in enumerate(PROMPTS[:3])}
+    assert_no_blocks_held(decode)
+
+
 def test_a_full_decode_instance_refuses_with_unavailable_when_it_may_not_wait(tiny_checkpoint):
     before = _shm_transfers()
     prefill = _engine(tiny_checkpoint, "prefill")

@@ -536,3 +536,62 @@ def test_a_chat_asks_for_no_special_tokens_unless_its_client_does():
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x"}).sampling == {}
     assert translate(CompletionRequest, {"model": "llm", "prompt": "x", "add_special_tokens": False}
                      ).sampling == {"add_special_tokens": False}
+
+
+# ---------------------------------------------------------------------------- disaggregated (kv_transfer_params)
+
+
+def _transfer_response(handle: str) -> InferResult:
+    """A role-prefill model's answer that hands its request over: the handle alone, final."""
+    response = service_pb2.ModelInferResponse(model_name="llm", id="1")
+    response.outputs.add(name="transfer", datatype="BYTES", shape=[1])
+    response.raw_output_contents.append(serialize_byte_tensor(np.array([handle.encode()], dtype=np.object_)).item())
+    response.parameters["triton_final_response"].bool_param = True
+    return InferResult(response)
+
+
+@pytest.mark.parametrize("model_cls, body", [
+    (CompletionRequest, {"model": "llm", "prompt": "Hi", "max_tokens": 1}),
+    (ChatCompletionRequest, {"model": "llm", "messages": HI, "max_completion_tokens": 1, "max_tokens": 1}),
+])
+def test_the_prefill_half_drops_the_routers_one_token_and_answers_the_handle(model_cls, body):
+    """vllm-router's prefill request: max_tokens and min_tokens 1, stream false, do_remote_decode.
+    The role-prefill model samples the first token free of both (the decode half brings the
+    client's) and hands over; its handle becomes kv_transfer_params."""
+    job = translate(model_cls, {**body, "temperature": 0, "min_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}})
+    assert job.hand_over and job.transfer is None
+    assert json.loads(inputs_of(job)["sampling_parameters"]).keys() == {"temperature", *ALWAYS[model_cls]}
+    assert "transfer" not in inputs_of(job)
+    job.check_role("prefill")
+    with pytest.raises(ApiError) as refused:
+        job.check_role("both")
+    assert refused.value.status == 400 and refused.value.param == "kv_transfer_params"
+    assert "role 'prefill'" in str(refused.value) and "role 'both'" in str(refused.value)
+    answer = job.whole([piece_of(_transfer_response("tcp://10.0.0.1:5555/abc"))])
+    assert answer["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False,
+                                            "inflight_transfer": "tcp://10.0.0.1:5555/abc"}
+
+
+def test_the_decode_half_sends_the_handle_as_the_transfer_input():
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "inflight_transfer": "shm:abc"}
+    job = translate(CompletionRequest, {"model": "llm", "prompt": "Hi", "max_tokens": 9, "stream": True,
+                                        "kv_transfer_params": params})
+    assert job.transfer == "shm:abc" and not job.hand_over
+    inputs = inputs_of(job)
+    assert inputs["transfer"] == "shm:abc" and json.loads(inputs["sampling_parameters"])["max_tokens"] == 9
+    job.check_role("decode")
+    with pytest.raises(ApiError) as refused:
+        job.check_role("prefill")
+    assert refused.value.param == "kv_transfer_params" and "role 'decode'" in str(refused.value)
+    plain = translate(CompletionRequest, {"model": "llm", "prompt": "Hi"})
+    plain.check_role("decode")  # a decode model serves a request that was never handed over whole
+    assert "kv_transfer_params" not in plain.whole([piece_of(triton_response("x", final=True))])
+
+
+def test_a_prefill_half_that_streams_or_a_handle_that_is_no_string_is_refused():
+    streamed = refusal(CompletionRequest, {"model": "llm", "prompt": "Hi", "stream": True,
+                                           "kv_transfer_params": {"do_remote_decode": True}})
+    assert streamed.param == "kv_transfer_params" and "stream false" in str(streamed)
+    handle = refusal(CompletionRequest, {"model": "llm", "prompt": "Hi", "kv_transfer_params": {"inflight_transfer": 7}})
+    assert handle.param == "kv_transfer_params"

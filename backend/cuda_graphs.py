@@ -151,7 +151,9 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another thread's CUDA work (a second engine in the process) may go
+            # on while this one records; only this thread's calls must be capturable.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[batch] = self.body(*self.views(batch))
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)

@@ -340,7 +340,7 @@ def test_a_warm_up_out_of_memory_names_the_parameters_to_lower(tiny_checkpoint, 
     engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=64,
                                     max_num_seqs=48, max_num_batched_tokens=4096))
 
-    def out_of_memory():
+    def out_of_memory(max_model_len: int):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
 
     monkeypatch.setattr(engine.runner, "warm_up", out_of_memory)

@@ -53,17 +53,18 @@ class DecodeGraphs:
     the same static buffers (a CPU has no graphs; the tests check the padding that way).
     """
 
-    def __init__(self, body: DecodeBody, device: torch.device, sizes: list[int], max_blocks_per_seq: int,
-                 batch_invariant: bool, capture: bool = True):
+    def __init__(self, body: DecodeBody, device: torch.device, sizes: list[int], max_model_len: int,
+                 block_size: int, batch_invariant: bool, capture: bool = True):
         self.body = body
         self.device = device
         self.sizes = sorted(sizes)
         self.max_batch = self.sizes[-1]
-        self.max_blocks = max_blocks_per_seq
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
         self.batch_invariant = batch_invariant
         self.capture = capture
         pin = device.type == "cuda"
-        b, w = self.max_batch, max_blocks_per_seq
+        b, w = self.max_batch, self.max_blocks
         # Int64 per token: input ids [0, B), positions [B, 2B), KV slots [2B, 3B) for a step of
         # graph B. Int32: context lengths [0, B), then the step's block table [B, w) packed.
         self.host64 = torch.empty(3 * b, dtype=torch.int64, pin_memory=pin)
@@ -95,7 +96,7 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[: batch + 1],
             max_seqlen_q=1,
             # Read by the CPU's path choice alone; the Triton kernel's grid is shape-only.
-            max_seqlen_k=self.max_blocks,
+            max_seqlen_k=self.max_model_len,
             batch_invariant=self.batch_invariant,
         )
         return self.dev64[:batch], self.dev64[batch : 2 * batch], meta

@@ -145,8 +145,8 @@ class ModelRunner:
         def body(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
             return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
-        self.graphs = DecodeGraphs(body, self.device, capture_sizes(self.config.max_num_seqs),
-                                   -(-max_model_len // self.block_size), self.batch_invariant, capture)
+        self.graphs = DecodeGraphs(body, self.device, capture_sizes(self.config.max_num_seqs), max_model_len,
+                                   self.block_size, self.batch_invariant, capture)
         with torch.inference_mode():
             self.graphs.record()
 

@@ -76,13 +76,12 @@ def measure_costs(model: str, dtype: str, seconds: float) -> dict:
         rows.append({"chunk": p, "chunk_context": ctx, "decodes": b, "decode_context": dctx,
                      "seconds": seconds_per_call(lambda: runner.forward_logits(inputs), engine.device, seconds, 3)})
     # Real steps of 16 decodes: the scheduler, the sampler and the update beside the forward pass.
-    got: dict[str, int] = {}
     for i in range(16):
         engine.add_request(f"o{i}", list(range(100 + i, 356 + i)), SamplingParams(temperature=0.0, max_tokens=40,
                                                                                 ignore_eos=True))
-    while len(got) < 16:  # until each has its first token
-        for out in engine.step():
-            got[out.request_id] = got.get(out.request_id, 0) + len(out.token_ids_delta)
+    started: set[str] = set()
+    while len(started) < 16:  # until each has its first token
+        started.update(out.request_id for out in engine.step() if out.token_ids_delta)
     step_s = []
     for _ in range(24):
         start = time.perf_counter()
@@ -239,15 +238,24 @@ def simulate(requests: list[SimRequest], coef_all: dict, coef_half: dict, system
     return requests
 
 
-def chat_metrics(requests: list[SimRequest], duration_s: float, slo: dict) -> dict:
+def _ttft_ms(r: SimRequest) -> float:
+    return (r.tokens[0] - r.arrival) * 1e3
+
+
+def _tpot_ms(r: SimRequest) -> float:
+    """Mean gap after the first token; 0 for a request of one token."""
+    return (r.tokens[-1] - r.tokens[0]) / (len(r.tokens) - 1) * 1e3 if len(r.tokens) > 1 else 0.0
+
+
+def chat_metrics(requests: list[SimRequest], slo: dict) -> dict:
+    """The chats' ITL, TPOT and TTFT percentiles, and every request's goodput at `slo` (requests
+    a second, to the last token)."""
     chats = [r for r in requests if r.label == "chat"]
     gaps = np.concatenate([np.diff(r.tokens) for r in chats]) * 1e3
-    tpot = np.array([(r.tokens[-1] - r.tokens[0]) / (len(r.tokens) - 1) * 1e3 for r in chats])
-    ttft = np.array([(r.tokens[0] - r.arrival) * 1e3 for r in chats])
-    every = requests
-    good = sum(1 for r in every if (r.tokens[0] - r.arrival) * 1e3 <= slo["ttft_ms"] and
-               (len(r.tokens) < 2 or (r.tokens[-1] - r.tokens[0]) / (len(r.tokens) - 1) * 1e3 <= slo["tpot_ms"]))
-    end = max(r.tokens[-1] for r in every)
+    tpot = np.array([_tpot_ms(r) for r in chats])
+    ttft = np.array([_ttft_ms(r) for r in chats])
+    good = sum(1 for r in requests if _ttft_ms(r) <= slo["ttft_ms"] and _tpot_ms(r) <= slo["tpot_ms"])
+    end = max(r.tokens[-1] for r in requests)
     return {"chats": len(chats), "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p99_ms": float(np.percentile(tpot, 99)),
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         systems.append((f"disaggregated-cap{args.prefill_cap}", "disaggregated", args.prefill_cap))
         for name, kind, cap in systems:
             done = simulate(base, all_cores, half, kind, cap, transfer, max_num_seqs=round(args.max_num_seqs * scale))
-            rows.append({"cores": cores, "system": name, **chat_metrics(done, args.duration, W10_SLO)})
+            rows.append({"cores": cores, "system": name, **chat_metrics(done, W10_SLO)})
     by = {(r["cores"], r["system"]): r for r in rows}
     ratios = {}
     for cores in sorted({r["cores"] for r in rows}):

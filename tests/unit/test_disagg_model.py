@@ -65,7 +65,7 @@ def test_a_long_prompt_stretches_the_chats_steps_only_when_it_shares_their_engin
     dis_gaps = np.diff(disaggregated[0].tokens)
     assert agg_gaps.max() > 0.05  # a 512-token chunk: 2 + 51 ms
     assert dis_gaps.max() < 0.01
-    metrics = chat_metrics(disaggregated, 1.0, {"ttft_ms": 2000.0, "tpot_ms": 100.0})
+    metrics = chat_metrics(disaggregated, {"ttft_ms": 2000.0, "tpot_ms": 100.0})
     assert metrics["chats"] == 1 and metrics["itl_p99_ms"] < 10
     # The long prompt's first token comes after its prefill and its import on the decode side.
     assert disaggregated[1].tokens[0] > 2000 * 1e-4

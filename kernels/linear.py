@@ -46,8 +46,10 @@ AMX tiles a bfloat16 input stays bfloat16: each panel is de-quantized, rounded t
 multiplied on the tiles, the bf16 tile GEMM's bits on `dequantize().bfloat16()`, for every row
 count (so a row's bits are its own there too); on a 2-core Xeon with AMX 2.3-5.1x the float32
 path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16). Packed with
-`batch_invariant=False` (the engine's mode off), calls of up to VECTOR_ROWS_BESIDE_TILES rows
-take the vector path on the same panels instead.
+`batch_invariant=False` (the engine's mode off), a bf16 model's calls of up to
+VECTOR_ROWS_BESIDE_TILES rows take another path on the same panels: int4 of even groups the bf16
+dots (`vdpbf16ps` on the exact integers, each group's scale and min applied to its sums; where the
+CPU has AVX512-BF16, tiles or not), int8 beside the tiles the float32 vector path.
 At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
 EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and
@@ -71,11 +73,13 @@ from .cpu_ext import Isa
 from .linear_quant import linear_quant_triton, pack_quant_weight_triton
 from .quantized import QuantizedWeight
 
-# Up to this many rows, a quantized weight packed for the AMX tiles runs the AVX-512 path when the
-# engine is not batch invariant: at a few rows the tiles' de-quantize-to-bf16 pass costs more than
-# the vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
+# Up to this many rows, a bf16 model's quantized weight runs its path for a few rows when the engine
+# is not batch invariant: at a few rows the tiles' de-quantize-to-bf16 pass costs more than the
+# vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
 # 2-core AMX Xeon, Llama-3.2-1B's MLP and SmolLM2's gate|up, int8/q8_0/q4_1/int4: the vector path
 # 1.6-2.0x faster at 1 row, 1.1-1.8x at 2, 1.05-1.6x at 3, even at 4; the tiles 1.2-2.6x faster at 8).
+# int4's bf16 dots there against the float32 path: 1.3-1.6x at 1 row, 1.1-1.4x at 2, 0.8-1.3x at 3,
+# the tiles faster from 8 (client.bench.quant_gemm --bf16, bench/results/amx/quant_gemm_bf16_dots.json).
 VECTOR_ROWS_BESIDE_TILES = 3
 
 # The GEMM libraries choose their blocking from an expected row count; any row count is
@@ -118,8 +122,9 @@ class PackedWeight:
         # for kind "quant", the QuantizedWeight itself.
         self.bits = self.group_size = 0
         self.scales = self.mins = self.quantized = None
-        # A quantized weight on the tiles, outside the batch-invariant mode: calls of at most
-        # `vector_rows` rows run the float32 vector path `vector_isa` on the same panels instead.
+        # A quantized weight outside the batch-invariant mode: calls of at most `vector_rows` rows
+        # run the path `vector_isa` on the same panels instead (AVX512_BF16: int4 on bf16 dot
+        # products, the input as it is; below it the float32 vector path, the input widened).
         self.vector_rows = 0
         self.vector_isa = Isa.NONE
 
@@ -155,6 +160,14 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
     return None
 
 
+def _bf16_dots_take(weight: QuantizedWeight, isa: Isa, module) -> bool:
+    """Whether the int4 path on bf16 dot products (quant_panel_gemm's isa AVX512_BF16) runs this
+    weight: 4 bits, groups of an even size or one group, on a CPU with vdpbf16ps."""
+    groups = -(-weight.shape[1] // weight.group_size)
+    return (weight.bits == 4 and (groups == 1 or weight.group_size % 2 == 0) and isa >= Isa.AVX512_BF16
+            and module.quant_bf16_dots_built())
+
+
 def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device,
                     batch_invariant: bool) -> PackedWeight:
     # What a module keeps in the weight's place: its shape, in the activations' dtype.
@@ -178,10 +191,13 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
-        if quant_isa == Isa.AMX and not batch_invariant:
+        if not batch_invariant and dtype == torch.bfloat16:
             # The panels are the same for every path; only the activations' dtype differs.
-            packed.vector_rows = VECTOR_ROWS_BESIDE_TILES
-            packed.vector_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
+            if _bf16_dots_take(weight, isa, module):
+                packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16
+            elif quant_isa == Isa.AMX:
+                packed.vector_rows = VECTOR_ROWS_BESIDE_TILES
+                packed.vector_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
     packed.bits, packed.group_size = weight.bits, weight.group_size
     return packed
 
@@ -228,11 +244,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if packed.kind in ("quant_panels", "quant"):  # bf16 on the tiles; elsewhere float32, bf16 widened, rounded once
-        isa = packed.isa
-        if packed.upcast or rows.shape[0] <= packed.vector_rows:
+        beside = 0 < rows.shape[0] <= packed.vector_rows
+        isa = packed.vector_isa if beside else packed.isa
+        widen = packed.vector_isa < Isa.AVX512_BF16 if beside else packed.upcast
+        if widen:
             rows = rows.float()
             bias = None if bias is None else bias.float()
-            isa = packed.isa if packed.upcast else packed.vector_isa
         if packed.kind == "quant_panels":
             out = cpu_ext.load().quant_panel_gemm(rows, packed.data, packed.scales, packed.mins, bias,
                                                   packed.shape_only.shape[0], packed.bits, packed.group_size,

@@ -125,3 +125,16 @@ def make_random_quantized_weight(out_features: int, in_features: int, bits: int,
     if half:
         scales, lows = scales.half().float(), None if lows is None else lows.half().float()
     return QuantizedWeight(q, scales, lows, bits, group)
+
+
+def bf16_dots_rounding_excess(got: torch.Tensor, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> float:
+    """How far the bf16 dots' result `got` (bfloat16) strays past their roundings from x times the
+    de-quantized weight (+ bias) in float64: half a unit in the last place of the bfloat16 output
+    and a few units of 2^-24 of the products' magnitudes for the float32 sums. At most 0 when right."""
+    dequantized = weight.dequantize().double()
+    exact = x.double() @ dequantized.T
+    magnitude = x.double().abs() @ dequantized.abs().T
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    allowed = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -18
+    return ((got.double() - exact).abs() - allowed).max().item()

@@ -16,7 +16,10 @@ reads run against. Timings: the best of `--windows` windows of `--seconds`, afte
 the machine's best: the AMX tiles on a Xeon with them) against each format as the engine packs it
 for bf16 (on the tiles where the machine has them, each checked to be the tile GEMM's bits on the
 weight rounded to bfloat16), and, where that is the tiles, the same format on the float32 vector
-path (`<format>_vector`: the input widened, as a machine without tiles runs it).
+path (`<format>_vector`: the input widened, as a machine without tiles runs it); where the CPU has
+AVX512-BF16, each int4 format on the bf16 dots too (`<format>_bf16_dots`, what a decode of a few
+rows runs outside the batch-invariant mode; checked against x times the weight in float64 within
+its roundings).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import kernels
 from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
 from kernels import cpu_ext
-from kernels.testing import make_random_quantized_weight
+from kernels.testing import bf16_dots_rounding_excess, make_random_quantized_weight
 
 # (name, out_features, in_features)
 SHAPES = [("smollm2_qkv", 960, 576), ("smollm2_o", 576, 576), ("smollm2_gate_up", 3072, 576),
@@ -65,12 +68,22 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
         if packed[fmt][1].isa == cpu_ext.Isa.AMX:
             vector_isa = min(cpu_ext.Isa.AVX512, cpu_ext.Isa(module.gemm_vector_isa()))
             packed[fmt + "_vector"] = (weight, kernels.pack_linear_weight(weight, isa=vector_isa, dtype=torch.bfloat16))
+        beside = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
+        if beside.vector_isa == cpu_ext.Isa.AVX512_BF16:
+            packed[fmt + "_bf16_dots"] = (weight, beside)
     bf16 = kernels.pack_linear_weight(packed["int8"][0].dequantize().bfloat16())
     rows_out = []
     for rows in args.rows:
         x = torch.randn(rows, k, generator=gen).bfloat16()
         calls = {"bfloat16": (lambda: kernels.linear(x, bf16.shape_only, None, bf16), n * k * 2)}
         for fmt, (weight, p) in packed.items():
+            if fmt.endswith("_bf16_dots"):  # at every row count, not only the few linear() gives them
+                call = lambda p=p, weight=weight: module.quant_panel_gemm(
+                    x, p.data, p.scales, p.mins, None, n, weight.bits, weight.group_size, int(p.vector_isa))
+                if bf16_dots_rounding_excess(call(), x, weight) > 0:
+                    raise RuntimeError(f"{fmt} {name} at {rows} rows: off x times the weight; refusing to time it")
+                calls[fmt] = (call, p.nbytes)
+                continue
             if p.isa == cpu_ext.Isa.AMX:
                 tiles = module.pack_panels(weight.dequantize().bfloat16(), int(cpu_ext.Isa.AMX))
                 want = module.panel_gemm(x, tiles, None, n, int(cpu_ext.Isa.AMX))

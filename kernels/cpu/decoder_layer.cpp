@@ -21,13 +21,17 @@
 namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
-  if (p.bits != 0) {  // int8/int4 weights: on the tiles bf16 as it is; else float32, widened where bf16
-    // A few rows beside the tiles take the vector path, widened as an upcast weight is (linear()'s rule).
-    const bool beside = !p.upcast && x.size(0) <= p.vector_rows;
-    if (!p.upcast && !beside) return quant_panel_gemm(x, p.panels, p.scales, p.mins, p.bias, p.n, p.bits, p.group_size, p.isa);
-    const std::optional<at::Tensor> bias = beside && p.bias.has_value() ? std::optional(p.bias->to(at::kFloat)) : p.bias;
-    return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size,
-                            beside ? p.vector_isa : p.isa)
+  if (p.bits != 0) {  // int8/int4 weights: bf16 as it is on the tiles and bf16 dots; else float32
+    // A call of a few rows runs the path beside (linear()'s rule): the bf16 dots as they are, the
+    // float32 vector path widened as an upcast weight is.
+    const bool beside = x.size(0) > 0 && x.size(0) <= p.vector_rows;
+    const int64_t isa = beside ? p.vector_isa : p.isa;
+    const bool widen = beside ? p.vector_isa < kQuantBf16Dots : p.upcast;
+    // The bias in the dtype of the path's input (kept in the main path's).
+    const auto dtype = widen ? at::kFloat : x.scalar_type();
+    const std::optional<at::Tensor> bias = p.bias.has_value() ? std::optional(p.bias->to(dtype)) : p.bias;
+    if (!widen) return quant_panel_gemm(x, p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size, isa);
+    return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size, isa)
         .to(x.scalar_type());
   }
   if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, p.isa);

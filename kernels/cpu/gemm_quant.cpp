@@ -41,6 +41,8 @@
 //   to the bit, at every row count: a row's bits depend on its own x only, as on the other paths.
 //   A decode's one row pays the de-quantizing as the register path does; from 32 rows on the
 //   tiles' multiply-adds cost next to nothing, where the vector paths' FMAs bound them.
+// - kIsaAvx512Bf16 (int4, bfloat16 x, AVX512-BF16): the bf16 dots below, for a decode's few rows
+//   outside the batch-invariant mode; numerics of their own (the group's scale applied to the sums).
 // Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
@@ -107,7 +109,7 @@
 namespace {
 
 // As gemm.cpp (and kernels/cpu_ext.py's Isa) number them.
-enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAmx = 4 };
+enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
@@ -812,6 +814,186 @@ at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, co
   });
 }
 
+// ---- bf16 dot products: int4 weights against bfloat16 activations, a few rows ---------------
+//
+// A bf16 model's decode outside the batch-invariant mode (kernels/linear.py packs it beside the
+// tiles, or beside the float32 path of a CPU without them). The float paths spend ~10
+// instructions a 32 weights de-quantizing (widen, convert, scale, add the min) before the
+// multiply-adds, which bounds a decode's one row at ~9 G weights/s a core, half of what memory
+// delivers of int4. Here the scale and min leave the inner loop:
+//   out[r, c] = sum over groups g of  scale[g, c] * D[r, g, c] + min[g, c] * X[r, g]  (+ bias),
+//   D[r, g, c] = sum over k in g of x[r, k] * q[k, c],   X[r, g] = sum over k in g of x[r, k],
+// the same real number as x times the de-quantized weight. q (0..15) is exact in bfloat16, so a
+// 16-entry table (`vpermw`) turns a pair's two nibbles into the two bfloat16 factors
+// `vdpbf16ps` multiplies with the row's pair of x (products exact, sums in float32): 5
+// instructions a 32 weights, the rest once a group. So the bits are this path's own, neither the
+// float path's nor the tiles'; a row's still depend on that row only. Groups of an even size (a
+// pair of k's never straddles two), or one group (per output channel; an odd K's last pair
+// padded with zeros in x as in q).
+#if defined(INFLIGHT_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFLIGHT_HAVE_BF16_DOTS 1
+
+// One call's rows of x as pairs (uint32: a pair of bfloat16's), and each row's sums of x over
+// each group (mins only): [rows][groups].
+struct Bf16Rows {
+  const uint32_t* pairs;
+  int64_t ld_pairs;
+  const float* group_sums;
+  int64_t groups;
+};
+
+template <int Rows, int Panels, bool Mins>
+void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, const float* bias,
+                   c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin,
+                   int64_t line_end) {
+  // bfloat16 of 0..15, twice: vpermw reads 5 bits of an index, and the high one is noise here.
+  alignas(64) static const uint16_t kTable[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+      0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_load_si512(kTable);
+  __m512 acc[Rows][Panels];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p) acc[r][p] = _mm512_setzero_ps();
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  const int64_t pairs_per_group = w.groups == 1 ? pairs : w.group_size / 2;
+  int64_t line = line_begin;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 dot[Rows][Panels];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < Panels; ++p) dot[r][p] = _mm512_setzero_ps();
+    const int64_t end = std::min(pairs, (g + 1) * pairs_per_group);
+    for (int64_t j = g * pairs_per_group; j < end; ++j) {
+      __m512i factors[Panels];
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p) {
+        // Column c's byte (its k's low nibble, its k + 1's high) into lane c as the index pair
+        // (byte, byte << 12): the low word's 4 bits pick bf16(q[k]), the high word's bf16(q[k+1]).
+        const __m512i bytes =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * w.panel_bytes + j * kRowBytes)));
+        factors[p] = _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), table);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x.pairs[r * x.ld_pairs + j]));
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p) dot[r][p] = _mm512_dpbf16_ps(dot[r][p], (__m512bh)factors[p], pair);
+      }
+      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+    }
+    __m512 s[Panels][1], m[Panels][1];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      Avx512::group_values(w.scales, (first_panel + p) * w.groups + g, s[p]);
+      if (Mins) Avx512::group_values(w.mins, (first_panel + p) * w.groups + g, m[p]);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 group_sum = Mins ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p) {
+        acc[r][p] = _mm512_fmadd_ps(s[p][0], dot[r][p], acc[r][p]);
+        if (Mins) acc[r][p] = _mm512_fmadd_ps(m[p][0], group_sum, acc[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      if (p * kPanel >= cols) continue;
+      alignas(64) float sums[kPanel];
+      _mm512_store_ps(sums, acc[r][p]);
+      const int64_t n = std::min<int64_t>(kPanel, cols - p * kPanel);
+      c10::BFloat16* o = out + r * ldo + p * kPanel;
+      for (int64_t c = 0; c < n; ++c) o[c] = c10::BFloat16(bias != nullptr ? sums[c] + bias[p * kPanel + c] : sums[c]);
+    }
+}
+
+// Rows 1-4 of a row block against panels [first_panel, first_panel + panels): one row four
+// panels at a time (four independent chains of dot products), more rows two.
+template <int Rows, bool Mins>
+void bf16_dot_rows(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, int64_t panels,
+                   const float* bias, c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  constexpr int kPanels = Rows == 1 ? 4 : 2;
+  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
+  const int64_t calls = panels / kPanels + panels % kPanels;
+  int64_t call = 0;
+  for (int64_t p = 0; p < panels; ++call) {
+    const int64_t line_begin = call * lines / calls, line_end = (call + 1) * lines / calls;
+    const int64_t col = p * kPanel;
+    const float* b = bias != nullptr ? bias + col : nullptr;
+    if (panels - p >= kPanels) {
+      bf16_dot_tile<Rows, kPanels, Mins>(x, w, pairs, first_panel + p, b, out + col, ldo, cols - col, prefetch,
+                                         line_begin, line_end);
+      p += kPanels;
+    } else {
+      bf16_dot_tile<Rows, 1, Mins>(x, w, pairs, first_panel + p, b, out + col, ldo, cols - col, prefetch, line_begin,
+                                   line_end);
+      p += 1;
+    }
+  }
+}
+
+template <bool Mins>
+at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, const float* bias, int64_t n) {
+  constexpr int64_t kBlockRows = 4, kGroupPanels = 4;
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  // Even columns, contiguous rows: each row a whole number of pairs.
+  if (k % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
+  x = x.contiguous();
+  at::Tensor group_sums;
+  if (Mins) {
+    // Each group's sum of x in float32, k in order.
+    group_sums = at::empty({m, w.groups}, x.options().dtype(at::kFloat));
+    const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
+    float* sums = group_sums.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        float sum = 0.f;
+        for (int64_t i = g * w.group_size; i < std::min(k, (g + 1) * w.group_size); ++i)
+          sum += static_cast<float>(xs[r * x.size(1) + i]);
+        sums[r * w.groups + g] = sum;
+      }
+  }
+  const Bf16Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
+                      Mins ? group_sums.data_ptr<float>() : nullptr, w.groups};
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows, groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
+  auto run = [&](int64_t begin, int64_t end, int64_t after) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / groups, g = item % groups;
+      const int64_t first_row = block * kBlockRows, count = std::min(m - first_row, kBlockRows);
+      const int64_t first_panel = g * kGroupPanels, panels = std::min(kGroupPanels, num_panels - first_panel);
+      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
+      const int64_t next_item = item + 1 < end ? item + 1 : after;
+      const uint8_t* next = next_item >= 0 ? w.q + next_item % groups * kGroupPanels * w.panel_bytes : nullptr;
+      const Bf16Rows block_rows{rows.pairs + first_row * rows.ld_pairs, rows.ld_pairs,
+                                Mins ? rows.group_sums + first_row * w.groups : nullptr, w.groups};
+      const float* b = bias != nullptr ? bias + col : nullptr;
+      c10::BFloat16* o = op + first_row * n + col;
+      switch (count) {
+        case 1: bf16_dot_rows<1, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
+        case 2: bf16_dot_rows<2, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
+        case 3: bf16_dot_rows<3, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
+        default: bf16_dot_rows<4, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
+      }
+    }
+  };
+  const int64_t items = blocks * groups, threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
+    run(0, items, -1);
+  } else {
+    run_in_shrinking_chunks(items, threads, run);
+  }
+  return out;
+}
+#endif
+
 int64_t best_isa() {
 #if defined(INFLIGHT_HAVE_AVX512)
   return kIsaAvx512;
@@ -824,11 +1006,21 @@ int64_t best_isa() {
 
 bool amx_built() { return inflight_cpu::tiles_built(); }
 
+bool bf16_dots_built() {
+#if defined(INFLIGHT_HAVE_BF16_DOTS)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The vector paths up to the best built, and the tiles where built and, as gemm.cpp checks,
 // permitted (a tile instruction without the permission kills the process).
 void check_isa(const char* op, int64_t isa) {
-  TORCH_CHECK((isa >= kIsaNone && isa <= best_isa()) || (isa == kIsaAmx && amx_built()), op, ": instruction set ",
-              isa, " has no quantized path built here (float activations: up to ", best_isa(),
+  TORCH_CHECK((isa >= kIsaNone && isa <= best_isa()) || (isa == kIsaAmx && amx_built()) ||
+                  (isa == kIsaAvx512Bf16 && bf16_dots_built()),
+              op, ": instruction set ", isa, " has no quantized path built here (float activations: up to ", best_isa(),
+              bf16_dots_built() ? "; bfloat16 activations: 3, int4 on vdpbf16ps" : "",
               amx_built() ? "; bfloat16 activations: 4, the AMX tiles)" : ")");
   TORCH_CHECK(isa != kIsaAmx || inflight_cpu::amx_permitted(), op,
               ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
@@ -847,6 +1039,8 @@ at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
 }  // namespace
 
 int64_t quant_gemm_isa() { return amx_built() ? int64_t(kIsaAmx) : best_isa(); }
+
+bool quant_bf16_dots_built() { return bf16_dots_built(); }
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa) {
@@ -888,9 +1082,10 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
                             int64_t isa) {
   check_isa("quant_panel_gemm", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
-  // The tiles take bfloat16 activations (and bias, as panel_gemm's bfloat16 paths); the vector
-  // paths float32.
-  const auto dtype = isa == kIsaAmx ? at::kBFloat16 : at::kFloat;
+  // The tiles and the bf16 dot products take bfloat16 activations (and bias, as panel_gemm's
+  // bfloat16 paths); the vector paths float32.
+  const auto dtype = isa == kIsaAmx || isa == kIsaAvx512Bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(isa != kIsaAvx512Bf16 || bits == 4, "quant_panel_gemm: the bf16 dot products (isa 3) take 4-bit weights only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "quant_panel_gemm: x [M, K] in ", dtype);
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
@@ -909,6 +1104,8 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   check_values(scales, "scales");
   const bool has_mins = mins.has_value() && mins->defined();
   if (has_mins) check_values(*mins, "mins");
+  TORCH_CHECK(isa != kIsaAvx512Bf16 || groups == 1 || group_size % 2 == 0,
+              "quant_panel_gemm: the bf16 dot products (isa 3) take groups of an even size or one group, not ", group_size);
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
   at::Tensor bias_float;
   if (bias.has_value() && bias->defined()) {
@@ -927,6 +1124,11 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   switch (isa) {
     case kIsaAmx:
       return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
+#if defined(INFLIGHT_HAVE_BF16_DOTS)
+    case kIsaAvx512Bf16:
+      return has_mins ? gemm_bf16_dots<true>(x, w, num_panels, bias_data, n)
+                      : gemm_bf16_dots<false>(x, w, num_panels, bias_data, n);
+#endif
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:
       return gemm(x, w, num_panels, bias_data, n, pick_item<Avx512>(bits, has_mins), Avx512::kMaxRows,

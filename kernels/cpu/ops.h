@@ -51,8 +51,12 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
 // packed once into 16-column panels (returns q panels, scales, and mins where given) and
 // de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
 // C++, 1 AVX2, 2 AVX-512; 4 the AMX tiles, for bfloat16 x (and bias): the bf16 tile GEMM's bits on
-// the de-quantized weight rounded to bfloat16. quant_gemm_isa: the best built.
+// the de-quantized weight rounded to bfloat16; 3, int4 only, for bfloat16 x: vdpbf16ps on the exact
+// integers, each group's scale and min applied to its sums (bits of its own). quant_gemm_isa: the
+// best built; quant_bf16_dots_built: whether 3 is.
 int64_t quant_gemm_isa();
+bool quant_bf16_dots_built();
+constexpr int64_t kQuantBf16Dots = 3;  // quant_panel_gemm's isa of the bf16 dot products
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa);
@@ -80,8 +84,9 @@ struct Projection {
   int64_t bits = 0, group_size = 0;
   at::Tensor scales;
   std::optional<at::Tensor> mins;
-  // A quantized weight on the tiles outside the batch-invariant mode (kernels/linear.py's
-  // PackedWeight): inputs of at most vector_rows rows run the float32 path vector_isa instead.
+  // A quantized weight outside the batch-invariant mode (kernels/linear.py's PackedWeight): inputs
+  // of at most vector_rows rows run the path vector_isa instead, the float32 vector path (input
+  // widened) or, from kQuantBf16Dots on, the bf16 dot products (input as it is).
   int64_t vector_rows = 0, vector_isa = 0;
 };
 

@@ -260,26 +260,31 @@ def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
 
 
 @pytest.mark.skipif(kernels.cpu_ext.isa() < kernels.cpu_ext.Isa.AMX, reason="no AMX tiles here")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_a_bf16_models_quantized_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant):
+def test_a_bf16_models_quantized_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant,
+                                                                             quantization):
     """The engine's mode reaches the packing: outside it every quantized projection of a bf16
-    model runs calls of a few rows on the vector path beside the tiles (kernels/linear.py), in it none
-    does; and the fused C++ layers take the same path as the modules, so that a request's
-    tokens are the same either way (the CPU runs the fused layers; the modules are what the
-    other devices run)."""
+    model runs calls of a few rows beside the tiles (kernels/linear.py: int8 on the float32 vector
+    path, int4 on the bf16 dots), in it none does; and the fused C++ layers take the same path as
+    the modules, so that a request's tokens are the same either way (the CPU runs the fused layers;
+    the modules are what the other devices run)."""
     prompts = PROMPTS[:3]
+    Isa = kernels.cpu_ext.Isa
     rows = 0 if batch_invariant else VECTOR_ROWS_BESIDE_TILES
+    beside = Isa.NONE if batch_invariant else (
+        Isa.AVX512_BF16 if quantization == "int4" else min(Isa.AVX512, Isa(kernels.cpu_ext.load().gemm_vector_isa())))
 
     def check_packing(engine: LLMEngine) -> None:
         assert engine.runner.batch_invariant == batch_invariant
         packed = [m.packed for m in engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
-        assert packed and {(p.isa, p.vector_rows) for p in packed} == {(kernels.cpu_ext.Isa.AMX, rows)}
+        assert packed and {(p.isa, p.vector_rows, p.vector_isa) for p in packed} == {(Isa.AMX, rows, beside)}
 
     def unfuse(engine: LLMEngine) -> None:
         check_packing(engine)
         engine.model.cpu_layers = None
 
-    config = dict(dtype="bfloat16", quantization="int8", batch_invariant=batch_invariant, num_kv_blocks=64)
+    config = dict(dtype="bfloat16", quantization=quantization, batch_invariant=batch_invariant, num_kv_blocks=64)
     _, fused, _ = run_engine(tiny_checkpoint, prompts, [8] * 3, [0, 2, 4], on_engine=check_packing, **config)
     _, modules, _ = run_engine(tiny_checkpoint, prompts, [8] * 3, [0, 2, 4], on_engine=unfuse, **config)
     assert fused == modules and all(len(t) == 8 for t in fused.values())

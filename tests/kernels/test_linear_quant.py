@@ -8,7 +8,12 @@ C++ call with the bits of the same layer on the de-quantized weights.
 On the AMX tiles (bfloat16 activations on an AMX Xeon) the result is instead the bf16 tile GEMM's
 (gemm.cpp) on the de-quantized weight rounded to bfloat16, `dequantize().bfloat16()`: what a bf16
 model of the de-quantized weights computes. Those tests run on AMX hardware, and under the
-software model of the tiles on any CPU (test_the_quantized_tile_path_under_a_software_model)."""
+software model of the tiles on any CPU (test_the_quantized_tile_path_under_a_software_model).
+
+int4 against bfloat16 activations on vdpbf16ps (isa AVX512_BF16, the bf16 dots: a bf16 model's
+calls of a few rows outside the batch-invariant mode) applies each group's scale and min to its
+sums of x times the integers: bits of its own, within the roundings of its sums of the exact
+product, and a row's bits still its own."""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from backend.paths import REPO_ROOT
 from kernels import cpu_ext
 from kernels.cpu_ext import Isa
 from kernels.quantized import QuantizedWeight, quantize
-from kernels.testing import make_random_quantized_weight
+from kernels.testing import bf16_dots_rounding_excess, make_random_quantized_weight
 
 LINEAR = sys.modules["kernels.linear"]
 MODULE = cpu_ext.load()
@@ -38,6 +43,9 @@ def needs(isa: Isa):
 
 VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512)]
 # The tiles: built (on the hardware, or as the software model) and lent to this process.
+needs_bf16_dots = pytest.mark.skipif(
+    MODULE is None or not MODULE.quant_bf16_dots_built() or cpu_ext.isa() < Isa.AVX512_BF16,
+    reason="no int4 path on bf16 dot products in this build, or no vdpbf16ps on this CPU")
 needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
                                  reason="no AMX tiles in this build, or the kernel refused them")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
@@ -75,6 +83,10 @@ def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     packed = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits, weight.group_size, isa)
     return MODULE.quant_panel_gemm(x, packed[0], packed[1], packed[2] if len(packed) > 2 else None, bias,
                                    weight.shape[0], weight.bits, weight.group_size, isa)
+
+
+BF16_DOTS_LAYOUTS = ["int4_g32_mins", "int4_g32_q4_1", "int4_g64_mins", "int4_g128_mins", "int4_g32_symmetric",
+                     "int4_g128_symmetric", "int4_per_channel"]
 
 
 def test_dequantize_is_two_roundings():
@@ -347,8 +359,11 @@ def test_bad_packing_is_refused():
         MODULE.quant_panel_gemm(torch.randn(2, 30), *packed, None, 16, 4, 32, Isa.AVX2)
     with pytest.raises(RuntimeError, match="n does not match"):
         MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 40, 4, 32, Isa.AVX2)
-    with pytest.raises(RuntimeError, match="instruction set 3 has no quantized path"):
-        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 3)
+    with pytest.raises(RuntimeError, match="instruction set 5 has no quantized path"):
+        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 5)
+    if not MODULE.quant_bf16_dots_built():
+        with pytest.raises(RuntimeError, match="instruction set 3 has no quantized path"):
+            MODULE.quant_panel_gemm(torch.randn(2, 32).bfloat16(), *packed, None, 16, 4, 32, 3)
 
 
 # ---- the fused decoder layer --------------------------------------------------------------------
@@ -431,8 +446,9 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
 def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_invariant):
     """One token through the fused layer with bf16 activations and quantized projections: in the
     batch-invariant mode each projection on the tiles (the layer of bf16 tile panels of the
-    rounded weights), outside it each on the vector path beside them (the layer of float32 panels
-    of the de-quantized weights, bf16 widened and rounded once), as linear() runs them."""
+    rounded weights), outside it each on the path beside them, as linear() runs them: int4 on the
+    bf16 dots, int8 on the float32 vector path (float32 panels of the de-quantized weights, bf16
+    widened and rounded once)."""
     hidden_size, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
     weights = [make_weight((heads + 2 * kv_heads) * head_dim, hidden_size, "int4_g32_mins", 1),
                make_weight(hidden_size, heads * head_dim, "int8_per_channel", 2),
@@ -441,6 +457,7 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
     gen = torch.Generator().manual_seed(6)
     qkv_bias = (torch.randn(weights[0].shape[0], generator=gen) * 0.1).bfloat16()
     vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
+    bf16_dots = MODULE.quant_bf16_dots_built()
     norms = [(1 + 0.1 * torch.randn(hidden_size, generator=gen)).bfloat16() for _ in range(2)]
 
     def layer(projection):
@@ -456,6 +473,11 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
         if batch_invariant:
             panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
             return MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False)
+        if weight.bits == 4 and bf16_dots:  # every call on the bf16 dots
+            q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, 4, weight.group_size,
+                                                        int(Isa.AVX512_BF16))
+            return MODULE.Projection.quantized(q, scales, mins[0] if mins else None, 4, weight.group_size, bias,
+                                               weight.shape[0], int(Isa.AVX512_BF16), False)
         return MODULE.Projection(MODULE.pack_panels(weight.dequantize(), int(vector_isa)),
                                  None if bias is None else bias.float(), weight.shape[0], int(vector_isa), True)
 
@@ -483,3 +505,94 @@ def test_cpu_decoder_layer_takes_quantized_projections():
     packed = [(kernels.pack_linear_weight(w), None, None) for w in weights]
     layer = kernels.cpu_decoder_layer(torch.ones(64), torch.ones(64), 1e-5, *packed, 4, 2, 16, 0.25)
     assert layer is not None
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("layout", BF16_DOTS_LAYOUTS)
+def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
+    """Every int4 layout of an even group size (or one group), at 1-4 rows (one block) and more
+    (several), with a partial last panel, a group of panels short of four, a short last group, an
+    odd K (its last pair half zeros) and a bias or none."""
+    for n, k in [(70, 256), (33, 64), (130, 37), (16, 2)]:
+        weight = make_weight(n, k, layout, n + k)
+        gen = torch.Generator().manual_seed(k)
+        bias = torch.randn(n, generator=gen).bfloat16()
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            for b in (None, bias):
+                got = quant_gemm(x, weight, b, Isa.AVX512_BF16)
+                assert got.shape == (rows, n)
+                assert got.dtype == torch.bfloat16 and bf16_dots_rounding_excess(got, x, weight, b) <= 0
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("layout", ["int4_g32_mins", "int4_g128_symmetric", "int4_per_channel"])
+def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
+    weight = make_weight(200, 576, layout, 5)
+    gen = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(11, 576, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
+    full = quant_gemm(x, weight, bias, Isa.AVX512_BF16)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for first, count in [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9)]:
+                assert torch.equal(quant_gemm(x[first:first + count].clone(), weight, bias, Isa.AVX512_BF16),
+                                   full[first:first + count]), (num_threads, first, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16_dots
+def test_the_bf16_dots_refuse_what_they_do_not_compute():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 66, generator=gen).bfloat16()
+    for layout, message in [("int8_g32_q8_0", "4-bit weights only"), ("int4_g33_odd_group", "even size")]:
+        with pytest.raises(RuntimeError, match=message):
+            quant_gemm(x, make_weight(20, 66, layout, 9), None, Isa.AVX512_BF16)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] in BFloat16"):
+        quant_gemm(x.float(), make_weight(20, 66, "int4_g32_mins", 9), None, Isa.AVX512_BF16)
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("layout, beside_isa", [("int4_g128_mins", Isa.AVX512_BF16), ("int4_g32_q4_1", Isa.AVX512_BF16),
+                                                ("int4_g33_odd_group", None), ("int8_per_channel", None)])
+@pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1])
+def test_outside_batch_invariance_a_few_rows_of_int4_run_the_bf16_dots(layout, beside_isa, rows):
+    """A bf16 model's int4 weight of even groups, packed with the engine's batch-invariant mode off,
+    runs calls of at most VECTOR_ROWS_BESIDE_TILES rows on the bf16 dots, its input as it is and
+    its bias in bfloat16, and more rows on its main path (the tiles, or the float32 path widened);
+    other layouts keep what they had (the float32 vector path beside the tiles, or nothing)."""
+    weight = make_weight(70, 256, layout, 13)
+    gen = torch.Generator().manual_seed(13)
+    x, bias = torch.randn(rows, 256, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
+    fast = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
+    main = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
+    assert main.vector_rows == 0
+    if beside_isa is None:
+        assert fast.vector_isa != Isa.AVX512_BF16
+        return
+    assert (fast.vector_rows, fast.vector_isa) == (LINEAR.VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16)
+    got = kernels.linear(x, fast.shape_only, bias, fast)
+    if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES:
+        assert torch.equal(got, quant_gemm(x, weight, bias, Isa.AVX512_BF16))
+    else:
+        assert torch.equal(got, kernels.linear(x, main.shape_only, bias, main))
+    # Which path ran, told apart where the results cannot round to the same bits.
+    telling = weight_telling_the_paths_apart(70, 256, weight.group_size)
+    fast = kernels.pack_linear_weight(telling, dtype=torch.bfloat16, batch_invariant=False)
+    x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1] = 1, -1
+    expected = 1.0 if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES else 0.0
+    assert torch.equal(kernels.linear(x, fast.shape_only, None, fast), torch.full((rows, 70), expected).bfloat16())
+
+
+def weight_telling_the_paths_apart(out_features: int, in_features: int, group_size: int) -> QuantizedWeight:
+    """int4 weights 2^24 + 1 (q 1) and 2^24 (q 0), with scale 1 and min 2^24 in every group: against
+    x = (1, -1, 0, ...) the bf16 dots, which never round a weight, give exactly 1; the float32 and
+    tile paths multiply the weight rounded (float32 cannot hold 2^24 + 1) and give 0."""
+    groups = -(-in_features // group_size)
+    q = torch.zeros(out_features, in_features, dtype=torch.int8)
+    q[:, 0] = 1
+    return QuantizedWeight(q, torch.ones(out_features, groups), torch.full((out_features, groups), 2.0 ** 24), 4,
+                           group_size)

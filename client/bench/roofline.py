@@ -12,12 +12,24 @@ below the device's, so memory bounds it; the fraction says how close the engine 
 The sequences are made up (`ModelRunner.synthetic_inputs`: one new token each, at the given
 context, over a zeroed KV pool); the sampler is not part of the time. Runs on the CPU too
 (`--device cpu`), where the same bound holds for the C++ kernels.
+
+Several quantizations (`--quantization none,int4,int8`, one batch and one context): Q1's
+comparison. The engines are loaded side by side and timed in turn, one window each a round,
+with the copy bandwidth measured at each round: a VM's memory bandwidth drifts by a third from
+minute to minute, so ratios of runs minutes apart say as much about the drift as about the
+engines. Each round gives every engine's step time, its fraction of the roofline of its own
+bytes, and the first quantization's time over each other's; the report's figures are the medians
+over the rounds.
+
+    python -m client.bench.roofline --model .models/random-llama3-1b --batch 1 --context 256 \
+        --dtype bfloat16 --quantization none,int4,int8 --rounds 9 --batch-invariant false
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -48,25 +60,53 @@ def weight_bytes_read(arch, element_size: int) -> int:
     return element_size * (arch.num_layers * per_layer + arch.hidden_size + arch.vocab_size * arch.hidden_size)
 
 
+def step_bytes(engine: LLMEngine, batch: int, context: int) -> int:
+    """What a decode step of `batch` sequences at `context` reads: its weights as packed (a quantized
+    model's integers and scales) and the sequences' K/V."""
+    element_size = torch.empty((), dtype=engine.dtype).element_size()
+    weights = (engine.model.step_weight_bytes() if engine.model.is_quantized()
+               else weight_bytes_read(engine.arch, element_size))
+    return weights + batch * context * kv_block_bytes(engine.arch, 1, engine.dtype, engine.config.kv_cache_dtype)
+
+
 def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidth_gbps: float,
             seconds: float, windows: int) -> list[dict]:
     runner = engine.runner
-    element_size = torch.empty((), dtype=engine.dtype).element_size()
-    # A quantized model's bytes are its integers and scales as packed.
-    weights = (engine.model.step_weight_bytes() if engine.model.is_quantized()
-               else weight_bytes_read(engine.arch, element_size))
-    kv_per_token = kv_block_bytes(engine.arch, 1, engine.dtype, engine.config.kv_cache_dtype)
+    weights = step_bytes(engine, 0, 0)
     rows = []
     for batch in batches:
         for context in contexts:
             inputs = runner.synthetic_inputs([1] * batch, [context] * batch)
             step_ms = seconds_per_call(lambda: runner.forward_logits(inputs), engine.device, seconds, windows) * 1e3
-            read = weights + batch * context * kv_per_token
+            read = step_bytes(engine, batch, context)
             roofline_ms = read / (bandwidth_gbps * 1e9) * 1e3
             rows.append({"batch": batch, "context": context, "step_ms": step_ms, "bytes_read": read,
                          "weight_bytes": weights, "kv_bytes": read - weights, "roofline_ms": roofline_ms,
                          "achieved_gbps": read / step_ms / 1e6, "fraction_of_roofline": roofline_ms / step_ms})
     return rows
+
+
+def interleaved(engines: dict[str, LLMEngine], batch: int, context: int, seconds: float, rounds: int) -> dict:
+    """The module docstring's interleaved comparison: per round the copy bandwidth, then each
+    engine's step time over one window; medians over the rounds."""
+    device = next(iter(engines.values())).device
+    steps = {}
+    for name, engine in engines.items():
+        inputs = engine.runner.synthetic_inputs([1] * batch, [context] * batch)
+        steps[name] = lambda runner=engine.runner, inputs=inputs: runner.forward_logits(inputs)
+    reads = {name: step_bytes(engine, batch, context) for name, engine in engines.items()}
+    first = next(iter(engines))
+    per_round = []
+    for _ in range(rounds):
+        bandwidth = copy_bandwidth_gbps(device, windows=1)
+        step_ms = {name: seconds_per_call(step, device, seconds, 1) * 1e3 for name, step in steps.items()}
+        per_round.append({
+            "copy_bandwidth_gbps": bandwidth, "step_ms": step_ms,
+            "fraction_of_roofline": {n: reads[n] / (bandwidth * 1e9) * 1e3 / ms for n, ms in step_ms.items()},
+            "speedup_over_" + first: {n: step_ms[first] / ms for n, ms in step_ms.items()}})
+    return {"batch": batch, "context": context, "bytes_read": reads, "rounds": per_round,
+            "median": {key: {n: statistics.median(r[key][n] for r in per_round) for n in engines}
+                       for key in ("step_ms", "fraction_of_roofline", "speedup_over_" + first)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--quantization", default="none", help="the engine's quantization: none, int8, int4")
+    parser.add_argument("--quantization", default="none",
+                        help="the engine's quantization: none, int8, int4; several, comma-separated: the "
+                             "interleaved comparison (the docstring's Q1)")
     parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--batch-invariant", choices=["auto", "true", "false"], default="auto",
@@ -85,19 +127,15 @@ def main(argv: list[str] | None = None) -> int:
                              "the AMX tiles)")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the interleaved comparison")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    if "," in args.quantization:
+        return compare(args, argv)
 
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
-    bs = args.block_size
-    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
-                          max_num_seqs=max(batches), max_model_len=max(contexts),
-                          num_kv_blocks=max(batches) * -(-max(contexts) // bs) + 1,
-                          quantization=args.quantization, quantization_group_size=args.group_size,
-                          kv_cache_dtype=args.kv_cache_dtype,
-                          batch_invariant={"auto": None, "true": True, "false": False}[args.batch_invariant])
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args, args.quantization, max(batches), max(contexts)))
     bandwidth = copy_bandwidth_gbps(engine.device)
     rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
 
@@ -125,6 +163,52 @@ def main(argv: list[str] | None = None) -> int:
         "batch_invariant": engine.runner.batch_invariant,
         "copy_bandwidth_gbps": bandwidth,
         "results": rows,
+    }
+    if args.json:
+        write_report(args.json, report)
+    return 0
+
+
+def engine_config(args, quantization: str, batch: int, context: int) -> EngineConfig:
+    bs = args.block_size
+    return EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
+                        max_num_seqs=batch, max_model_len=context, num_kv_blocks=batch * -(-context // bs) + 1,
+                        quantization=quantization, quantization_group_size=args.group_size,
+                        kv_cache_dtype=args.kv_cache_dtype,
+                        batch_invariant={"auto": None, "true": True, "false": False}[args.batch_invariant])
+
+
+def compare(args, argv: list[str] | None) -> int:
+    """The interleaved comparison of several quantizations (the module docstring)."""
+    names = args.quantization.split(",")
+    if "," in args.batch or "," in args.context:
+        raise SystemExit("roofline: several quantizations take one --batch and one --context")
+    batch, context = int(args.batch), int(args.context)
+    engines = {name: LLMEngine(engine_config(args, name, batch, context)) for name in names}
+    result = interleaved(engines, batch, context, args.seconds, args.rounds)
+    first = names[0]
+    print(f"Q1 interleaved: {os.path.basename(os.path.normpath(args.model))} batch {batch} context {context}, "
+          f"{args.rounds} rounds (medians)")
+    for name in names:
+        print(f"{name:>6}: step {result['median']['step_ms'][name]:8.2f} ms, "
+              f"{result['median']['fraction_of_roofline'][name]:6.1%} of its roofline, "
+              f"{result['median']['speedup_over_' + first][name]:5.2f}x {first}")
+    engine = engines[first]
+    report = {
+        "benchmark": "Q1 quantized decode step, interleaved",
+        "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
+        "git_commit": git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "device": engine.device.type,
+        "checkpoint": args.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantizations": names,
+        "group_size": args.group_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_invariant": engine.runner.batch_invariant,
+        "seconds_per_window": args.seconds,
+        **result,
     }
     if args.json:
         write_report(args.json, report)

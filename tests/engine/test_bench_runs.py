@@ -188,3 +188,28 @@ def test_the_roofline_of_each_batch_and_context(tiny_checkpoint, tmp_path):
         assert row["fraction_of_roofline"] == pytest.approx(row["roofline_ms"] / row["step_ms"])
     assert report["copy_bandwidth_gbps"] > 0 and report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["machine"]["cpu_flags"] is not None and report["command"].startswith("python -m client.bench.roofline")
+
+
+def test_the_interleaved_comparison_of_quantizations(tiny_checkpoint, tmp_path):
+    """Q1's interleaved form: every engine timed in every round, each round's ratios and fractions
+    its own times' and bandwidth's, the medians over the rounds; the quantized engines read fewer bytes."""
+    out = tmp_path / "q1.json"
+    assert roofline.main(["--model", tiny_checkpoint, "--device", "cpu", "--batch", "1", "--context", "17",
+                          "--quantization", "none,int8,int4", "--group-size", "32", "--seconds", "0.01",
+                          "--rounds", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = ["none", "int8", "int4"]
+    assert report["quantizations"] == names and len(report["rounds"]) == 3
+    reads = report["bytes_read"]
+    assert reads["none"] > reads["int8"] > reads["int4"] > 0
+    for r in report["rounds"]:
+        for name in names:
+            assert r["step_ms"][name] > 0
+            assert r["speedup_over_none"][name] == pytest.approx(r["step_ms"]["none"] / r["step_ms"][name])
+            assert r["fraction_of_roofline"][name] == pytest.approx(
+                reads[name] / (r["copy_bandwidth_gbps"] * 1e9) * 1e3 / r["step_ms"][name])
+    for key in ("step_ms", "fraction_of_roofline", "speedup_over_none"):
+        for name in names:
+            assert report["median"][key][name] == pytest.approx(sorted(r[key][name] for r in report["rounds"])[1])
+    with pytest.raises(SystemExit, match="one --batch and one --context"):
+        roofline.main(["--model", tiny_checkpoint, "--batch", "1,2", "--quantization", "none,int8"])

@@ -42,7 +42,8 @@ def _projection(module, packed: PackedWeight | None, bias: torch.Tensor | None):
         return module.Projection.quantized(packed.data, packed.scales, packed.mins, packed.bits, packed.group_size,
                                            bias, n, int(packed.isa), packed.upcast, packed.vector_rows,
                                            int(packed.vector_isa))
-    return module.Projection(packed.data, bias, n, int(packed.isa), packed.upcast)
+    return module.Projection(packed.data, bias, n, int(packed.isa), packed.upcast, packed.vector_rows,
+                             int(packed.vector_isa))
 
 
 def _lora_projection(module, lora):

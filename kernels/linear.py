@@ -73,6 +73,12 @@ from .cpu_ext import Isa
 from .linear_quant import linear_quant_triton, pack_quant_weight_triton
 from .quantized import QuantizedWeight
 
+# A bf16 weight's calls of up to this many rows run vdpbf16ps beside the tiles when the engine is not
+# batch invariant: at a few rows the tiles run far below the memory's speed (2-core AMX Xeon, twelve
+# Llama-3.2-1B MLP weights, 400 MB, from memory: vdpbf16ps 2.0-2.3x the tiles at 1-4 rows, 1.2-1.8x
+# at 6, even at 8, the tiles 1.7-2.1x at 16; a whole decode step at batch 1 in 98-115 ms against 154-193).
+BF16_ROWS_BESIDE_TILES = 6
+
 # Up to this many rows, a bf16 model's quantized weight runs its path for a few rows when the engine
 # is not batch invariant: at a few rows the tiles' de-quantize-to-bf16 pass costs more than the
 # vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
@@ -122,9 +128,10 @@ class PackedWeight:
         # for kind "quant", the QuantizedWeight itself.
         self.bits = self.group_size = 0
         self.scales = self.mins = self.quantized = None
-        # A quantized weight outside the batch-invariant mode: calls of at most `vector_rows` rows
-        # run the path `vector_isa` on the same panels instead (AVX512_BF16: int4 on bf16 dot
-        # products, the input as it is; below it the float32 vector path, the input widened).
+        # Outside the batch-invariant mode, calls of at most `vector_rows` rows run the path
+        # `vector_isa` on the same panels instead: a bf16 weight's vdpbf16ps beside the tiles; a
+        # quantized weight's int4 bf16 dots (AVX512_BF16, the input as it is) or float32 vector
+        # path (the input widened).
         self.vector_rows = 0
         self.vector_isa = Isa.NONE
 
@@ -211,8 +218,9 @@ def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None =
     `quant_panels`, or `quant` without the C++ kernels); `dtype` is then the dtype of the
     activations it will see (default float32), which `shape_only` carries, and `device` where
     they live (default the CPU; CUDA: kind `quant_triton`, kernels/linear_quant.py).
-    `batch_invariant` False (the engine's mode off) lets a quantized weight on the AMX tiles run
-    calls of a few rows on the vector path, faster there but not the tiles' bits."""
+    `batch_invariant` False (the engine's mode off) lets a bf16 model's weight on the AMX tiles run
+    calls of a few rows on a vector path (vdpbf16ps; a quantized one's, VECTOR_ROWS_BESIDE_TILES),
+    faster there but not the tiles' bits."""
     if isinstance(weight, QuantizedWeight):
         return _pack_quantized(weight, cpu_ext.isa() if isa is None else isa, dtype or torch.float32,
                                torch.device(device or "cpu"), batch_invariant)
@@ -221,7 +229,11 @@ def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None =
     weight = weight.detach().contiguous()
     isa = cpu_ext.isa() if isa is None else isa
     if weight.dtype == torch.bfloat16 and isa >= Isa.AVX512_BF16:
-        return PackedWeight("panels", cpu_ext.load().pack_panels(weight, isa), weight, isa=isa)
+        packed = PackedWeight("panels", cpu_ext.load().pack_panels(weight, isa), weight, isa=isa)
+        if isa == Isa.AMX and not batch_invariant and cpu_ext.load().gemm_vector_isa() >= Isa.AVX512_BF16:
+            # The same panels serve both (gemm.cpp); the sums' order differs.
+            packed.vector_rows, packed.vector_isa = BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16
+        return packed
     if isa >= Isa.AVX2:
         # The vector path below the tiles (on a build whose tiles are a software model, AVX2).
         float_isa = min(isa, Isa.AVX512, Isa(cpu_ext.load().gemm_vector_isa()))
@@ -258,10 +270,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = F.linear(rows, packed.quantized.dequantize(), bias)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
     if packed.kind == "panels":  # takes row strides; adds the bias in float32 before its one rounding
+        isa = packed.vector_isa if 0 < rows.shape[0] <= packed.vector_rows else packed.isa
         if packed.upcast:
             rows = rows.float()
             bias = None if bias is None else bias.float()
-        out = cpu_ext.load().panel_gemm(rows, packed.data, bias, packed.shape_only.shape[0], packed.isa)
+        out = cpu_ext.load().panel_gemm(rows, packed.data, bias, packed.shape_only.shape[0], isa)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
     gemm_bias = bias
     if packed.upcast:

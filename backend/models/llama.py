@@ -134,13 +134,13 @@ class Linear(nn.Linear):
     input_perm: torch.Tensor | None = None
 
     def pack(self, batch_invariant: bool = True) -> None:
-        """`batch_invariant`: the engine's mode, which a quantized weight's CPU path follows."""
+        """`batch_invariant`: the engine's mode, which the CPU paths of a few rows follow."""
         if self.quantized is not None:
             self.packed = kernels.pack_linear_weight(self.quantized, dtype=self.weight.dtype, device=self.weight.device,
                                                      batch_invariant=batch_invariant)
             self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
             return
-        self.packed = kernels.pack_linear_weight(self.weight)
+        self.packed = kernels.pack_linear_weight(self.weight, batch_invariant=batch_invariant)
         if self.packed is not None:
             # The packed copy is the weight from now on; keep only its shape and dtype.
             self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
@@ -439,7 +439,8 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.stack_experts()
         if self.lm_head is None:
             embed = self.embed_tokens
-            self.tied_lm_head_packed = (kernels.pack_linear_weight(embed.weight) if embed.quantized is None else
+            self.tied_lm_head_packed = (kernels.pack_linear_weight(embed.weight, batch_invariant=batch_invariant)
+                                        if embed.quantized is None else
                                         kernels.pack_linear_weight(embed.quantized, dtype=embed.weight.dtype,
                                                                    device=embed.weight.device,
                                                                    batch_invariant=batch_invariant))

@@ -48,8 +48,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt,
         "RoPE on query and key, key and value into the paged cache (int8 and fp8 caches: quantized, with scales)");
   pybind11::class_<Projection>(m, "Projection", "A projection's packed weight, for DecoderLayer")
-      .def(pybind11::init<at::Tensor, std::optional<at::Tensor>, int64_t, int64_t, bool>(), pybind11::arg("panels"),
-           pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"), pybind11::arg("upcast"))
+      .def(pybind11::init([](at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa, bool upcast,
+                             int64_t vector_rows, int64_t vector_isa) {
+             Projection p{panels, bias, n, isa, upcast};
+             p.vector_rows = vector_rows, p.vector_isa = vector_isa;
+             return p;
+           }),
+           pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"),
+           pybind11::arg("upcast"), pybind11::arg("vector_rows") = 0, pybind11::arg("vector_isa") = 0)
+      .def_readonly("vector_rows", &Projection::vector_rows)
+      .def_readonly("vector_isa", &Projection::vector_isa)
       .def_static(
           "quantized",
           [](at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins, int64_t bits, int64_t group_size,

@@ -34,10 +34,12 @@ at::Tensor project(const Projection& p, const at::Tensor& x) {
     return quant_panel_gemm(x.to(at::kFloat), p.panels, p.scales, p.mins, bias, p.n, p.bits, p.group_size, isa)
         .to(x.scalar_type());
   }
-  if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, p.isa);
+  // A bf16 weight's call of a few rows on vdpbf16ps beside the tiles (linear()'s rule).
+  const int64_t isa = x.size(0) > 0 && x.size(0) <= p.vector_rows ? p.vector_isa : p.isa;
+  if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, isa);
   // A bfloat16 weight packed as its float32 upcast (kernels/linear.py): widen the input, round
   // the output once.
-  return panel_gemm(x.to(at::kFloat), p.panels, p.bias, p.n, p.isa).to(x.scalar_type());
+  return panel_gemm(x.to(at::kFloat), p.panels, p.bias, p.n, isa).to(x.scalar_type());
 }
 
 // The projection, plus each LoRA segment's delta as kernels/lora.py's lora_delta_cpu adds it:

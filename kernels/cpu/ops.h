@@ -84,9 +84,10 @@ struct Projection {
   int64_t bits = 0, group_size = 0;
   at::Tensor scales;
   std::optional<at::Tensor> mins;
-  // A quantized weight outside the batch-invariant mode (kernels/linear.py's PackedWeight): inputs
-  // of at most vector_rows rows run the path vector_isa instead, the float32 vector path (input
-  // widened) or, from kQuantBf16Dots on, the bf16 dot products (input as it is).
+  // Outside the batch-invariant mode (kernels/linear.py's PackedWeight), inputs of at most
+  // vector_rows rows run the path vector_isa instead: a bf16 weight's vdpbf16ps beside the tiles; a
+  // quantized weight's float32 vector path (input widened) or, from kQuantBf16Dots on, its bf16 dot
+  // products (input as it is).
   int64_t vector_rows = 0, vector_isa = 0;
 };
 

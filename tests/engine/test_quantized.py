@@ -28,7 +28,7 @@ from backend.models.llama import Linear
 from backend.models.loader import CheckpointError, load_model
 from backend.models.quantization import gguf_quantized
 from backend.request import SamplingParams
-from kernels.linear import VECTOR_ROWS_BESIDE_TILES
+from kernels.linear import BF16_ROWS_BESIDE_TILES, VECTOR_ROWS_BESIDE_TILES
 from tests.checkpoints import make_gguf_checkpoint, make_tiny_checkpoint
 from tests.engine.test_engine_equivalence import (
     MAX_TOKENS,
@@ -260,25 +260,27 @@ def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
 
 
 @pytest.mark.skipif(kernels.cpu_ext.isa() < kernels.cpu_ext.Isa.AMX, reason="no AMX tiles here")
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_a_bf16_models_quantized_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant,
-                                                                             quantization):
-    """The engine's mode reaches the packing: outside it every quantized projection of a bf16
-    model runs calls of a few rows beside the tiles (kernels/linear.py: int8 on the float32 vector
-    path, int4 on the bf16 dots), in it none does; and the fused C++ layers take the same path as
-    the modules, so that a request's tokens are the same either way (the CPU runs the fused layers;
-    the modules are what the other devices run)."""
+def test_a_bf16_models_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant, quantization):
+    """The engine's mode reaches the packing: outside it every projection of a bf16 model (and the
+    tied output head) runs calls of a few rows beside the tiles (kernels/linear.py: bf16 weights on
+    vdpbf16ps, int8 on the float32 vector path, int4 on the bf16 dots), in it none does; and the
+    fused C++ layers take the same path as the modules, so that a request's tokens are the same
+    either way (the CPU runs the fused layers; the modules are what the other devices run)."""
     prompts = PROMPTS[:3]
     Isa = kernels.cpu_ext.Isa
-    rows = 0 if batch_invariant else VECTOR_ROWS_BESIDE_TILES
-    beside = Isa.NONE if batch_invariant else (
-        Isa.AVX512_BF16 if quantization == "int4" else min(Isa.AVX512, Isa(kernels.cpu_ext.load().gemm_vector_isa())))
+    beside = {"none": (BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16), "int4": (VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16),
+              "int8": (VECTOR_ROWS_BESIDE_TILES, min(Isa.AVX512, Isa(kernels.cpu_ext.load().gemm_vector_isa())))}
+    rows, vector_isa = (0, Isa.NONE) if batch_invariant else beside[quantization]
 
     def check_packing(engine: LLMEngine) -> None:
         assert engine.runner.batch_invariant == batch_invariant
-        packed = [m.packed for m in engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
-        assert packed and {(p.isa, p.vector_rows, p.vector_isa) for p in packed} == {(Isa.AMX, rows, beside)}
+        packed = [m.packed for m in engine.model.modules() if isinstance(m, Linear) and m.packed is not None]
+        if quantization == "none" and engine.model.tied_lm_head_packed is not None:
+            packed.append(engine.model.tied_lm_head_packed)
+        assert len(packed) > 1 and {(p.isa, p.vector_rows, p.vector_isa) for p in packed} == {
+            (Isa.AMX, rows, vector_isa)}
 
     def unfuse(engine: LLMEngine) -> None:
         check_packing(engine)

@@ -116,11 +116,20 @@ def test_which_weights_are_packed_and_how(monkeypatch):
         assert (packed_bf16.kind, packed_bf16.isa, packed_bf16.upcast, packed_bf16.data.dtype) == \
             ("panels", isa if native else min(isa, Isa.AVX512), not native,
              torch.bfloat16 if native else torch.float32)
-    # A build whose tiles are a software model on an AVX2 CPU: float32 on the AVX2 path.
+        # Outside the batch-invariant mode only a bf16 weight on the tiles has a path beside them.
+        fast = kernels.pack_linear_weight(small.bfloat16(), batch_invariant=False)
+        assert (fast.isa, fast.vector_rows, fast.vector_isa) == (
+            (Isa.AMX, LINEAR.BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16) if isa == Isa.AMX else
+            (packed_bf16.isa, 0, Isa.NONE))
+        assert kernels.pack_linear_weight(small, batch_invariant=False).vector_rows == 0
+        assert packed_bf16.vector_rows == 0
+    # A build whose tiles are a software model on an AVX2 CPU: float32 on the AVX2 path, and no
+    # vdpbf16ps beside the tiles.
     monkeypatch.setattr(cpu_ext, "load", lambda: _RecordingPanels(Isa.AVX2))
     monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.AMX)
     assert kernels.pack_linear_weight(small).isa == Isa.AVX2
     assert kernels.pack_linear_weight(small.bfloat16()).isa == Isa.AMX
+    assert kernels.pack_linear_weight(small.bfloat16(), batch_invariant=False).vector_rows == 0
     monkeypatch.undo()
     # Without the panel GEMM, oneDNN packs only weights large enough to pay for its per-call setup.
     monkeypatch.setattr(cpu_ext, "isa", lambda: Isa.NONE)
@@ -359,6 +368,30 @@ def _pytest_in_a_process_of_its_own(args: list[str], env: dict[str, str]) -> str
                          capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     return run.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(cpu_ext.isa() < Isa.AMX or cpu_ext.built_isa() < Isa.AMX, reason="no AMX tiles lent here")
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 40])
+def test_outside_batch_invariance_a_bf16_weights_few_rows_run_beside_the_tiles(rows):
+    """Packed with the engine's mode off, a bf16 weight's calls of at most BF16_ROWS_BESIDE_TILES rows
+    run vdpbf16ps on the same panels, more rows the tiles; in the mode, every call the tiles. The
+    weight and input are ones where the two paths' sums round apart, so the check tells them apart."""
+    gen = torch.Generator().manual_seed(21)
+    weight, bias = torch.randn(2048, 4096, generator=gen).bfloat16(), torch.randn(2048, generator=gen).bfloat16()
+    x = torch.randn(rows, 4096, generator=gen).bfloat16()
+    module = cpu_ext.load()
+    fast = kernels.pack_linear_weight(weight, batch_invariant=False)
+    invariant = kernels.pack_linear_weight(weight)
+    assert torch.equal(fast.data, invariant.data)
+    dots = module.panel_gemm(x, invariant.data, bias, 2048, int(Isa.AVX512_BF16))
+    tiles = module.panel_gemm(x, invariant.data, bias, 2048, int(Isa.AMX))
+    assert not torch.equal(dots, tiles)
+    assert torch.equal(kernels.linear(x, invariant.shape_only, bias, invariant), tiles)
+    expected = dots if rows <= LINEAR.BF16_ROWS_BESIDE_TILES else tiles
+    assert torch.equal(kernels.linear(x, fast.shape_only, bias, fast), expected)
+    # The fused decoder layer's projections follow the same rule.
+    projection = kernels.decoder_layer._projection(module, fast, bias)
+    assert (projection.vector_rows, projection.vector_isa) == (LINEAR.BF16_ROWS_BESIDE_TILES, int(Isa.AVX512_BF16))
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ BF16_ROWS_BESIDE_TILES = 6
 # vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
 # 2-core AMX Xeon, Llama-3.2-1B's MLP and SmolLM2's gate|up, int8/q8_0/q4_1/int4: the vector path
 # 1.6-2.0x faster at 1 row, 1.1-1.8x at 2, 1.05-1.6x at 3, even at 4; the tiles 1.2-2.6x faster at 8).
-# int4's bf16 dots there against the float32 path: 1.3-1.6x at 1 row, 1.1-1.4x at 2, 0.8-1.3x at 3,
+# int4's bf16 dots there against the float32 path: 1.2-1.4x at 1 row, 1.0-1.2x at 2, 0.95-1.4x at 3,
 # the tiles faster from 8 (client.bench.quant_gemm --bf16, bench/results/amx/quant_gemm_bf16_dots.json).
 VECTOR_ROWS_BESIDE_TILES = 3
 

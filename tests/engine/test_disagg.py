@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import time
+import types
 
 import pytest
 import torch
 
+from backend import disagg
 from backend.config import EngineConfig
 from backend.disagg import (
     SHM_PREFIX,
@@ -48,8 +51,21 @@ def _engine(model: str, role: str = "both", **config) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=model, device="cpu", role=role, **config))
 
 
+# This process's transfers carry its pid in their random part, so that the leak checks see their
+# own only: other xdist workers' tests make and remove transfers in /dev/shm meanwhile.
+_PROCESS_TAG = f"{os.getpid() % 16 ** 8:08x}"
+
+
+@pytest.fixture(autouse=True)
+def _tagged_transfer_names(monkeypatch):
+    monkeypatch.setattr(disagg, "secrets",
+                        types.SimpleNamespace(token_hex=lambda n: _PROCESS_TAG + secrets.token_hex(n - 4)))
+
+
 def _shm_transfers() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+    """This process's transfers in /dev/shm."""
+    return {name for name in os.listdir("/dev/shm")
+            if name.startswith(SHM_PREFIX) and name.rpartition("-")[2].startswith(_PROCESS_TAG)}
 
 
 def _tokens_and_logprobs(outputs, tokens: dict, logprobs: dict) -> None:

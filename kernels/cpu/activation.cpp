@@ -10,7 +10,11 @@
 // No reassociation, reciprocal or contraction here, whatever cpu_ext.py's flags allow.
 #pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -9,7 +9,7 @@
 // One build has both, so testing the tile kernels on the model costs no second compile.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>

@@ -1,4 +1,5 @@
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
 #include "ops.h"

@@ -9,7 +9,12 @@
 // and with 4 adapters in a step the ~1,300 small GEMM calls' Python (W1 with 4 rank-8 adapters
 // and base went from 0.65x to 0.86x the all-base output tokens/s, float32).
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <optional>
 #include <tuple>

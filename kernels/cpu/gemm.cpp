@@ -37,7 +37,9 @@
 // Work is split over the cores by (row block, group of panels), in chunks taken as cores come
 // free; a row block is sized so that its rows of x stay in L2 while the panels stream past.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

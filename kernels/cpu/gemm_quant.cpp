@@ -82,7 +82,12 @@
 // 2048 x 8192   32   28.2         37.7         39.0         46.5         47.6
 // 2048 x 8192  256   28.2         41.2         42.4         34.7         35.8
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bitwise_left_shift.h>
+#include <ATen/ops/bitwise_or.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 

@@ -12,7 +12,12 @@
 // flags allow the attention kernel.
 #pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/sum.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <c10/util/BFloat16.h>

@@ -1,7 +1,7 @@
 // The C++ CPU kernels' entry points (bound to Python in bindings.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

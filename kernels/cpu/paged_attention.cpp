@@ -35,7 +35,9 @@
 // batch, the run or the task it is in (the engine's batch invariance).
 // The plain loops remain for any other head size.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

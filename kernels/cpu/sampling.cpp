@@ -10,7 +10,7 @@
 // order of the adds is the result.
 #pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)

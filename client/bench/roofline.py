@@ -148,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>10.3f} {r['roofline_ms']:>12.3f} "
               f"{r['achieved_gbps']:>9.1f} {r['fraction_of_roofline']:>11.1%}")
     report = {
-        "benchmark": "G1 decode roofline",
-        "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
-        "git_commit": git_commit(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "device": engine.device.type,
-        "checkpoint": args.model,
-        "dtype": dtype,
+        **report_head("G1 decode roofline", args, argv, engine),
         "quantization": args.quantization if args.quantization != "none" else (
             "as stored" if engine.model.is_quantized() else "none"),
         "group_size": args.group_size if args.quantization == "int4" else None,
@@ -167,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_report(args.json, report)
     return 0
+
+
+def report_head(benchmark: str, args, argv: list[str] | None, engine: LLMEngine) -> dict:
+    """What every report of this command starts with: the run, the machine, the model."""
+    return {"benchmark": benchmark,
+            "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
+            "git_commit": git_commit(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine(), "device": engine.device.type, "checkpoint": args.model,
+            "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
 def engine_config(args, quantization: str, batch: int, context: int) -> EngineConfig:
@@ -195,14 +197,7 @@ def compare(args, argv: list[str] | None) -> int:
               f"{result['median']['speedup_over_' + first][name]:5.2f}x {first}")
     engine = engines[first]
     report = {
-        "benchmark": "Q1 quantized decode step, interleaved",
-        "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
-        "git_commit": git_commit(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "device": engine.device.type,
-        "checkpoint": args.model,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        **report_head("Q1 quantized decode step, interleaved", args, argv, engine),
         "quantizations": names,
         "group_size": args.group_size,
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -181,6 +181,22 @@ def test_a_row_has_the_same_bits_in_any_batch(isa, layout):
         torch.set_num_threads(threads)
 
 
+def assert_a_row_keeps_its_bits(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor, isa: Isa,
+                                slices: list[tuple[int, int]]) -> None:
+    """Batch invariance: each slice of x's rows gives the rows' bits of the whole batch, with one
+    thread or two."""
+    full = quant_gemm(x, weight, bias, isa)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for first, count in slices:
+                assert torch.equal(quant_gemm(x[first:first + count].clone(), weight, bias, isa),
+                                   full[first:first + count]), (num_threads, first, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tile_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The bf16 tile GEMM (kernels/cpu/gemm.cpp) on the de-quantized weight rounded to bfloat16."""
     panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
@@ -213,16 +229,7 @@ def test_a_row_has_the_same_bits_in_any_batch_on_the_tiles(layout):
     weight = make_weight(160, 576, layout, 3)
     gen = torch.Generator().manual_seed(3)
     x, bias = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(160, generator=gen).bfloat16()
-    full = quant_gemm(x, weight, bias, Isa.AMX)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            for first, count in [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)]:
-                assert torch.equal(quant_gemm(x[first:first + count].clone(), weight, bias, Isa.AMX),
-                                   full[first:first + count]), (num_threads, first, count)
-    finally:
-        torch.set_num_threads(threads)
+    assert_a_row_keeps_its_bits(x, weight, bias, Isa.AMX, [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)])
 
 
 @needs_tiles
@@ -531,16 +538,7 @@ def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
     weight = make_weight(200, 576, layout, 5)
     gen = torch.Generator().manual_seed(5)
     x, bias = torch.randn(11, 576, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
-    full = quant_gemm(x, weight, bias, Isa.AVX512_BF16)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            for first, count in [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9)]:
-                assert torch.equal(quant_gemm(x[first:first + count].clone(), weight, bias, Isa.AVX512_BF16),
-                                   full[first:first + count]), (num_threads, first, count)
-    finally:
-        torch.set_num_threads(threads)
+    assert_a_row_keeps_its_bits(x, weight, bias, Isa.AVX512_BF16, [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9)])
 
 
 @needs_bf16_dots

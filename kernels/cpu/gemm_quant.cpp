@@ -824,14 +824,16 @@ at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, co
 // A bf16 model's decode outside the batch-invariant mode (kernels/linear.py packs it beside the
 // tiles, or beside the float32 path of a CPU without them). The float paths spend ~10
 // instructions a 32 weights de-quantizing (widen, convert, scale, add the min) before the
-// multiply-adds, which bounds a decode's one row at ~9 G weights/s a core, half of what memory
-// delivers of int4. Here the scale and min leave the inner loop:
+// multiply-adds, which bounds a decode's one row below the memory's speed (2-core AMX Xeon:
+// 10-14 GB/s of int4 against a copy bandwidth of ~20). Here the scale and min leave the inner loop:
 //   out[r, c] = sum over groups g of  scale[g, c] * D[r, g, c] + min[g, c] * X[r, g]  (+ bias),
 //   D[r, g, c] = sum over k in g of x[r, k] * q[k, c],   X[r, g] = sum over k in g of x[r, k],
 // the same real number as x times the de-quantized weight. q (0..15) is exact in bfloat16, so a
 // 16-entry table (`vpermw`) turns a pair's two nibbles into the two bfloat16 factors
 // `vdpbf16ps` multiplies with the row's pair of x (products exact, sums in float32): 5
-// instructions a 32 weights, the rest once a group. So the bits are this path's own, neither the
+// instructions a 32 weights, the rest once a group; 14-18 GB/s of int4 at one row there
+// (client.bench.quant_gemm --bf16, bench/results/amx/quant_gemm_bf16_dots.json). The shuffle port
+// bounds it now (the widening, the table and half of each vdpbf16ps issue there). So the bits are this path's own, neither the
 // float path's nor the tiles'; a row's still depend on that row only. Groups of an even size (a
 // pair of k's never straddles two), or one group (per output channel; an odd K's last pair
 // padded with zeros in x as in q).

@@ -135,6 +135,10 @@ class PackedWeight:
         self.vector_rows = 0
         self.vector_isa = Isa.NONE
 
+    def isa_for(self, rows: int) -> Isa:
+        """The path a call of `rows` rows takes: `vector_isa` for a few, else `isa`."""
+        return self.vector_isa if 0 < rows <= self.vector_rows else self.isa
+
     @property
     def nbytes(self) -> int:
         """Bytes the packed weight holds resident."""
@@ -256,10 +260,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if packed.kind in ("quant_panels", "quant"):  # bf16 on the tiles; elsewhere float32, bf16 widened, rounded once
-        beside = 0 < rows.shape[0] <= packed.vector_rows
-        isa = packed.vector_isa if beside else packed.isa
-        widen = packed.vector_isa < Isa.AVX512_BF16 if beside else packed.upcast
-        if widen:
+        isa = packed.isa_for(rows.shape[0])
+        if isa < Isa.AVX512_BF16:  # the paths below the tiles and the bf16 dots take float32
             rows = rows.float()
             bias = None if bias is None else bias.float()
         if packed.kind == "quant_panels":
@@ -270,7 +272,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = F.linear(rows, packed.quantized.dequantize(), bias)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
     if packed.kind == "panels":  # takes row strides; adds the bias in float32 before its one rounding
-        isa = packed.vector_isa if 0 < rows.shape[0] <= packed.vector_rows else packed.isa
+        isa = packed.isa_for(rows.shape[0])
         if packed.upcast:
             rows = rows.float()
             bias = None if bias is None else bias.float()

@@ -29,9 +29,8 @@ at::Tensor project(const Projection& p, const at::Tensor& x) {
   if (p.bits != 0) {  // int8/int4 weights: bf16 as it is on the tiles and bf16 dots; else float32
     // A call of a few rows runs the path beside (linear()'s rule): the bf16 dots as they are, the
     // float32 vector path widened as an upcast weight is.
-    const bool beside = x.size(0) > 0 && x.size(0) <= p.vector_rows;
-    const int64_t isa = beside ? p.vector_isa : p.isa;
-    const bool widen = beside ? p.vector_isa < kQuantBf16Dots : p.upcast;
+    const int64_t isa = p.isa_for(x.size(0));
+    const bool widen = isa < kQuantBf16Dots;  // the paths below the tiles and the bf16 dots take float32
     // The bias in the dtype of the path's input (kept in the main path's).
     const auto dtype = widen ? at::kFloat : x.scalar_type();
     const std::optional<at::Tensor> bias = p.bias.has_value() ? std::optional(p.bias->to(dtype)) : p.bias;
@@ -40,7 +39,7 @@ at::Tensor project(const Projection& p, const at::Tensor& x) {
         .to(x.scalar_type());
   }
   // A bf16 weight's call of a few rows on vdpbf16ps beside the tiles (linear()'s rule).
-  const int64_t isa = x.size(0) > 0 && x.size(0) <= p.vector_rows ? p.vector_isa : p.isa;
+  const int64_t isa = p.isa_for(x.size(0));
   if (!p.upcast) return panel_gemm(x, p.panels, p.bias, p.n, isa);
   // A bfloat16 weight packed as its float32 upcast (kernels/linear.py): widen the input, round
   // the output once.

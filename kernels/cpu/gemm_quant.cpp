@@ -96,6 +96,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -500,27 +501,38 @@ using ItemFn = void (*)(const float* x, int64_t ldx, int64_t rows, const Packed&
                         int64_t panels, const float* bias, float* out, int64_t ldo, int64_t cols,
                         const uint8_t* prefetch, std::vector<float>& sums);
 
-template <class V, int Rows, int Bits, bool Mins>
-void direct_rows(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, int64_t panels, const float* bias,
-                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
-  constexpr int kPanels = V::panels_for_rows(Rows);
+// Calls tile(std::integral_constant<int, P>{}, p, line_begin, line_end) over an item's panels
+// [0, panels): Panels adjacent ones at a time, the last few one by one. Each call gets an equal
+// share [line_begin, line_end) of the 64-byte lines of the next item's panels (`prefetch`; none
+// where nullptr) to ask for into L2 as it goes.
+template <int Panels, class Tile>
+__attribute__((always_inline)) inline void for_each_panel_tile(const Packed& w, int64_t panels,
+                                                               const uint8_t* prefetch, Tile&& tile) {
   const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
-  const int64_t calls = panels / kPanels + panels % kPanels;
+  const int64_t calls = panels / Panels + panels % Panels;
   int64_t call = 0;
   for (int64_t p = 0; p < panels; ++call) {
     const int64_t line_begin = call * lines / calls, line_end = (call + 1) * lines / calls;
-    const int64_t col = p * kPanel, rest = cols - col;
-    const float* b = bias != nullptr ? bias + col : nullptr;
-    if (panels - p >= kPanels) {
-      direct_tile<V, Rows, kPanels, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch,
-                                                line_begin, line_end);
-      p += kPanels;
+    if (panels - p >= Panels) {
+      tile(std::integral_constant<int, Panels>{}, p, line_begin, line_end);
+      p += Panels;
     } else {
-      direct_tile<V, Rows, 1, Bits, Mins>(x, ldx, w, first_panel + p, b, out + col, ldo, rest, prefetch, line_begin,
-                                          line_end);
+      tile(std::integral_constant<int, 1>{}, p, line_begin, line_end);
       p += 1;
     }
   }
+}
+
+template <class V, int Rows, int Bits, bool Mins>
+void direct_rows(const float* x, int64_t ldx, const Packed& w, int64_t first_panel, int64_t panels, const float* bias,
+                 float* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  for_each_panel_tile<V::panels_for_rows(Rows)>(w, panels, prefetch, [&](auto tile_panels, int64_t p, int64_t line_begin,
+                                                                         int64_t line_end) {
+    const int64_t col = p * kPanel;
+    direct_tile<V, Rows, decltype(tile_panels)::value, Bits, Mins>(
+        x, ldx, w, first_panel + p, bias != nullptr ? bias + col : nullptr, out + col, ldo, cols - col, prefetch,
+        line_begin, line_end);
+  });
 }
 
 template <class V, int Bits, bool Mins>
@@ -587,11 +599,41 @@ ItemFn pick_item(int64_t bits, bool mins) {
 }
 
 
+// A GEMM's work items: (row block of `block_rows` rows, group of `group_panels` panels), row block
+// first (a core keeps its x rows in cache and streams panels past them).
+struct WorkItem {
+  int64_t first_row, rows, first_panel, panels, col, cols;
+};
+
+struct WorkGrid {
+  int64_t m, n, num_panels, block_rows, group_panels;
+  int64_t groups() const { return (num_panels + group_panels - 1) / group_panels; }
+  int64_t items() const { return (m + block_rows - 1) / block_rows * groups(); }
+  WorkItem at(int64_t item) const {
+    const int64_t first_row = item / groups() * block_rows, first_panel = item % groups() * group_panels;
+    const int64_t panels = std::min(group_panels, num_panels - first_panel), col = first_panel * kPanel;
+    return {first_row, std::min(m, first_row + block_rows) - first_row, first_panel, panels, col,
+            std::min(panels * kPanel, n - col)};
+  }
+  // The panels of item `item` (-1: none), which the tiles of the item before it ask for.
+  const uint8_t* panels_of(const Packed& w, int64_t item) const {
+    return item >= 0 ? w.q + item % groups() * group_panels * w.panel_bytes : nullptr;
+  }
+  // Runs run(begin, end, after) over every item: on this thread for a GEMM of fewer than
+  // kMinParallelMacs multiply-adds, else over the cores in shrinking chunks; `after` is the item the
+  // core takes next once [begin, end) is done (-1: none known).
+  template <class Run>
+  void run(int64_t k, const Run& run_items) const {
+    const int64_t threads = at::get_num_threads();
+    if (m * n * k < kMinParallelMacs || threads == 1) return run_items(0, items(), -1);
+    run_in_shrinking_chunks(items(), threads, run_items);
+  }
+};
+
 // Items are (row block, group of `group_panels` panels): as many as a one-row tile takes, so that
 // a decode's few panels still make enough items to share out evenly over the cores.
 at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
                 ItemFn item_fn, int64_t max_rows, int64_t group_panels) {
-  const int64_t kGroup = group_panels;
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -600,31 +642,16 @@ at::Tensor gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const 
   const int64_t ldx = x.stride(0);
   const int64_t block_rows =
       std::max<int64_t>(max_rows, kRowBlockBytes / (k * int64_t(sizeof(float))) / max_rows * max_rows);
-  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
-  const int64_t groups = (num_panels + kGroup - 1) / kGroup;
-
-  // Items row block first (a core keeps its x rows in cache and streams panels past them);
-  // `after`: the item the core takes next once [begin, end) is done (-1: none known).
-  auto run = [&](int64_t begin, int64_t end, int64_t after) {
+  const WorkGrid grid{m, n, num_panels, block_rows, group_panels};
+  grid.run(k, [&](int64_t begin, int64_t end, int64_t after) {
     std::vector<float> sums;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / groups, g = item % groups;
-      const int64_t first_row = block * block_rows, rows = std::min(m, first_row + block_rows) - first_row;
-      const int64_t first_panel = g * kGroup, panels = std::min(kGroup, num_panels - first_panel);
-      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
-      const int64_t next_item = item + 1 < end ? item + 1 : after;
-      const uint8_t* next = next_item >= 0 ? w.q + next_item % groups * kGroup * w.panel_bytes : nullptr;
-      item_fn(xp + first_row * ldx, ldx, rows, w, first_panel, panels, bias != nullptr ? bias + col : nullptr,
-              op + first_row * n + col, n, cols, next, sums);
+      const WorkItem it = grid.at(item);
+      item_fn(xp + it.first_row * ldx, ldx, it.rows, w, it.first_panel, it.panels,
+              bias != nullptr ? bias + it.col : nullptr, op + it.first_row * n + it.col, n, it.cols,
+              grid.panels_of(w, item + 1 < end ? item + 1 : after), sums);
     }
-  };
-  const int64_t items = row_blocks * groups;
-  const int64_t threads = at::get_num_threads();
-  if (m * n * k < kMinParallelMacs || threads == 1) {
-    run(0, items, -1);
-    return out;
-  }
-  run_in_shrinking_chunks(items, threads, run);
+  });
   return out;
 }
 
@@ -924,24 +951,13 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
 template <int Rows, bool Mins>
 void bf16_dot_rows(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, int64_t panels,
                    const float* bias, c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
-  constexpr int kPanels = Rows == 1 ? 4 : 2;
-  const int64_t lines = prefetch != nullptr ? (panels * w.panel_bytes + 63) / 64 : 0;
-  const int64_t calls = panels / kPanels + panels % kPanels;
-  int64_t call = 0;
-  for (int64_t p = 0; p < panels; ++call) {
-    const int64_t line_begin = call * lines / calls, line_end = (call + 1) * lines / calls;
+  for_each_panel_tile<Rows == 1 ? 4 : 2>(w, panels, prefetch, [&](auto tile_panels, int64_t p, int64_t line_begin,
+                                                                  int64_t line_end) {
     const int64_t col = p * kPanel;
-    const float* b = bias != nullptr ? bias + col : nullptr;
-    if (panels - p >= kPanels) {
-      bf16_dot_tile<Rows, kPanels, Mins>(x, w, pairs, first_panel + p, b, out + col, ldo, cols - col, prefetch,
-                                         line_begin, line_end);
-      p += kPanels;
-    } else {
-      bf16_dot_tile<Rows, 1, Mins>(x, w, pairs, first_panel + p, b, out + col, ldo, cols - col, prefetch, line_begin,
-                                   line_end);
-      p += 1;
-    }
-  }
+    bf16_dot_tile<Rows, decltype(tile_panels)::value, Mins>(x, w, pairs, first_panel + p,
+                                                            bias != nullptr ? bias + col : nullptr, out + col, ldo,
+                                                            cols - col, prefetch, line_begin, line_end);
+  });
 }
 
 template <bool Mins>
@@ -970,33 +986,27 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
   const Bf16Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
                       Mins ? group_sums.data_ptr<float>() : nullptr, w.groups};
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows, groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
-  auto run = [&](int64_t begin, int64_t end, int64_t after) {
+  const WorkGrid grid{m, n, num_panels, kBlockRows, kGroupPanels};
+  grid.run(k, [&](int64_t begin, int64_t end, int64_t after) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / groups, g = item % groups;
-      const int64_t first_row = block * kBlockRows, count = std::min(m - first_row, kBlockRows);
-      const int64_t first_panel = g * kGroupPanels, panels = std::min(kGroupPanels, num_panels - first_panel);
-      const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
-      const int64_t next_item = item + 1 < end ? item + 1 : after;
-      const uint8_t* next = next_item >= 0 ? w.q + next_item % groups * kGroupPanels * w.panel_bytes : nullptr;
-      const Bf16Rows block_rows{rows.pairs + first_row * rows.ld_pairs, rows.ld_pairs,
-                                Mins ? rows.group_sums + first_row * w.groups : nullptr, w.groups};
-      const float* b = bias != nullptr ? bias + col : nullptr;
-      c10::BFloat16* o = op + first_row * n + col;
-      switch (count) {
-        case 1: bf16_dot_rows<1, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
-        case 2: bf16_dot_rows<2, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
-        case 3: bf16_dot_rows<3, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
-        default: bf16_dot_rows<4, Mins>(block_rows, w, pairs, first_panel, panels, b, o, n, cols, next); break;
+      const WorkItem it = grid.at(item);
+      const uint8_t* next = grid.panels_of(w, item + 1 < end ? item + 1 : after);
+      const Bf16Rows block_rows{rows.pairs + it.first_row * rows.ld_pairs, rows.ld_pairs,
+                                Mins ? rows.group_sums + it.first_row * w.groups : nullptr, w.groups};
+      const float* b = bias != nullptr ? bias + it.col : nullptr;
+      c10::BFloat16* o = op + it.first_row * n + it.col;
+      const auto call = [&](auto rows_in_block) {
+        bf16_dot_rows<decltype(rows_in_block)::value, Mins>(block_rows, w, pairs, it.first_panel, it.panels, b, o, n,
+                                                            it.cols, next);
+      };
+      switch (it.rows) {
+        case 1: call(std::integral_constant<int, 1>{}); break;
+        case 2: call(std::integral_constant<int, 2>{}); break;
+        case 3: call(std::integral_constant<int, 3>{}); break;
+        default: call(std::integral_constant<int, 4>{}); break;
       }
     }
-  };
-  const int64_t items = blocks * groups, threads = at::get_num_threads();
-  if (m * n * k < kMinParallelMacs || threads == 1) {
-    run(0, items, -1);
-  } else {
-    run_in_shrinking_chunks(items, threads, run);
-  }
+  });
   return out;
 }
 #endif

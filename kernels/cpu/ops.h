@@ -89,6 +89,8 @@ struct Projection {
   // quantized weight's float32 vector path (input widened) or, from kQuantBf16Dots on, its bf16 dot
   // products (input as it is).
   int64_t vector_rows = 0, vector_isa = 0;
+  // The path a call of `rows` rows takes (kernels/linear.py's PackedWeight.isa_for).
+  int64_t isa_for(int64_t rows) const { return rows > 0 && rows <= vector_rows ? vector_isa : isa; }
 };
 
 // Every loaded LoRA adapter's weights for one projection (kernels/lora.py's layout): per

@@ -33,6 +33,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_MODES = ("none", "int8", "int4")
+# activation_quantization: "int8" quantizes the activations of every quantized weight's GEMM per
+# row (W8A8, W4A8: kernels/cpu/gemm_int8_dots.cpp); "none" keeps them in the model's dtype.
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 # kv_cache_dtype: "auto" keeps KV in the model's dtype; the others store each (token, KV head)
 # row as one byte a value with a float32 scale (kernels/kv_store.py's KVQuantDtype and QuantizedKV).
 # "fp8" is vLLM's name for fp8_e4m3, which it stands for from load on (cache_config_info and all).
@@ -138,6 +141,9 @@ class EngineConfig:
     # quantized checkpoint, GGUF/AWQ/GPTQ/compressed-tensors, is always served as stored).
     quantization: str = "none"
     quantization_group_size: int = 128
+    # int8 activations for the quantized weights (ACTIVATION_QUANTIZATIONS; CPU only): numbers of
+    # their own, faster where the integer dot products are.
+    activation_quantization: str = "none"
     # The KV pool's element type (KV_CACHE_DTYPES); the pool's size in blocks follows from it.
     kv_cache_dtype: str = "auto"
     # The folder of the tokenizer, when not model_path's own (vLLM's --tokenizer): a GGUF
@@ -214,6 +220,8 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype={self.kv_cache_dtype!r}, expected one of {KV_CACHE_DTYPES} (or 'fp8': fp8_e4m3)")
+        check(self.activation_quantization in ACTIVATION_QUANTIZATIONS,
+              f"activation_quantization={self.activation_quantization!r}, expected one of {ACTIVATION_QUANTIZATIONS}")
         check(self.quantization_group_size in GROUP_SIZES,
               f"quantization_group_size={self.quantization_group_size}, expected one of {GROUP_SIZES}")
         check(self.role in ROLES, f"role={self.role!r}, expected one of {ROLES}")

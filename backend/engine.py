@@ -121,6 +121,7 @@ class LLMEngine:
         self.model, self.hf_config = load_model(config.model_path, self.dtype, self.device, self.max_model_len,
                                                 quantization=config.quantization,
                                                 quantization_group_size=config.quantization_group_size,
+                                                activation_quantization=config.activation_quantization,
                                                 batch_invariant=config.batch_invariant)
         self.weight_bytes = self.model.resident_weight_bytes()
         self.arch = self.model.arch

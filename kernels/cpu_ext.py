@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # .build/ at the repository root (git-ignored). kernels/ imports nothing of the project, so
 # it finds the root from its own place rather than from backend.paths.
 BUILD_DIR = os.path.join(os.path.dirname(HERE), ".build", "cpu_kernels")
-SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp", "gemm_quant.cpp", "decoder_layer.cpp", "threads.cpp", "sampling.cpp")]
+SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp", "gemm_quant.cpp", "gemm_int8_dots.cpp", "decoder_layer.cpp", "threads.cpp", "sampling.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
 
 
@@ -55,6 +55,11 @@ class Isa(enum.IntEnum):
     AVX512 = 2  # float32 GEMM, 16-lane attention
     AVX512_BF16 = 3  # bfloat16 GEMM with vdpbf16ps
     AMX = 4  # bfloat16 GEMM on AMX tiles
+
+
+# quant_panel_gemm's path of int8 activations (kernels/cpu/gemm_int8_dots.cpp), in the place of an
+# instruction set: it runs on the best one the build has (the module's int8_dots_path()).
+QUANT_INT8_DOTS = 5
 
 
 def built_isa() -> Isa:

@@ -69,9 +69,9 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .cpu_ext import Isa
+from .cpu_ext import QUANT_INT8_DOTS, Isa
 from .linear_quant import linear_quant_triton, pack_quant_weight_triton
-from .quantized import QuantizedWeight
+from .quantized import QuantizedWeight, int8_activation_linear
 
 # A bf16 weight's calls of up to this many rows run vdpbf16ps beside the tiles when the engine is not
 # batch invariant: at a few rows the tiles run far below the memory's speed (2-core AMX Xeon, twelve
@@ -180,9 +180,11 @@ def _bf16_dots_take(weight: QuantizedWeight, isa: Isa, module) -> bool:
 
 
 def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device,
-                    batch_invariant: bool) -> PackedWeight:
+                    batch_invariant: bool, int8_activations: bool) -> PackedWeight:
     # What a module keeps in the weight's place: its shape, in the activations' dtype.
     shape = torch.empty(0, dtype=dtype, device=device).new_empty(1).as_strided(weight.shape, (0, 0))
+    if int8_activations:
+        return _pack_for_int8_activations(weight, shape, device)
     if device.type == "cuda":  # the Triton W8A16/W4A16 kernel's own layout, on the GPU
         packed = PackedWeight("quant_triton", None, shape)
         packed.quantized = pack_quant_weight_triton(weight, device=device)
@@ -213,9 +215,29 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
     return packed
 
 
+def _pack_for_int8_activations(weight: QuantizedWeight, shape: torch.Tensor, device: torch.device) -> PackedWeight:
+    if device.type != "cpu":
+        raise ValueError("int8 activations run on the CPU only")
+    per_line = 8 if weight.bits == 4 else 4
+    if weight.group_size % per_line and weight.group_size < weight.shape[1]:
+        raise ValueError(f"int8 activations take {weight.bits}-bit groups of a multiple of {per_line} inputs, "
+                         f"not {weight.group_size}")
+    module = cpu_ext.load()
+    if module is None:  # no C++ kernels: the same numbers in torch, per call
+        packed = PackedWeight("quant", None, shape, isa=QUANT_INT8_DOTS)
+        packed.quantized = weight
+    else:
+        q, scales, *mins = module.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits,
+                                                    weight.group_size, QUANT_INT8_DOTS)
+        packed = PackedWeight("quant_panels", q, shape, isa=QUANT_INT8_DOTS)
+        packed.scales, packed.mins = scales, (mins[0] if mins else None)
+    packed.bits, packed.group_size = weight.bits, weight.group_size
+    return packed
+
+
 def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None = None,
                        dtype: torch.dtype | None = None, device: torch.device | None = None,
-                       batch_invariant: bool = True) -> PackedWeight | None:
+                       batch_invariant: bool = True, int8_activations: bool = False) -> PackedWeight | None:
     """Pack `weight` [out, in] for fast CPU matmuls, or None where that does not apply or
     would not be faster. `isa`: the panel GEMM path to pack for (default `cpu_ext.isa()`;
     Isa.NONE: the libraries' layouts). A `QuantizedWeight` is packed as it is (kind
@@ -224,10 +246,12 @@ def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None =
     they live (default the CPU; CUDA: kind `quant_triton`, kernels/linear_quant.py).
     `batch_invariant` False (the engine's mode off) lets a bf16 model's weight on the AMX tiles run
     calls of a few rows on a vector path (vdpbf16ps; a quantized one's, VECTOR_ROWS_BESIDE_TILES),
-    faster there but not the tiles' bits."""
+    faster there but not the tiles' bits. `int8_activations` (a quantized weight on the CPU): its
+    calls quantize x's rows to int8 and run integer dot products (`int8_activation_linear`'s
+    numbers; kernels/cpu/gemm_int8_dots.cpp), batch invariant at every row count."""
     if isinstance(weight, QuantizedWeight):
         return _pack_quantized(weight, cpu_ext.isa() if isa is None else isa, dtype or torch.float32,
-                               torch.device(device or "cpu"), batch_invariant)
+                               torch.device(device or "cpu"), batch_invariant, int8_activations)
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weight = weight.detach().contiguous()
@@ -261,10 +285,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])
     if packed.kind in ("quant_panels", "quant"):  # bf16 on the tiles; elsewhere float32, bf16 widened, rounded once
         isa = packed.isa_for(rows.shape[0])
-        if isa < Isa.AVX512_BF16:  # the paths below the tiles and the bf16 dots take float32
+        if isa < Isa.AVX512_BF16:  # the paths below the tiles and the bf16 dots take float32; int8 dots x as it is
             rows = rows.float()
             bias = None if bias is None else bias.float()
-        if packed.kind == "quant_panels":
+        if isa == QUANT_INT8_DOTS and packed.kind == "quant":  # no C++ kernels: the same numbers in torch
+            out = int8_activation_linear(rows, packed.quantized, bias)
+        elif packed.kind == "quant_panels":
             out = cpu_ext.load().quant_panel_gemm(rows, packed.data, packed.scales, packed.mins, bias,
                                                   packed.shape_only.shape[0], packed.bits, packed.group_size,
                                                   int(isa))

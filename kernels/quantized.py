@@ -129,3 +129,46 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     q = q.reshape(out, groups * group)[:, :k].to(torch.int8).contiguous()
     return QuantizedWeight(q, scales.contiguous(), None if mins is None else mins.contiguous(), bits, group)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] as int8, symmetric: inv = 127 / max|row| (float32), q = round(x * inv)
+    (ties to even; a row of zeros stays zero), and the row's scale max|row| * fl(1 / 127) (a product,
+    which no compiler's fast math rewrites). Returns (q int8 [M, K],
+    scale float32 [M]): the activations of `int8_activation_linear`."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    # A quotient of two tensors: torch runs a scalar over a tensor as a reciprocal times the scalar.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv[:, None]).to(torch.int8)
+    scale = amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)
+    return q, scale
+
+
+def int8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight^T (+ bias) with int8 activations (the engine's `activation_quantization`
+    int8, kernels/cpu/gemm_int8_dots.cpp's numerics, to the bit): x's rows quantized by
+    `quantize_rows_int8`; per group g in order, the exact integer dot product d of the integers and,
+    with mins, the group's sum s of x's integers, acc = fma(scale_g, float(d), acc) then
+    acc = fma(min_g, float(s), acc) from zero; out = acc * row scale (+ bias), in x's dtype.
+    The integers are summed exactly in float64; a fused multiply-add is a float64 product and sum
+    rounded once to float32 (the product of two float32 is exact in float64)."""
+    shape, k = x.shape, x.shape[-1]
+    rows = x.reshape(-1, k)
+    q, row_scale = quantize_rows_int8(rows)
+    group = weight.group_size
+    groups = -(-k // group)
+    pad = groups * group - k
+    qx = torch.nn.functional.pad(q.double(), (0, pad)).view(-1, groups, group)
+    qw = torch.nn.functional.pad(weight.q.double(), (0, pad)).view(-1, groups, group)
+    dots = torch.einsum("mgk,ngk->mgn", qx, qw).float().double()  # float(d): int32 to float32
+    sums = qx.sum(dim=-1).float().double()
+    acc = torch.zeros(rows.shape[0], weight.q.shape[0], dtype=torch.float32)
+    for g in range(groups):
+        acc = (weight.scales[:, g].double() * dots[:, g] + acc.double()).float()
+        if weight.mins is not None:
+            acc = (weight.mins[:, g].double() * sums[:, g, None] + acc.double()).float()
+    out = acc * row_scale[:, None]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*shape[:-1], -1)

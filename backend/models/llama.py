@@ -133,11 +133,12 @@ class Linear(nn.Linear):
     # Act-order GPTQ: the order the quantized weight's inputs are stored in (x[:, input_perm]).
     input_perm: torch.Tensor | None = None
 
-    def pack(self, batch_invariant: bool = True) -> None:
-        """`batch_invariant`: the engine's mode, which the CPU paths of a few rows follow."""
+    def pack(self, batch_invariant: bool = True, int8_activations: bool = False) -> None:
+        """`batch_invariant`: the engine's mode, which the CPU paths of a few rows follow;
+        `int8_activations`: a quantized weight's calls quantize x to int8 (kernels.pack_linear_weight)."""
         if self.quantized is not None:
             self.packed = kernels.pack_linear_weight(self.quantized, dtype=self.weight.dtype, device=self.weight.device,
-                                                     batch_invariant=batch_invariant)
+                                                     batch_invariant=batch_invariant, int8_activations=int8_activations)
             self.weight = nn.Parameter(self.packed.shape_only, requires_grad=False)
             return
         self.packed = kernels.pack_linear_weight(self.weight, batch_invariant=batch_invariant)
@@ -426,13 +427,14 @@ class LlamaForCausalLM(nn.Module):
         return kernels.build_cos_sin_cache(self.arch.head_dim, max_positions, self.arch.local_rope_theta, None,
                                            torch.float32)
 
-    def pack_weights(self, batch_invariant: bool = True) -> None:
+    def pack_weights(self, batch_invariant: bool = True, int8_activations: bool = False) -> None:
         """Pack every projection for the CPU's GEMM library (on CUDA: stack the experts of a
         mixture of experts for the grouped kernel); call once, after the weights are loaded.
-        `batch_invariant`: whether the engine runs batch invariant (kernels.pack_linear_weight)."""
+        `batch_invariant`: whether the engine runs batch invariant; `int8_activations`: whether the
+        quantized weights take int8 activations (kernels.pack_linear_weight)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(batch_invariant)
+                module.pack(batch_invariant, int8_activations)
         if self.embed_tokens.weight.device.type == "cuda":
             for layer in self.layers:
                 if isinstance(layer.mlp, SparseMoeBlock):
@@ -443,20 +445,22 @@ class LlamaForCausalLM(nn.Module):
                                         if embed.quantized is None else
                                         kernels.pack_linear_weight(embed.quantized, dtype=embed.weight.dtype,
                                                                    device=embed.weight.device,
-                                                                   batch_invariant=batch_invariant))
+                                                                   batch_invariant=batch_invariant,
+                                                                   int8_activations=int8_activations))
         self.build_cpu_layers()
 
-    def pack_quantized_weights(self, batch_invariant: bool = True) -> None:
+    def pack_quantized_weights(self, batch_invariant: bool = True, int8_activations: bool = False) -> None:
         """Pack only the quantized weights (which exist only packed), leaving the float ones
         inspectable."""
         for module in self.modules():
             if isinstance(module, Linear) and module.quantized is not None:
-                module.pack(batch_invariant)
+                module.pack(batch_invariant, int8_activations)
         embed = self.embed_tokens
         if self.lm_head is None and embed.quantized is not None:
             self.tied_lm_head_packed = kernels.pack_linear_weight(embed.quantized, dtype=embed.weight.dtype,
                                                                   device=embed.weight.device,
-                                                                  batch_invariant=batch_invariant)
+                                                                  batch_invariant=batch_invariant,
+                                                                  int8_activations=int8_activations)
 
     def is_quantized(self) -> bool:
         return self.embed_tokens.quantized is not None or any(

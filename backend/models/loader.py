@@ -530,7 +530,8 @@ def _shape_only(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
                pack_weights: bool = True, quantization: str = "none",
-               quantization_group_size: int = 128, batch_invariant: bool = True) -> tuple[LlamaForCausalLM, object]:
+               quantization_group_size: int = 128, batch_invariant: bool = True,
+               activation_quantization: str = "none") -> tuple[LlamaForCausalLM, object]:
     """Build the model for `model_path` with weights in `dtype` on `device`.
 
     With `pack_weights` (the serving default) the projections are packed for the CPU's GEMM
@@ -539,6 +540,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     groups of `quantization_group_size` inputs) live in their module's `quantized` and are
     packed either way; their `weight` keeps only the shape. `batch_invariant`: whether the engine
     will run batch invariant (resolve_batch_invariance's answer), which their CPU path follows.
+    `activation_quantization` "int8": the quantized weights' GEMMs take x quantized to int8 per
+    row (CPU only; refused for a model without quantized weights).
 
     Each tensor is read once, checked, converted and moved to the device; a fused
     parameter is assembled as soon as its last part arrives, so peak memory stays near
@@ -642,10 +645,19 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     local = model.build_local_cos_sin_cache(max_positions)
     model.local_cos_sin_cache = local.to(device) if local is not None else None
     model.eval()
+    int8_activations = activation_quantization == "int8"
+    if int8_activations and not quantized:
+        raise CheckpointError(f"activation_quantization={activation_quantization!r} applies to quantized weights, and "
+                              f"{model_path} is served in float: set quantization to int8 or int4, or serve a "
+                              "quantized checkpoint")
+    if int8_activations and device.type != "cpu":
+        raise CheckpointError(f"activation_quantization={activation_quantization!r} runs on the CPU only, not on "
+                              f"{device.type}")
     if pack_weights:
-        model.pack_weights(batch_invariant)
+        model.pack_weights(batch_invariant, int8_activations)
     else:
-        model.pack_quantized_weights(batch_invariant)
+        model.pack_quantized_weights(batch_invariant, int8_activations)
     log.info("model weights: %.1f MiB resident (%s)", model.resident_weight_bytes() / 2**20,
-             quantization if quantization != "none" else (already or "float"))
+             (quantization if quantization != "none" else (already or "float"))
+             + (", int8 activations" if int8_activations else ""))
     return model, hf_config

@@ -22,7 +22,7 @@ bytes, and the first quantization's time over each other's; the report's figures
 over the rounds.
 
     python -m client.bench.roofline --model .models/random-llama3-1b --batch 1 --context 256 \
-        --dtype bfloat16 --quantization none,int4,int8 --rounds 9 --batch-invariant false
+        --dtype bfloat16 --quantization none,int4,int8,int4+a8,int8+a8 --rounds 9 --batch-invariant false
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quantization", default="none",
-                        help="the engine's quantization: none, int8, int4; several, comma-separated: the "
-                             "interleaved comparison (the docstring's Q1)")
+                        help="the engine's quantization: none, int8, int4, and int8+a8, int4+a8 with int8 "
+                             "activations; several, comma-separated: the interleaved comparison (the docstring's Q1)")
     parser.add_argument("--group-size", type=int, default=128, help="the engine's quantization_group_size")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto, int8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--batch-invariant", choices=["auto", "true", "false"], default="auto",
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         **report_head("G1 decode roofline", args, argv, engine),
         "quantization": args.quantization if args.quantization != "none" else (
             "as stored" if engine.model.is_quantized() else "none"),
-        "group_size": args.group_size if args.quantization == "int4" else None,
+        "group_size": args.group_size if args.quantization.startswith("int4") else None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "batch_invariant": engine.runner.batch_invariant,
         "copy_bandwidth_gbps": bandwidth,
@@ -172,10 +172,15 @@ def report_head(benchmark: str, args, argv: list[str] | None, engine: LLMEngine)
 
 
 def engine_config(args, quantization: str, batch: int, context: int) -> EngineConfig:
+    """`quantization`: the engine's quantization, with "+a8" for int8 activations (int4+a8)."""
     bs = args.block_size
+    weights, _, activations = quantization.partition("+")
+    if activations not in ("", "a8"):
+        raise SystemExit(f"roofline: {quantization!r}: the activations' suffix is +a8 (int8 activations) or none")
     return EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, block_size=bs,
                         max_num_seqs=batch, max_model_len=context, num_kv_blocks=batch * -(-context // bs) + 1,
-                        quantization=quantization, quantization_group_size=args.group_size,
+                        quantization=weights, quantization_group_size=args.group_size,
+                        activation_quantization="int8" if activations else "none",
                         kv_cache_dtype=args.kv_cache_dtype,
                         batch_invariant={"auto": None, "true": True, "false": False}[args.batch_invariant])
 

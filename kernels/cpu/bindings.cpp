@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_isa", &quant_gemm_isa, "The best instruction set quant_panel_gemm is built with here (0: plain C++)");
   m.def("quant_bf16_dots_built", &quant_bf16_dots_built,
         "Whether quant_panel_gemm has its int4 path on vdpbf16ps here (isa 3, bfloat16 activations)");
+  m.def("int8_dots_path", &int8_dots_path,
+        "The instruction set quant_panel_gemm's int8 activations (isa 5) run on here: avx512_vnni, avx2 or plain");
   m.def("pack_quant_panels", &pack_quant_panels, kNoGil, pybind11::arg("q"), pybind11::arg("scales"),
         pybind11::arg("mins"), pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("isa"),
         "int8/int4 weights [N, K] with their group scales and mins as 16-column panels: [q, scales(, mins)]");

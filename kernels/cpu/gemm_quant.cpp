@@ -103,6 +103,7 @@
 #include "amx.h"
 #include "ops.h"
 #include "prefetch.h"
+#include "quant_values.h"
 #include "work_split.h"
 
 #if defined(__AVX2__)
@@ -122,14 +123,7 @@ constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 1
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 constexpr int64_t kMinParallelMacs = 1 << 18;
 
-// A panel's scales or mins for one group: 16 values in float16 or float32.
-struct GroupValues {
-  const void* base;  // [P, groups, 16]
-  bool half;
-  const void* at(int64_t panel_group) const {
-    return static_cast<const char*>(base) + panel_group * kPanel * (half ? 2 : 4);
-  }
-};
+using inflight_cpu::GroupValues;
 
 struct Packed {
   const uint8_t* q;
@@ -147,11 +141,6 @@ inline int q_at(const uint8_t* panel, int64_t k, int c) {
   return k % 2 == 0 ? byte & 0xF : byte >> 4;
 }
 
-inline float value_at(const GroupValues& v, int64_t panel_group, int c) {
-  return v.half ? static_cast<float>(static_cast<const c10::Half*>(v.at(panel_group))[c])
-                : static_cast<const float*>(v.at(panel_group))[c];
-}
-
 template <int Bits>
 void scalar_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int64_t panel, const float* bias,
                  float* out, int64_t ldo, int64_t cols) {
@@ -161,8 +150,8 @@ void scalar_rows(const float* x, int64_t ldx, int64_t rows, const Packed& w, int
     for (int64_t j = 0; j < w.groups; ++j) {
       float s[kPanel], m[kPanel];
       for (int c = 0; c < kPanel; ++c) {
-        s[c] = value_at(w.scales, panel * w.groups + j, c);
-        m[c] = w.mins.base != nullptr ? value_at(w.mins, panel * w.groups + j, c) : 0.f;
+        s[c] = w.scales.value(panel * w.groups + j, c);
+        m[c] = w.mins.base != nullptr ? w.mins.value(panel * w.groups + j, c) : 0.f;
       }
       const int64_t k_end = std::min(w.k, (j + 1) * w.group_size);
       for (int64_t k = j * w.group_size; k < k_end; ++k) {
@@ -676,8 +665,8 @@ void dequantize_pairs_scalar(const Packed& w, int64_t panel, int64_t pair_begin,
       float v = 0.f;
       if (k < w.k) {
         const int64_t g = panel * w.groups + k / w.group_size;
-        v = value_at(w.scales, g, c) * static_cast<float>(q_at<Bits>(q, k, c));
-        if (w.mins.base != nullptr) v = v + value_at(w.mins, g, c);
+        v = w.scales.value(g, c) * static_cast<float>(q_at<Bits>(q, k, c));
+        if (w.mins.base != nullptr) v = v + w.mins.value(g, c);
       }
       dst[(k / 2 - pair_begin) * 2 * kPanel + 2 * c + k % 2] = c10::BFloat16(v).x;
     }
@@ -1038,20 +1027,12 @@ void check_isa(const char* op, int64_t isa) {
                   (isa == kIsaAvx512Bf16 && bf16_dots_built()),
               op, ": instruction set ", isa, " has no quantized path built here (float activations: up to ", best_isa(),
               bf16_dots_built() ? "; bfloat16 activations: 3, int4 on vdpbf16ps" : "",
-              amx_built() ? "; bfloat16 activations: 4, the AMX tiles)" : ")");
+              amx_built() ? "; bfloat16 activations: 4, the AMX tiles" : "", "; int8 activations: 5)");
   TORCH_CHECK(isa != kIsaAmx || inflight_cpu::amx_permitted(), op,
               ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
 }
 
-// float16 where every value survives the round trip, else float32; [P, groups, 16], padded with zeros.
-at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
-  const int64_t n = values.size(0), groups = values.size(1);
-  const at::Tensor as_half = values.to(at::kHalf);
-  const bool exact = as_half.to(at::kFloat).equal(values);
-  at::Tensor padded = at::zeros({panels * kPanel, groups}, values.options().dtype(exact ? at::kHalf : at::kFloat));
-  padded.narrow(0, 0, n).copy_(exact ? as_half : values);
-  return padded.view({panels, kPanel, groups}).transpose(1, 2).contiguous();
-}
+using inflight_cpu::pack_group_values;
 
 }  // namespace
 
@@ -1061,6 +1042,7 @@ bool quant_bf16_dots_built() { return bf16_dots_built(); }
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa) {
+  if (isa == kQuantInt8Dots) return pack_int8_dot_panels(q, scales, mins, bits, group_size);
   check_isa("pack_quant_panels", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_panels: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quant_panels: q must be int8 [N, K]");
@@ -1097,6 +1079,7 @@ std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::
 at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                             std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size,
                             int64_t isa) {
+  if (isa == kQuantInt8Dots) return int8_dot_gemm(x, q, scales, mins, bias, n, bits, group_size);
   check_isa("quant_panel_gemm", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
   // The tiles and the bf16 dot products take bfloat16 activations (and bias, as panel_gemm's

@@ -52,11 +52,21 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
 // de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
 // C++, 1 AVX2, 2 AVX-512; 4 the AMX tiles, for bfloat16 x (and bias): the bf16 tile GEMM's bits on
 // the de-quantized weight rounded to bfloat16; 3, int4 only, for bfloat16 x: vdpbf16ps on the exact
-// integers, each group's scale and min applied to its sums (bits of its own). quant_gemm_isa: the
-// best built; quant_bf16_dots_built: whether 3 is.
+// integers, each group's scale and min applied to its sums (bits of its own); 5, x float32 or
+// bfloat16: x quantized to int8 per row, on integer dot products (gemm_int8_dots.cpp, its own
+// layout). quant_gemm_isa: the best built; quant_bf16_dots_built: whether 3 is.
 int64_t quant_gemm_isa();
 bool quant_bf16_dots_built();
 constexpr int64_t kQuantBf16Dots = 3;  // quant_panel_gemm's isa of the bf16 dot products
+// quant_panel_gemm's (and pack_quant_panels') isa 5, which they hand to the two below: int8
+// activations (out in x's dtype) on the best instruction set the build has (int8_dots_path:
+// "avx512_vnni", "avx2" or "plain").
+constexpr int64_t kQuantInt8Dots = 5;
+const char* int8_dots_path();
+std::vector<at::Tensor> pack_int8_dot_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                                             int64_t bits, int64_t group_size);
+at::Tensor int8_dot_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                         std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size);
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa);

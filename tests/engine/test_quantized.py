@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -257,6 +258,73 @@ def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
     alone = logprobs_beside([])
     assert len(alone) == 12
     assert logprobs_beside(PROMPTS[:9]) == alone
+
+
+# --------------------------------------------------------------------------------------
+# int8 activations (activation_quantization): numbers of their own, so the oracle is the same
+# model computed with torch's int8_activation_linear for every quantized weight (kernels/quantized.py)
+
+
+def _torch_int8_activations(engine: LLMEngine) -> None:
+    """Every quantized weight repacked as the C++ kernels' absence packs it (int8_activation_linear
+    in torch, per call), and the model run module by module."""
+    with mock.patch.object(kernels.cpu_ext, "load", return_value=None):
+        for module in engine.model.modules():
+            if isinstance(module, Linear) and module.quantized is not None:
+                module.packed = kernels.pack_linear_weight(module.quantized, dtype=engine.dtype, int8_activations=True)
+                assert module.packed.kind == "quant"
+        embed = engine.model.embed_tokens
+        if engine.model.lm_head is None:
+            engine.model.tied_lm_head_packed = kernels.pack_linear_weight(embed.quantized, dtype=engine.dtype,
+                                                                          int8_activations=True)
+    engine.model.cpu_layers = None
+
+
+def _int8_activations_oracle(model_path: str, **config) -> dict:
+    """Each prompt alone, one after another, on the torch model."""
+    _, streamed, by_id = run_engine(model_path, ALL_PROMPTS, [MAX_NEW] * len(ALL_PROMPTS), [0] * len(ALL_PROMPTS),
+                                    on_engine=_torch_int8_activations, max_num_seqs=1, num_kv_blocks=256, **config)
+    return {tuple(by_id[rid]): tokens for rid, tokens in streamed.items()}
+
+
+@pytest.mark.parametrize("quantization, group", [("int4", 32), ("int8", 128)])
+def test_int8_activations_give_their_torch_models_tokens_under_every_scheduling_feature(
+        tiny_checkpoint, quantization, group):
+    config = dict(quantization=quantization, quantization_group_size=group, activation_quantization="int8")
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", num_kv_blocks=16, **config))
+    packed = [m.packed for m in engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert packed and {(p.kind, p.isa, p.vector_rows) for p in packed} == {
+        ("quant_panels", kernels.cpu_ext.QUANT_INT8_DOTS, 0)}
+    assert engine.model.cpu_layers is not None  # the fused C++ layers run them
+    _scenarios(tiny_checkpoint, _int8_activations_oracle(tiny_checkpoint, **config), **config)
+
+
+def test_int8_activations_keep_a_requests_logprobs_its_own(tiny_checkpoint):
+    """The integer dot products are exact and each row's float steps its own, on one kernel for
+    every row count: in the batch-invariant mode a probe's bf16 logprobs alone and in a busy batch
+    are the same bits."""
+    probe = SHARED_PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def logprobs_beside(others: list[list[int]]) -> list[float]:
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="bfloat16", num_kv_blocks=256,
+                                        quantization="int4", quantization_group_size=32,
+                                        activation_quantization="int8", batch_invariant=True,
+                                        max_num_batched_tokens=64, long_prefill_token_threshold=16))
+        return probe_logprobs(engine, probe, params,
+                              [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in others])
+
+    alone = logprobs_beside([])
+    assert len(alone) == 12
+    assert logprobs_beside(PROMPTS[:9]) == alone
+
+
+def test_int8_activations_without_quantized_weights_are_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"activation_quantization='int4', expected one of \('none', 'int8'\)"):
+        EngineConfig(model_path=tiny_checkpoint, activation_quantization="int4")
+    with pytest.raises(CheckpointError, match="activation_quantization='int8' applies to quantized weights"):
+        LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", num_kv_blocks=16,
+                               activation_quantization="int8"))
 
 
 @pytest.mark.skipif(kernels.cpu_ext.isa() < kernels.cpu_ext.Isa.AMX, reason="no AMX tiles here")

@@ -366,7 +366,9 @@ def test_bad_packing_is_refused():
         MODULE.quant_panel_gemm(torch.randn(2, 30), *packed, None, 16, 4, 32, Isa.AVX2)
     with pytest.raises(RuntimeError, match="n does not match"):
         MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 40, 4, 32, Isa.AVX2)
-    with pytest.raises(RuntimeError, match="instruction set 5 has no quantized path"):
+    with pytest.raises(RuntimeError, match="instruction set 6 has no quantized path"):
+        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 6)
+    with pytest.raises(RuntimeError, match="int8_dot_gemm: q panels from pack_int8_dot_panels"):  # isa 5's own layout
         MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 5)
     if not MODULE.quant_bf16_dots_built():
         with pytest.raises(RuntimeError, match="instruction set 3 has no quantized path"):

@@ -1,0 +1,544 @@
+// GEMMs of int8 activations against int8 and int4 weights on integer dot products (W8A8 and
+// W4A8: the `activation_quantization: int8` setting, as llama.cpp multiplies its Q4_0 and Q8_0
+// weights with Q8 activations and vLLM-CPU runs W8A8): out[M, N] = x[M, K] W^T (+ bias).
+//
+// Numerics, the same on every path. Each row of x (float32 or bfloat16) is quantized on its
+// own, symmetric: inv = 127 / max|x|, q_x = round(x * inv) (to nearest, ties to even; a row of
+// zeros stays zero), and the row's scale is max|x| * fl(1 / 127). For each group g of the weight (in order),
+// the exact integer dot product d = sum of q_w * q_x over the group and, for weights with mins,
+// the exact group sum s = sum of q_x give
+//     acc = fma(scale_g, float(d), acc), then acc = fma(min_g, float(s), acc)
+// (from zero), and out = acc * row scale (+ bias), rounded to x's dtype. Integers are exact
+// whatever adds them, and the float operations are the same ones in the same order on every
+// path: so AVX-512 VNNI, AVX2 and plain C++ give the same bits, and a row's bits depend on its
+// own x only, at every row count, on one kernel (the batch-invariant mode costs nothing here).
+// kernels/int8_activations.py computes the same in torch, the tests' reference.
+//
+// Layout (pack_int8_dot_panels). Panel p holds output columns 16p..16p+15, in 64-byte lines
+// shaped for vpdpbusd (each 32-bit lane one column's 4 consecutive k's):
+// - int8: line j holds k's 4j..4j+3: byte 4c + i = q[c, 4j + i];
+// - int4: line j holds k's 8j..8j+7: byte 4c + i = q[c, 8j + i] | q[c, 8j + 4 + i] << 4, so
+//   one load, an and and a shift give two vpdpbusd operands (against x's two quads);
+// - K padded with zero integers to whole lines; a group is whole lines (its size a multiple of 4
+//   for int8, of 8 for int4, or one group); scales and mins as gemm_quant.cpp packs them
+//   (quant_values.h).
+// So an int4 weight costs 4 bits plus its scales and mins, as on the float paths.
+//
+// Kernels (per tile: rows 1-4 of x against 4 panels for one row, 2 for more):
+// - AVX-512 VNNI: vpdpbusd multiplies the weight's unsigned bytes with x's signed ones. int4
+//   nibbles are unsigned as they are; int8 weights are flipped to q + 128 by one xor, and
+//   128 * s taken off the group's integer sum (exact). A decode's one row keeps separate sums
+//   for the low and high nibbles: eight independent chains against vpdpbusd's latency.
+// - AVX2 (no VNNI): vpmaddubsw (unsigned times signed bytes, pairs summed to 16 bits: at most
+//   2 x 15 x 127 for int4, 2 x 128 x 127 for int8 as |q_w| times x with q_w's sign, so never
+//   saturating) and vpmaddwd against ones.
+// - Plain C++ otherwise.
+// The activations are quantized once a call, in parallel over rows; work is split over the
+// cores by (row block, group of panels), as gemm_quant.cpp splits it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "ops.h"
+#include "prefetch.h"
+#include "quant_values.h"
+#include "work_split.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// The float steps are written out as fused multiply-adds where they are meant; no other
+// product and sum may be contracted into one (the paths must agree to the bit).
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using inflight_cpu::GroupValues;
+constexpr int64_t kPanel = inflight_cpu::kQuantPanel;
+constexpr int64_t kLineBytes = 64;  // one packed line of a panel: 16 columns x 4 bytes
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+constexpr int64_t kMinParallelMacs = 1 << 18;
+
+int64_t k_per_line(int64_t bits) { return bits == 4 ? 8 : 4; }
+
+struct Weights {
+  const uint8_t* q;     // [P, lines, 64]
+  int64_t panel_bytes;  // lines * 64
+  GroupValues scales, mins;
+  int64_t groups, lines, lines_per_group;
+};
+
+// x quantized: q [M, lines * k_per_line] int8 (zero past K), scale [M], group sums [M, groups].
+struct QuantizedRows {
+  const int8_t* q;
+  int64_t ld;  // bytes from one row to the next
+  const float* scale;
+  const int32_t* group_sums;
+  int64_t groups;
+  // x's 4 bytes at k's 4i..4i+3 of row r, as one 32-bit lane.
+  int32_t quad(int64_t r, int64_t i) const {
+    int32_t v;
+    std::memcpy(&v, q + r * ld + 4 * i, 4);
+    return v;
+  }
+  int32_t group_sum(int64_t r, int64_t g) const { return group_sums[r * groups + g]; }
+  QuantizedRows from(int64_t row) const { return {q + row * ld, ld, scale + row, group_sums + row * groups, groups}; }
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <class In>
+void quantize_row(const In* x, int64_t k, int64_t padded_k, int64_t group_size, int64_t groups, int8_t* q,
+                  float* scale, int32_t* group_sums) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(to_float(x[i]) * inv));
+  std::memset(q + k, 0, padded_k - k);
+  // A product by a constant: the build's -funsafe-math-optimizations may rewrite a division.
+  constexpr float kStep = 1.f / 127.f;
+  *scale = amax * kStep;
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = g * group_size; i < std::min(k, (g + 1) * group_size); ++i) sum += q[i];
+    group_sums[g] = sum;
+  }
+}
+
+// The row's outputs: acc * scale, + bias, in the output's dtype.
+template <class Out>
+inline void store_row(const float* acc, float scale, const float* bias, Out* out, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float v = acc[c] * scale;
+    out[c] = static_cast<Out>(bias != nullptr ? v + bias[c] : v);
+  }
+}
+
+// ---- the plain path ---------------------------------------------------------------------------
+
+template <int Bits, bool Mins, class Out>
+void scalar_rows(const QuantizedRows& x, int64_t rows, const Weights& w, int64_t panel, const float* bias, Out* out,
+                 int64_t ldo, int64_t cols) {
+  const uint8_t* q = w.q + panel * w.panel_bytes;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* xq = x.q + r * x.ld;
+    float acc[kPanel] = {};
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int32_t dot[kPanel] = {};
+      for (int64_t j = g * w.lines_per_group; j < std::min(w.lines, (g + 1) * w.lines_per_group); ++j)
+        for (int c = 0; c < kPanel; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = q[j * kLineBytes + 4 * c + i];
+            if (Bits == 8) {
+              dot[c] += static_cast<int8_t>(byte) * xq[4 * j + i];
+            } else {
+              dot[c] += (byte & 0xF) * xq[8 * j + i] + (byte >> 4) * xq[8 * j + 4 + i];
+            }
+          }
+      const float sum = static_cast<float>(x.group_sum(r, g));
+      for (int c = 0; c < kPanel; ++c) {
+        acc[c] = std::fma(w.scales.value(panel * w.groups + g, c), static_cast<float>(dot[c]), acc[c]);
+        if (Mins) acc[c] = std::fma(w.mins.value(panel * w.groups + g, c), sum, acc[c]);
+      }
+    }
+    store_row(acc, x.scale[r], bias, out + r * ldo, cols);
+  }
+}
+
+// ---- AVX-512 VNNI -----------------------------------------------------------------------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define INFLIGHT_HAVE_INT8_DOTS_VNNI 1
+
+inline __m512 group_values16(const GroupValues& v, int64_t panel_group) {
+  return v.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))))
+                : _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
+}
+
+template <int Rows, int Panels, int Bits, bool Mins, class Out>
+void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, const float* bias, Out* out,
+               int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
+  // One row of int4 keeps the nibbles' sums apart (2 x Panels chains); otherwise one sum each.
+  constexpr int kHalves = Bits == 4 && Rows == 1 ? 2 : 1;
+  const __m512i nibble = _mm512_set1_epi8(0xF), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[Rows][Panels];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p) acc[r][p] = _mm512_setzero_ps();
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  int64_t line = line_begin;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512i dot[Rows][Panels][kHalves];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < Panels; ++p)
+        for (int h = 0; h < kHalves; ++h) dot[r][p][h] = _mm512_setzero_si512();
+    const int64_t end = std::min(w.lines, (g + 1) * w.lines_per_group);
+    for (int64_t j = g * w.lines_per_group; j < end; ++j) {
+      __m512i low[Panels], high[Panels];
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p) {
+        const __m512i bytes = _mm512_loadu_si512(q + p * w.panel_bytes + j * kLineBytes);
+        if (Bits == 4) {
+          low[p] = _mm512_and_si512(bytes, nibble);
+          high[p] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        } else {
+          low[p] = _mm512_xor_si512(bytes, flip);  // q + 128, unsigned
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        if (Bits == 4) {
+          const __m512i x_low = _mm512_set1_epi32(x.quad(r, 2 * j)), x_high = _mm512_set1_epi32(x.quad(r, 2 * j + 1));
+#pragma GCC unroll 8
+          for (int p = 0; p < Panels; ++p) {
+            dot[r][p][0] = _mm512_dpbusd_epi32(dot[r][p][0], low[p], x_low);
+            dot[r][p][kHalves - 1] = _mm512_dpbusd_epi32(dot[r][p][kHalves - 1], high[p], x_high);
+          }
+        } else {
+          const __m512i xq = _mm512_set1_epi32(x.quad(r, j));
+#pragma GCC unroll 8
+          for (int p = 0; p < Panels; ++p) dot[r][p][0] = _mm512_dpbusd_epi32(dot[r][p][0], low[p], xq);
+        }
+      }
+      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
+    }
+    __m512 s[Panels], m[Panels];
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      s[p] = group_values16(w.scales, (first_panel + p) * w.groups + g);
+      if (Mins) m[p] = group_values16(w.mins, (first_panel + p) * w.groups + g);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const int32_t sum = x.group_sum(r, g);
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p) {
+        __m512i d = kHalves == 2 ? _mm512_add_epi32(dot[r][p][0], dot[r][p][kHalves - 1]) : dot[r][p][0];
+        if (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * sum));
+        acc[r][p] = _mm512_fmadd_ps(s[p], _mm512_cvtepi32_ps(d), acc[r][p]);
+        if (Mins) acc[r][p] = _mm512_fmadd_ps(m[p], _mm512_set1_ps(static_cast<float>(sum)), acc[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      if (p * kPanel >= cols) continue;
+      alignas(64) float sums[kPanel];
+      _mm512_store_ps(sums, acc[r][p]);
+      store_row(sums, x.scale[r], bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+                std::min<int64_t>(kPanel, cols - p * kPanel));
+    }
+}
+#endif
+
+// ---- AVX2 -------------------------------------------------------------------------------------
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(INFLIGHT_HAVE_INT8_DOTS_VNNI)
+#define INFLIGHT_HAVE_INT8_DOTS_AVX2 1
+
+inline void group_values8(const GroupValues& v, int64_t panel_group, __m256 (&out)[2]) {
+  if (v.half) {
+    const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
+    out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+    out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+  } else {
+    const float* f = static_cast<const float*>(v.at(panel_group));
+    out[0] = _mm256_loadu_ps(f);
+    out[1] = _mm256_loadu_ps(f + 8);
+  }
+}
+
+template <int Rows, int Panels, int Bits, bool Mins, class Out>
+void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, const float* bias, Out* out,
+               int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
+  const __m256i nibble = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  __m256 acc[Rows][Panels][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    for (int p = 0; p < Panels; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  const uint8_t* q = w.q + first_panel * w.panel_bytes;
+  int64_t line = line_begin;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256i dot[Rows][Panels][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r)
+      for (int p = 0; p < Panels; ++p) dot[r][p][0] = dot[r][p][1] = _mm256_setzero_si256();
+    const int64_t end = std::min(w.lines, (g + 1) * w.lines_per_group);
+    for (int64_t j = g * w.lines_per_group; j < end; ++j) {
+      __m256i bytes[Panels][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p)
+        for (int v = 0; v < 2; ++v)
+          bytes[p][v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * w.panel_bytes + j * kLineBytes + 32 * v));
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i x_low = _mm256_set1_epi32(x.quad(r, Bits == 4 ? 2 * j : j));
+        const __m256i x_high = Bits == 4 ? _mm256_set1_epi32(x.quad(r, 2 * j + 1)) : x_low;
+#pragma GCC unroll 8
+        for (int p = 0; p < Panels; ++p)
+          for (int v = 0; v < 2; ++v) {
+            __m256i pairs;
+            if (Bits == 4) {
+              const __m256i low = _mm256_and_si256(bytes[p][v], nibble);
+              const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes[p][v], 4), nibble);
+              pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low), _mm256_maddubs_epi16(high, x_high));
+            } else {
+              pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(bytes[p][v]), _mm256_sign_epi8(x_low, bytes[p][v]));
+            }
+            dot[r][p][v] = _mm256_add_epi32(dot[r][p][v], _mm256_madd_epi16(pairs, ones));
+          }
+      }
+      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      __m256 s[2], m[2];
+      group_values8(w.scales, (first_panel + p) * w.groups + g, s);
+      if (Mins) group_values8(w.mins, (first_panel + p) * w.groups + g, m);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 sum = _mm256_set1_ps(static_cast<float>(x.group_sum(r, g)));
+        for (int v = 0; v < 2; ++v) {
+          acc[r][p][v] = _mm256_fmadd_ps(s[v], _mm256_cvtepi32_ps(dot[r][p][v]), acc[r][p][v]);
+          if (Mins) acc[r][p][v] = _mm256_fmadd_ps(m[v], sum, acc[r][p][v]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < Panels; ++p) {
+      if (p * kPanel >= cols) continue;
+      alignas(32) float sums[kPanel];
+      _mm256_store_ps(sums, acc[r][p][0]);
+      _mm256_store_ps(sums + 8, acc[r][p][1]);
+      store_row(sums, x.scale[r], bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+                std::min<int64_t>(kPanel, cols - p * kPanel));
+    }
+}
+#endif
+
+// The widest tile of panels a row count takes, for the path built.
+constexpr int panels_for_rows(int rows) {
+#if defined(INFLIGHT_HAVE_INT8_DOTS_VNNI)
+  return rows == 1 ? 4 : 2;
+#elif defined(INFLIGHT_HAVE_INT8_DOTS_AVX2)
+  return rows == 1 ? 2 : 1;
+#else
+  return 1;
+#endif
+}
+
+template <int Rows, int Panels, int Bits, bool Mins, class Out>
+void run_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, const float* bias, Out* out, int64_t ldo,
+              int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
+#if defined(INFLIGHT_HAVE_INT8_DOTS_VNNI)
+  vnni_tile<Rows, Panels, Bits, Mins>(x, w, first_panel, bias, out, ldo, cols, prefetch, line_begin, line_end);
+#elif defined(INFLIGHT_HAVE_INT8_DOTS_AVX2)
+  avx2_tile<Rows, Panels, Bits, Mins>(x, w, first_panel, bias, out, ldo, cols, prefetch, line_begin, line_end);
+#else
+  scalar_rows<Bits, Mins>(x, Rows, w, first_panel, bias, out, ldo, cols);
+#endif
+}
+
+// Rows [0, rows) of a row block against panels [first_panel, first_panel + panels): tiles of up
+// to 4 rows, each against the widest tile of panels its row count takes, the last few panels one
+// by one. The tiles share out the asking for the next item's panels (`prefetch`) into L2.
+template <int Bits, bool Mins, class Out>
+void run_item(const QuantizedRows& x, int64_t rows, const Weights& w, int64_t first_panel, int64_t panels,
+              const float* bias, Out* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
+  const int64_t lines = prefetch != nullptr ? panels * w.panel_bytes / kLineBytes : 0;
+  for (int64_t first = 0; first < rows; first += 4) {
+    const QuantizedRows tile_rows = x.from(first);
+    Out* tile_out = out + first * ldo;
+    const auto run = [&](auto rows_in_tile) {
+      constexpr int kRows = decltype(rows_in_tile)::value, kPanels = panels_for_rows(kRows);
+      // The prefetches go with the first tile of rows only (the others find the panels in cache).
+      const int64_t calls = panels / kPanels + panels % kPanels;
+      int64_t call = 0;
+      for (int64_t p = 0; p < panels; ++call) {
+        const int64_t begin = first == 0 ? call * lines / calls : 0, end = first == 0 ? (call + 1) * lines / calls : 0;
+        const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
+        if (panels - p >= kPanels) {
+          run_tile<kRows, kPanels, Bits, Mins>(tile_rows, w, first_panel + p, b, tile_out + p * kPanel, ldo,
+                                               cols - p * kPanel, prefetch, begin, end);
+          p += kPanels;
+        } else {
+          run_tile<kRows, 1, Bits, Mins>(tile_rows, w, first_panel + p, b, tile_out + p * kPanel, ldo,
+                                         cols - p * kPanel, prefetch, begin, end);
+          p += 1;
+        }
+      }
+    };
+    switch (std::min<int64_t>(4, rows - first)) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+template <int Bits, bool Mins, class In>
+at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t num_panels, int64_t group_size, const float* bias,
+                int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), padded_k = w.lines * k_per_line(Bits);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  at::Tensor xq = at::empty({m, padded_k}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({m}, x.options().dtype(at::kFloat));
+  at::Tensor group_sums = at::empty({m, w.groups}, x.options().dtype(at::kInt));
+  const In* xp = x.data_ptr<In>();
+  const int64_t ldx = x.stride(0);
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  int32_t* gp = group_sums.data_ptr<int32_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * ldx, k, padded_k, group_size, w.groups, qp + r * padded_k, sp + r, gp + r * w.groups);
+  });
+  const QuantizedRows rows{qp, padded_k, sp, gp, w.groups};
+  In* op = out.data_ptr<In>();
+  // Row blocks whose quantized x stays in L2 as the block's panels stream past it.
+  const int64_t block_rows = std::max<int64_t>(4, kRowBlockBytes / padded_k / 4 * 4);
+  const int64_t group_panels = panels_for_rows(1);
+  const int64_t panel_groups = (num_panels + group_panels - 1) / group_panels;
+  const int64_t items = (m + block_rows - 1) / block_rows * panel_groups;
+  const auto panels_of = [&](int64_t item) -> const uint8_t* {
+    return item >= 0 ? w.q + item % panel_groups * group_panels * w.panel_bytes : nullptr;
+  };
+  const auto run_items = [&](int64_t begin, int64_t end, int64_t after) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_row = item / panel_groups * block_rows, first_panel = item % panel_groups * group_panels;
+      const int64_t panels = std::min(group_panels, num_panels - first_panel), col = first_panel * kPanel;
+      run_item<Bits, Mins>(rows.from(first_row), std::min(m, first_row + block_rows) - first_row, w, first_panel,
+                           panels, bias != nullptr ? bias + col : nullptr, op + first_row * n + col, n,
+                           std::min(panels * kPanel, n - col), panels_of(item + 1 < end ? item + 1 : after));
+    }
+  };
+  const int64_t threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
+    run_items(0, items, -1);
+  } else {
+    run_in_shrinking_chunks(items, threads, run_items);
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* int8_dots_path() {
+#if defined(INFLIGHT_HAVE_INT8_DOTS_VNNI)
+  return "avx512_vnni";
+#elif defined(INFLIGHT_HAVE_INT8_DOTS_AVX2)
+  return "avx2";
+#else
+  return "plain";
+#endif
+}
+
+std::vector<at::Tensor> pack_int8_dot_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                                             int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_int8_dot_panels: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_int8_dot_panels: q must be int8 [N, K]");
+  const int64_t n = q.size(0), k = q.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(group_size > 0, "pack_int8_dot_panels: group_size must be positive, not ", group_size);
+  const int64_t groups = (k + group_size - 1) / group_size, per_line = k_per_line(bits);
+  TORCH_CHECK(groups == 1 || group_size % per_line == 0, "pack_int8_dot_panels: ", bits,
+              "-bit groups must be a multiple of ", per_line, " inputs (or one group), not ", group_size);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups && scales.scalar_type() == at::kFloat,
+              "pack_int8_dot_panels: scales must be float32 [", n, ", ", groups, "]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins)
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat,
+                "pack_int8_dot_panels: mins must be float32 [", n, ", ", groups, "]");
+  if (bits == 4)
+    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
+                "pack_int8_dot_panels: 4-bit q must hold 0..15");
+  const int64_t lines = (k + per_line - 1) / per_line;
+  at::Tensor padded = at::zeros({panels * kPanel, lines * per_line}, q.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(q);
+  at::Tensor packed;
+  if (bits == 8) {
+    // [P, 16, lines, 4] -> [P, lines, 16, 4]: each column's 4 k's of a line side by side.
+    packed = padded.view({panels, kPanel, lines, 4}).permute({0, 2, 1, 3}).contiguous().view(at::kByte);
+  } else {
+    at::Tensor nibbles = padded.view(at::kByte).view({panels, kPanel, lines, 2, 4}).permute({0, 2, 1, 3, 4});
+    packed = nibbles.select(3, 0).bitwise_or(nibbles.select(3, 1).bitwise_left_shift(4)).contiguous();
+  }
+  std::vector<at::Tensor> result{packed.view({panels, lines, kLineBytes}),
+                                 inflight_cpu::pack_group_values(scales.contiguous(), panels)};
+  if (has_mins) result.push_back(inflight_cpu::pack_group_values(mins->contiguous(), panels));
+  return result;
+}
+
+at::Tensor int8_dot_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                         std::optional<at::Tensor> bias, int64_t n, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "int8_dot_gemm: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_dot_gemm: x [M, K] in float32 or bfloat16");
+  const int64_t k = x.size(1), per_line = k_per_line(bits), lines = (k + per_line - 1) / per_line;
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kLineBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
+              "int8_dot_gemm: q panels from pack_int8_dot_panels");
+  TORCH_CHECK(q.size(1) == lines, "int8_dot_gemm: x has ", k, " columns, the ", bits, "-bit weight's panels ",
+              q.size(1) * per_line);
+  const int64_t num_panels = q.size(0);
+  TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "int8_dot_gemm: n does not match the panels");
+  TORCH_CHECK(group_size > 0, "int8_dot_gemm: group_size must be positive");
+  const int64_t groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(groups == 1 || group_size % per_line == 0, "int8_dot_gemm: ", bits, "-bit groups must be a multiple of ",
+              per_line, " inputs (or one group), not ", group_size);
+  const auto check_values = [&](const at::Tensor& v, const char* name) {
+    TORCH_CHECK(v.dim() == 3 && v.size(0) == num_panels && v.size(1) == groups && v.size(2) == kPanel &&
+                    v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
+                "int8_dot_gemm: ", name, " from pack_int8_dot_panels for ", groups, " groups of ", group_size);
+  };
+  check_values(scales, "scales");
+  const bool has_mins = mins.has_value() && mins->defined();
+  if (has_mins) check_values(*mins, "mins");
+  if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
+  at::Tensor bias_float;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
+                "int8_dot_gemm: bias [N] in x's dtype");
+    bias_float = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
+  const Weights w{q.data_ptr<uint8_t>(),
+                  q.stride(0),
+                  {scales.data_ptr(), scales.scalar_type() == at::kHalf},
+                  {has_mins ? mins->data_ptr() : nullptr, has_mins && mins->scalar_type() == at::kHalf},
+                  groups,
+                  lines,
+                  groups == 1 ? lines : group_size / per_line};
+  const auto typed = [&](auto in) {
+    using In = decltype(in);
+    if (bits == 4)
+      return has_mins ? gemm<4, true, In>(x, w, num_panels, group_size, bias_data, n)
+                      : gemm<4, false, In>(x, w, num_panels, group_size, bias_data, n);
+    return has_mins ? gemm<8, true, In>(x, w, num_panels, group_size, bias_data, n)
+                    : gemm<8, false, In>(x, w, num_panels, group_size, bias_data, n);
+  };
+  return x.scalar_type() == at::kFloat ? typed(float{}) : typed(c10::BFloat16{});
+}

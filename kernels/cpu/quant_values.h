@@ -1,0 +1,39 @@
+// A quantized weight's group scales and mins as the panel GEMMs hold them (gemm_quant.cpp,
+// gemm_int8_dots.cpp): per 16-column panel and group, 16 values in float16 where every value
+// survives the round trip (GGUF's d and m, Q4_0's -8d), else float32.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace inflight_cpu {
+
+constexpr int64_t kQuantPanel = 16;
+
+// One panel's scales or mins for one group: 16 values in float16 or float32.
+struct GroupValues {
+  const void* base;  // [P, groups, 16]; nullptr: none (symmetric weights have no mins)
+  bool half;
+  const void* at(int64_t panel_group) const {
+    return static_cast<const char*>(base) + panel_group * kQuantPanel * (half ? 2 : 4);
+  }
+  float value(int64_t panel_group, int c) const {
+    return half ? static_cast<float>(static_cast<const c10::Half*>(at(panel_group))[c])
+                : static_cast<const float*>(at(panel_group))[c];
+  }
+};
+
+// values [N, groups] float32 as [P, groups, 16], in float16 where that is exact, padded with zeros.
+inline at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {
+  const int64_t n = values.size(0), groups = values.size(1);
+  const at::Tensor as_half = values.to(at::kHalf);
+  const bool exact = as_half.to(at::kFloat).equal(values);
+  at::Tensor padded = at::zeros({panels * kQuantPanel, groups}, values.options().dtype(exact ? at::kHalf : at::kFloat));
+  padded.narrow(0, 0, n).copy_(exact ? as_half : values);
+  return padded.view({panels, kQuantPanel, groups}).transpose(1, 2).contiguous();
+}
+
+}  // namespace inflight_cpu

@@ -1,0 +1,132 @@
+"""kernels/cpu/gemm_int8_dots.cpp and its use in kernels.linear: int8 activations against int8
+and int4 weights (the engine's `activation_quantization` int8). x's rows are quantized to int8
+and each group's integer dot product is exact, so the result is `int8_activation_linear`'s
+(kernels/quantized.py, in torch) to the bit, for every layout, shape tail, row count and input
+dtype, on whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C++: CI builds the
+AVX2 one too); a row's bits never depend on its batch; and the torch path (no C++ kernels) is the
+same function."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ext
+from kernels.cpu_ext import QUANT_INT8_DOTS
+from kernels.quantized import QuantizedWeight, int8_activation_linear, quantize, quantize_rows_int8
+from kernels.testing import make_random_quantized_weight
+
+MODULE = cpu_ext.load()
+pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
+
+# (bits, group_size or None for one group per output channel, mins, float16-exact scales)
+LAYOUTS = {
+    "int8_per_channel": (8, None, False, False),
+    "int8_g32_q8_0": (8, 32, False, True),
+    "int8_g16_q6_k": (8, 16, False, False),
+    "int4_g32_q4_1": (4, 32, True, True),
+    "int4_g32_mins": (4, 32, True, False),
+    "int4_g128_mins": (4, 128, True, False),
+    "int4_g32_symmetric": (4, 32, False, True),
+    "int4_per_channel": (4, None, True, False),
+}
+
+
+def make_weight(out_features: int, in_features: int, layout: str, seed: int) -> QuantizedWeight:
+    bits, group, mins, half = LAYOUTS[layout]
+    return make_random_quantized_weight(out_features, in_features, bits, group, mins, half,
+                                        torch.Generator().manual_seed(seed))
+
+
+def kernel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = kernels.pack_linear_weight(weight, dtype=x.dtype, int8_activations=True)
+    assert packed.kind == "quant_panels" and packed.isa == QUANT_INT8_DOTS
+    return kernels.linear(x, packed.shape_only, bias, packed)
+
+
+def test_the_rows_quantize_symmetric_to_127():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 5.0, 1.0])[:, None]
+    x[3] = 0.0
+    x[4, 7] = -80.0  # the largest magnitude negative
+    q, scale = quantize_rows_int8(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.abs().max() <= 127 and torch.equal(q[3], torch.zeros_like(q[3])) and scale[3] == 0
+    assert q[4, 7] == -127
+    for r in (0, 1, 2, 4, 5):
+        assert q[r].abs().max() == 127
+        # Each value within half a step of the float one (and a few ulps of the scale's rounding).
+        assert (q[r].float() * scale[r] - x[r]).abs().max() <= 0.5 * scale[r] * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_kernel_gives_the_reference_bits(layout, dtype):
+    """Every shape tail: N past a panel's 16 columns, K past a line of 4 or 8 inputs and past a
+    group, 1-4 rows (one tile), 5 and 9 (tiles of 4 and a rest), 37 (several)."""
+    for seed, (n, k) in enumerate([(16, 64), (40, 200), (300, 256), (33, 520)]):
+        weight = make_weight(n, k, layout, seed)
+        if weight.group_size < k and weight.group_size % (8 if weight.bits == 4 else 4):
+            continue
+        g = torch.Generator().manual_seed(100 + seed)
+        bias = torch.randn(n, generator=g).to(dtype) if seed % 2 else None
+        for rows in (1, 2, 3, 4, 5, 9, 37):
+            x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
+            out = kernel_linear(x, weight, bias)
+            assert out.dtype == dtype and out.shape == (rows, n)
+            assert torch.equal(out, int8_activation_linear(x, weight, bias)), (layout, n, k, rows)
+
+
+def test_the_reference_is_the_quantized_product():
+    """int8_activation_linear is x's integers times the weight's, scaled: within float32's
+    roundings of that product computed in float64."""
+    weight = make_weight(48, 256, "int4_g32_q4_1", 7)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
+    q, scale = quantize_rows_int8(x)
+    exact = (q.double() * scale.double()[:, None]) @ weight.dequantize().double().T
+    out = int8_activation_linear(x, weight)
+    assert (out.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    # And close to the float product: int8 activations lose about 1/254 of each row's range.
+    assert (out - x @ weight.dequantize().T).abs().max() <= 0.02 * (x @ weight.dequantize().T).abs().max()
+
+
+def test_a_rows_bits_are_its_own_in_any_batch():
+    weight = make_weight(96, 512, "int4_g32_mins", 3)
+    g = torch.Generator().manual_seed(4)
+    batch = torch.randn(23, 512, generator=g).to(torch.bfloat16)
+    together = kernel_linear(batch, weight, None)
+    for r in (0, 5, 22):
+        assert torch.equal(kernel_linear(batch[r:r + 1], weight, None), together[r:r + 1])
+        assert torch.equal(kernel_linear(batch[r:r + 4], weight, None)[0], together[r])
+
+
+def test_a_weight_quantized_at_load_and_a_strided_input():
+    weight = quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(5)), 4, 32)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(6))[:, ::2]
+    assert torch.equal(kernel_linear(x, weight, None), int8_activation_linear(x.contiguous(), weight))
+
+
+def test_without_the_cpp_kernels_torch_computes_the_same_numbers():
+    weight = make_weight(40, 200, "int8_g32_q8_0", 9)
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(10))
+    with mock.patch.object(cpu_ext, "load", return_value=None):
+        packed = kernels.pack_linear_weight(weight, int8_activations=True)
+    assert packed.kind == "quant" and packed.isa == QUANT_INT8_DOTS
+    assert torch.equal(kernels.linear(x, packed.shape_only, None, packed), kernel_linear(x, weight, None))
+
+
+def test_groups_that_split_a_line_are_refused():
+    weight = make_random_quantized_weight(16, 66, 4, 33, True, False, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="int8 activations take 4-bit groups of a multiple of 8 inputs, not 33"):
+        kernels.pack_linear_weight(weight, int8_activations=True)
+
+
+def test_the_path_built_is_named():
+    flags = open("/proc/cpuinfo").read()
+    expected = "avx512_vnni" if " avx512_vnni" in flags and cpu_ext.built_isa() >= cpu_ext.Isa.AVX512 else "avx2"
+    if cpu_ext.built_isa() < cpu_ext.Isa.AVX2:
+        expected = "plain"
+    assert MODULE.int8_dots_path() == expected

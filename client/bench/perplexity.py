@@ -3,7 +3,7 @@
 The perplexity of the engine's own forward pass (its kernels, its paged attention, the KV
 cache and attention metadata of `ModelRunner`) on bench/data/devils-dictionary-a-f.txt, for
 the float checkpoint, the same checkpoint quantized at load (int8, int4 in groups of 32 and
-128), and GGUF files of it: the shipped Q4_1 file and Q8_0, Q4_0 and Q4_K_M files that
+128; each also with int8 activations, `activation_quantization`), and GGUF files of it: the shipped Q4_1 file and Q8_0, Q4_0 and Q4_K_M files that
 llama.cpp's own tools make from the float checkpoint (convert_hf_to_gguf.py to f32, then
 llama-quantize). For each GGUF file llama.cpp's `llama-perplexity` scores the same file and
 text, and the report gives the relative difference.
@@ -54,6 +54,7 @@ class Configuration:
     quantization: str = "none"
     group_size: int = 128
     kv_cache_dtype: str = "auto"
+    activation_quantization: str = "none"
 
     @property
     def is_gguf(self) -> bool:
@@ -70,6 +71,10 @@ def configurations(checkpoint: str, shipped_gguf: str) -> list[Configuration]:
         *(Configuration(f"float32 + {kv} KV", checkpoint, kv_cache_dtype=kv) for kv in ("int8", "fp8_e4m3", "fp8_e5m2")),
         Configuration("Q4_1", shipped_gguf),
         *quantized,
+        Configuration("int8 W8A8", checkpoint, "int8", activation_quantization="int8"),
+        Configuration("int4 g32 W4A8", checkpoint, "int4", 32, activation_quantization="int8"),
+        Configuration("int4 g128 W4A8", checkpoint, "int4", 128, activation_quantization="int8"),
+        Configuration("Q4_1 W4A8", shipped_gguf, activation_quantization="int8"),
     ]
 
 
@@ -114,10 +119,12 @@ def load_runner(config: Configuration, n_ctx: int, device: str, dtype: torch.dty
     engine_config = EngineConfig(model_path=config.model_path, device=device, block_size=block_size,
                                  max_num_seqs=sequences, max_model_len=n_ctx, max_num_batched_tokens=sequences * n_ctx,
                                  num_kv_blocks=num_blocks, quantization=config.quantization,
-                                 quantization_group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype)
+                                 quantization_group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype,
+                                 activation_quantization=config.activation_quantization)
     torch_device = resolve_device(device)
     model, _ = load_model(config.model_path, dtype, torch_device, n_ctx, quantization=config.quantization,
-                          quantization_group_size=config.group_size)
+                          quantization_group_size=config.group_size,
+                          activation_quantization=config.activation_quantization)
     return ModelRunner(engine_config, model, model.arch, num_blocks, 0, torch_device, dtype)
 
 
@@ -153,7 +160,7 @@ def engine_row(config: Configuration, windows_: list[list[int]], n_ctx: int, dev
     runner = load_runner(config, n_ctx, device, torch.float32, sequences)
     nll, count = engine_nll(runner, windows_, sequences, progress=True)
     return {"quantization": config.quantization, "group_size": config.group_size if config.quantization == "int4" else None,
-            "kv_cache_dtype": config.kv_cache_dtype,
+            "kv_cache_dtype": config.kv_cache_dtype, "activation_quantization": config.activation_quantization,
             "resident_weight_bytes": runner.model.resident_weight_bytes(),
             "ppl": math.exp(nll / count), "mean_nll": nll / count, "scored_tokens": count,
             "seconds": time.perf_counter() - start, "git_commit": git_commit(),

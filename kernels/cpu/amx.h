@@ -1,5 +1,5 @@
-// The AMX tiles, shared by the bfloat16 panel GEMM (gemm.cpp) and the quantized one
-// (gemm_quant.cpp): the tile configuration, the tile shapes the kernels use, and two ways to run
+// The AMX tiles, shared by the bfloat16 panel GEMM (gemm.cpp) and the quantized ones
+// (gemm_quant.cpp; gemm_int8_dots.cpp's int8 tiles): the tile configuration, the tile shapes the kernels use, and two ways to run
 // the tile instructions, which a kernel takes as its `Tiles` type:
 // - HardwareTiles, the instructions themselves, where the build has them
 //   (INFLIGHT_HAVE_AMX_HARDWARE) and Linux lends the process the tiles (`amx_permitted`);
@@ -15,7 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AMX_INT8__)
 #define INFLIGHT_HAVE_AMX_HARDWARE 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -93,6 +94,25 @@ __attribute__((optimize("no-tree-vectorize"))) inline void dpbf16ps(int c, int a
       std::memcpy(&tiles[c][m][4 * n], &sum, sizeof sum);
     }
 }
+// tdpbsud / tdpbssd c, a, b: c[m][n] (int32) += sum over k of a[m][k] (signed bytes) times
+// b[k / 4][4n + k % 4] (unsigned bytes for tdpbsud, signed for tdpbssd).
+template <bool SignedB>
+void dpbs_d(int c, int a, int b) {
+  check(c), check(a), check(b);
+  const int rows = config.rows[a], k = config.bytes_per_row[a], cols = config.bytes_per_row[c] / 4;
+  TORCH_CHECK(config.rows[c] == rows && config.rows[b] * 4 == k && config.bytes_per_row[b] == config.bytes_per_row[c],
+              "AMX model: tdpbs", SignedB ? "s" : "u", "d shapes disagree");
+  for (int m = 0; m < rows; ++m)
+    for (int n = 0; n < cols; ++n) {
+      int32_t sum;
+      std::memcpy(&sum, &tiles[c][m][4 * n], sizeof sum);
+      for (int i = 0; i < k; ++i) {
+        const uint8_t w = tiles[b][i / 4][4 * n + i % 4];
+        sum += static_cast<int8_t>(tiles[a][m][i]) * (SignedB ? static_cast<int32_t>(static_cast<int8_t>(w)) : w);
+      }
+      std::memcpy(&tiles[c][m][4 * n], &sum, sizeof sum);
+    }
+}
 }  // namespace amx_model
 
 // The kernels' `Tiles` type: which of the two runs their tile instructions.
@@ -125,6 +145,9 @@ struct HardwareTiles {
 #define AMX_STORE(t, base, stride) \
   INFLIGHT_AMX_EITHER(_tile_stored(t, base, stride), inflight_cpu::amx_model::store(t, base, stride))
 #define AMX_DP(c, a, b) INFLIGHT_AMX_EITHER(_tile_dpbf16ps(c, a, b), inflight_cpu::amx_model::dpbf16ps(c, a, b))
+// Signed bytes of a (x) against unsigned (SU) or signed (SS) bytes of b, into int32 sums.
+#define AMX_DP_SU(c, a, b) INFLIGHT_AMX_EITHER(_tile_dpbsud(c, a, b), inflight_cpu::amx_model::dpbs_d<false>(c, a, b))
+#define AMX_DP_SS(c, a, b) INFLIGHT_AMX_EITHER(_tile_dpbssd(c, a, b), inflight_cpu::amx_model::dpbs_d<true>(c, a, b))
 
 // Rows and k's of one tile: 16 rows of 64 bytes, 32 bf16 k's of x a row, 16 pairs of k's of a
 // panel (its 16 columns side by side, as pack_panels lays them), or 16 float sums a row.

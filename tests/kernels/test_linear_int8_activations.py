@@ -3,17 +3,21 @@ and int4 weights (the engine's `activation_quantization` int8). x's rows are qua
 and each group's integer dot product is exact, so the result is `int8_activation_linear`'s
 (kernels/quantized.py, in torch) to the bit, for every layout, shape tail, row count and input
 dtype, on whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C++: CI builds the
-AVX2 one too); a row's bits never depend on its batch; and the torch path (no C++ kernels) is the
+AVX2 one too) and, from 32 rows, on the AMX tiles (or their software model); a row's bits never depend on its batch; and the torch path (no C++ kernels) is the
 same function."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
 import torch
 
 import kernels
+from backend.paths import REPO_ROOT
 from kernels import cpu_ext
 from kernels.cpu_ext import QUANT_INT8_DOTS
 from kernels.quantized import QuantizedWeight, int8_activation_linear, quantize, quantize_rows_int8
@@ -62,22 +66,45 @@ def test_the_rows_quantize_symmetric_to_127():
         assert (q[r].float() * scale[r] - x[r]).abs().max() <= 0.5 * scale[r] * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_the_kernel_gives_the_reference_bits(layout, dtype):
-    """Every shape tail: N past a panel's 16 columns, K past a line of 4 or 8 inputs and past a
-    group, 1-4 rows (one tile), 5 and 9 (tiles of 4 and a rest), 37 (several)."""
+def assert_reference_bits(layout: str, dtype: torch.dtype, row_counts: tuple[int, ...]) -> None:
+    """Every shape tail: N past a panel's 16 columns (and an odd count of panels), K past a line of
+    4 or 8 inputs, past a group and past a tile's 64."""
     for seed, (n, k) in enumerate([(16, 64), (40, 200), (300, 256), (33, 520)]):
         weight = make_weight(n, k, layout, seed)
-        if weight.group_size < k and weight.group_size % (8 if weight.bits == 4 else 4):
-            continue
         g = torch.Generator().manual_seed(100 + seed)
         bias = torch.randn(n, generator=g).to(dtype) if seed % 2 else None
-        for rows in (1, 2, 3, 4, 5, 9, 37):
+        for rows in row_counts:
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
             out = kernel_linear(x, weight, bias)
             assert out.dtype == dtype and out.shape == (rows, n)
             assert torch.equal(out, int8_activation_linear(x, weight, bias)), (layout, n, k, rows)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_vector_path_gives_the_reference_bits(layout, dtype):
+    """1-4 rows (one tile of rows), 5 and 9 (tiles of 4 and a rest), 31 (below the AMX tiles)."""
+    assert_reference_bits(layout, dtype, (1, 2, 3, 4, 5, 9, 31))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_tiles_give_the_reference_bits(layout):
+    """From 32 rows, on an AMX Xeon (or the software model of the tiles): passes of 32 rows, a
+    last one partly empty. Elsewhere the same calls run the vector path, to the same bits."""
+    assert_reference_bits(layout, torch.bfloat16, (32, 45, 70))
+
+
+@pytest.mark.skipif(os.environ.get("INFLIGHT_CPU_AMX_EMULATE") == "1", reason="already on the model")
+def test_the_tiles_under_a_software_model_of_the_tiles():
+    """On any CPU, the tile tests above on the software model of the tile instructions
+    (INFLIGHT_CPU_AMX_EMULATE, kernels/cpu/amx.h), in a process of its own with that build."""
+    env = {**os.environ, "INFLIGHT_CPU_AMX_EMULATE": "1"}
+    env.pop("INFLIGHT_CPU_ISA", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k",
+                          "test_the_tiles_give"], capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "skipped" not in summary and summary.startswith(f"{len(LAYOUTS)} passed"), summary
 
 
 def test_the_reference_is_the_quantized_product():

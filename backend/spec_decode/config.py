@@ -8,6 +8,7 @@ from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
 QUANTIZATIONS = ("none", "int8", "int4")
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 8
 # Longest n-gram matched against the request's own tokens: each step searches every length
 # from prompt_lookup_max down to prompt_lookup_min over the whole context.
@@ -21,7 +22,7 @@ KEYS = {
     "suffix": COMMON_KEYS + ("suffix_decoding_max_tree_depth",
                "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
                "suffix_decoding_min_token_prob"),
-    "draft_model": COMMON_KEYS + ("model", "quantization"),
+    "draft_model": COMMON_KEYS + ("model", "quantization", "activation_quantization"),
 }
 
 
@@ -44,9 +45,11 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # draft_model: the draft's checkpoint (absolute, or relative to the model's version folder
-    # in config.pbtxt) and its load-time quantization.
+    # in config.pbtxt), its load-time quantization, and int8 activations for its quantized weights
+    # (the engine's activation_quantization: a served model's int4 + int8 activations drafts for it).
     model: str | None = None
     quantization: str = "none"
+    activation_quantization: str = "none"
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -104,7 +107,12 @@ class SpeculativeConfig:
             quantization = value.get("quantization", "none")
             if quantization not in QUANTIZATIONS:
                 _refuse(f"quantization={quantization!r}, expected one of {list(QUANTIZATIONS)}")
-            return cls(method, k, **common, model=model, quantization=quantization)
+            activations = value.get("activation_quantization", "none")
+            if activations not in ACTIVATION_QUANTIZATIONS:
+                _refuse(f"activation_quantization={activations!r}, expected one of {list(ACTIVATION_QUANTIZATIONS)}")
+            if activations != "none" and quantization == "none":
+                _refuse(f"activation_quantization={activations!r} needs the draft quantized (quantization int8 or int4)")
+            return cls(method, k, **common, model=model, quantization=quantization, activation_quantization=activations)
         lookup_min = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP, 1)
         lookup_max = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP, max(lookup_min, 4))
         if lookup_min > lookup_max:

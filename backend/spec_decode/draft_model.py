@@ -59,7 +59,8 @@ class DraftModelProposer(Proposer):
         if load_tokenizer(path).get_vocab() != target_vocab:
             raise ValueError(f"invalid engine parameter: speculative_config: model={path!r} has another "
                              "tokenizer than the served model (its token ids mean other text)")
-        self.model, _ = load_model(path, dtype, device, max_model_len, quantization=config.quantization)
+        self.model, _ = load_model(path, dtype, device, max_model_len, quantization=config.quantization,
+                                   activation_quantization=config.activation_quantization)
         self.dtype = dtype
         self.device = device
         self.kv_caches: list = []

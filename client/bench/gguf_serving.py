@@ -86,6 +86,12 @@ def compare(results: list[dict]) -> dict:
     return out
 
 
+def engine_parameters(args) -> dict:
+    """What tritonserver's `llm` takes beside llm_q4's config, the GGUF file aside."""
+    return {"tokenizer": args.model, **({"activation_quantization": args.activation_quantization}
+                                         if args.activation_quantization != "none" else {})}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.bench.gguf_serving", description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="Q4_1,Q8_0", help=f"comma-separated GGUF types, of {', '.join(TYPES)}")
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", default=str(DEFAULT_GGUF), help=f"the {SHIPPED_TYPE} file")
     parser.add_argument("--slots", type=int, default=32,
                         help="sequences at once: the engine's max_num_seqs and llama-server's --parallel")
+    parser.add_argument("--activation-quantization", choices=("none", "int8"), default="none",
+                        help="tritonserver's activation_quantization (int8: W4A8/W8A8, as llama.cpp's Q8 activations)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     servers.add_run_arguments(parser, "q3_gguf_vs_llama_server.json")
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "client.bench.gguf_serving", argv, info, cpus, versions, args.model),
         "gguf_files": {t: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)} for t, f in files.items()},
         "slots": args.slots,
+        "tritonserver_parameters": engine_parameters(args),
         "workloads": {f"c={c}": w.summary() for c, w in workloads.items()},
         **({"note": args.note} if args.note else {}),
         "slo": slo,
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-q3-")
     for gguf_type, gguf in files.items():
         for system in SYSTEMS:
-            start = (partial(tritonserver, BASE_MODEL, {"model_path": gguf, "tokenizer": args.model}, cpus, args.slots)
+            start = (partial(tritonserver, BASE_MODEL, {"model_path": gguf, **engine_parameters(args)}, cpus, args.slots)
                      if system == "tritonserver" else partial(llama_server, gguf, cpus, args.slots))
             with servers.started(f"{gguf_type} {system}", system, start, tmp, versions) as address:
                 target = parse_target(f"{system}=openai://{address}")

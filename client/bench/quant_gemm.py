@@ -20,6 +20,10 @@ path (`<format>_vector`: the input widened, as a machine without tiles runs it);
 AVX512-BF16, each int4 format on the bf16 dots too (`<format>_bf16_dots`, what a decode of a few
 rows runs outside the batch-invariant mode; checked against x times the weight in float64 within
 its roundings).
+
+Each format also with int8 activations (`<format>_a8`, the engine's `activation_quantization`
+int8: x quantized per row, integer dot products, kernels/cpu/gemm_int8_dots.cpp), checked to be
+`int8_activation_linear`'s bits.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import kernels
 from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
 from kernels import cpu_ext
+from kernels.quantized import int8_activation_linear
 from kernels.testing import bf16_dots_rounding_excess, make_random_quantized_weight
 
 # (name, out_features, in_features)
@@ -58,6 +63,11 @@ def timed_row(calls: dict, name: str, n: int, k: int, rows: int, args) -> dict:
     return row
 
 
+def check_int8_activations(packed, x: torch.Tensor, weight, what: str) -> None:
+    if not torch.equal(kernels.linear(x, packed.shape_only, None, packed), int8_activation_linear(x, weight)):
+        raise RuntimeError(f"{what}: not int8_activation_linear's bits; refusing to time it")
+
+
 def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> list[dict]:
     """`--bf16`'s rows for one shape: the bf16 panel GEMM, each format as packed for bf16, and on a
     machine with the tiles each format on the vector path too."""
@@ -71,6 +81,7 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
         beside = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
         if beside.vector_isa == cpu_ext.Isa.AVX512_BF16:
             packed[fmt + "_bf16_dots"] = (weight, beside)
+        packed[fmt + "_a8"] = (weight, kernels.pack_linear_weight(weight, dtype=torch.bfloat16, int8_activations=True))
     bf16 = kernels.pack_linear_weight(packed["int8"][0].dequantize().bfloat16())
     rows_out = []
     for rows in args.rows:
@@ -84,7 +95,9 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
                     raise RuntimeError(f"{fmt} {name} at {rows} rows: off x times the weight; refusing to time it")
                 calls[fmt] = (call, p.nbytes)
                 continue
-            if p.isa == cpu_ext.Isa.AMX:
+            if fmt.endswith("_a8"):
+                check_int8_activations(p, x, weight, f"{fmt} {name} at {rows} rows")
+            elif p.isa == cpu_ext.Isa.AMX:
                 tiles = module.pack_panels(weight.dequantize().bfloat16(), int(cpu_ext.Isa.AMX))
                 want = module.panel_gemm(x, tiles, None, n, int(cpu_ext.Isa.AMX))
                 if not torch.equal(kernels.linear(x, p.shape_only, None, p), want):
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for fmt, bits, group, mins, half in FORMATS:
             weight = make_random_quantized_weight(n, k, bits, group, mins, half, gen)
             packed[fmt] = (weight, kernels.pack_linear_weight(weight))
+            packed[fmt + "_a8"] = (weight, kernels.pack_linear_weight(weight, int8_activations=True))
         dequantized = packed["int8"][0].dequantize()
         float_packed = kernels.pack_linear_weight(dequantized, isa=float_isa)
         for rows in args.rows:
@@ -133,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             calls = {"float32": (lambda: kernels.linear(x, float_packed.shape_only, None, float_packed),
                                  n * k * 4)}
             for fmt, (weight, p) in packed.items():
+                if fmt.endswith("_a8"):
+                    check_int8_activations(p, x, weight, f"{fmt} {name} at {rows} rows")
+                    calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
+                    continue
                 got = kernels.linear(x, p.shape_only, None, p)
                 want = module.panel_gemm(x, module.pack_panels(weight.dequantize(), float_isa), None, n, float_isa)
                 if not torch.equal(got, want):

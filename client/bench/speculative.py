@@ -35,6 +35,10 @@ METHODS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "draft_int8": {"method": "draft_model", "model": "", "quantization": "int8", "num_speculative_tokens": 3},
     "draft_int4": {"method": "draft_model", "model": "", "quantization": "int4", "num_speculative_tokens": 3},
+    "draft_int8_a8": {"method": "draft_model", "model": "", "quantization": "int8", "activation_quantization": "int8",
+                      "num_speculative_tokens": 3},
+    "draft_int4_a8": {"method": "draft_model", "model": "", "quantization": "int4", "activation_quantization": "int8",
+                      "num_speculative_tokens": 3},
 }
 EDIT_INSTRUCTION = "Copy the following text exactly, fixing only spelling mistakes:\n\n"
 

@@ -17,8 +17,10 @@ import re
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import kernels
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.models.llama import Linear
 from backend.request import SamplingParams
 from tests.checkpoints import hf_greedy
 from tests.engine.test_engine_equivalence import assert_matches_oracle, run_engine, spread_arrivals
@@ -448,20 +450,23 @@ def test_a_draft_models_kv_comes_out_of_the_pools_memory(tiny_checkpoint):
     assert sum(k.nbytes + v.nbytes for k, v in draft_kv) == drafted.num_kv_blocks * block_bytes
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_the_served_model_quantized_drafts_for_itself(tiny_checkpoint, oracle, quantization):
-    """The served checkpoint, quantized at load, as its own draft. On this random-weight model
-    the logits are nearly flat, so int4's rounding moves many argmaxes (about 15% accepted);
-    int8 keeps most (about 80%)."""
+@pytest.mark.parametrize("quantization, activations", [("int8", "none"), ("int4", "none"), ("int8", "int8")])
+def test_the_served_model_quantized_drafts_for_itself(tiny_checkpoint, oracle, quantization, activations):
+    """The served checkpoint, quantized at load (and with int8 activations), as its own draft. On
+    this random-weight model the logits are nearly flat, so int4's rounding moves many argmaxes
+    (about 15% accepted); int8 keeps most (about 80%)."""
     arrivals = spread_arrivals(len(PROMPTS))
     spec, spec_out, by_id = run_engine(
         tiny_checkpoint, PROMPTS, MAX_TOKENS, arrivals, max_num_seqs=4, num_kv_blocks=64,
-        speculative_config=draft_model_config(tiny_checkpoint, quantization=quantization))
+        speculative_config=draft_model_config(tiny_checkpoint, quantization=quantization,
+                                              activation_quantization=activations))
     assert_matches_oracle(oracle, spec_out, by_id, MAX_TOKENS)
     totals = spec.stats.totals
     assert 0 < totals.spec_accepted_tokens < totals.spec_draft_tokens
     if quantization == "int8":
-        assert totals.spec_accepted_tokens > 0.6 * totals.spec_draft_tokens
+        assert totals.spec_accepted_tokens > 0.5 * totals.spec_draft_tokens
+    packed = [m.packed for m in spec.proposer.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert packed and all((p.isa == kernels.cpu_ext.QUANT_INT8_DOTS) == (activations == "int8") for p in packed)
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_load(tiny_checkpoint, tmp_path):

@@ -371,6 +371,10 @@ def test_draft_length_counts_the_draft_models_own_passes():
      "quantization='awq', expected one of ['none', 'int8', 'int4']"),
     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
      "['prompt_lookup_min']"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "activation_quantization": "fp8"},
+     "activation_quantization='fp8', expected one of ['none', 'int8']"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "activation_quantization": "int8"},
+     "activation_quantization='int8' needs the draft quantized"),
 ])
 def test_bad_draft_model_configs_refused_naming_the_key(value, names):
     with pytest.raises(ValueError, match="speculative_config") as info:

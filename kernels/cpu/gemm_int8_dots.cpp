@@ -660,28 +660,16 @@ at::Tensor int8_dot_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::opt
   const int64_t groups = (k + group_size - 1) / group_size;
   TORCH_CHECK(groups == 1 || group_size % per_line == 0, "int8_dot_gemm: ", bits, "-bit groups must be a multiple of ",
               per_line, " inputs (or one group), not ", group_size);
-  const auto check_values = [&](const at::Tensor& v, const char* name) {
-    TORCH_CHECK(v.dim() == 3 && v.size(0) == num_panels && v.size(1) == groups && v.size(2) == kPanel &&
-                    v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
-                "int8_dot_gemm: ", name, " from pack_int8_dot_panels for ", groups, " groups of ", group_size);
-  };
-  check_values(scales, "scales");
   const bool has_mins = mins.has_value() && mins->defined();
-  if (has_mins) check_values(*mins, "mins");
+  const GroupValues scale_values = inflight_cpu::group_values_of(scales, num_panels, groups, group_size, "int8_dot_gemm",
+                                                                 "scales", "pack_int8_dot_panels");
+  const GroupValues min_values = has_mins ? inflight_cpu::group_values_of(*mins, num_panels, groups, group_size,
+                                                                          "int8_dot_gemm", "mins", "pack_int8_dot_panels")
+                                          : GroupValues{nullptr, false};
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
-  at::Tensor bias_float;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type(),
-                "int8_dot_gemm: bias [N] in x's dtype");
-    bias_float = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_float = inflight_cpu::float_bias(bias, n, x.scalar_type(), "int8_dot_gemm");
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
-  const Weights w{q.data_ptr<uint8_t>(),
-                  q.stride(0),
-                  {scales.data_ptr(), scales.scalar_type() == at::kHalf},
-                  {has_mins ? mins->data_ptr() : nullptr, has_mins && mins->scalar_type() == at::kHalf},
-                  groups,
-                  lines,
+  const Weights w{q.data_ptr<uint8_t>(), q.stride(0), scale_values, min_values, groups, lines,
                   groups == 1 ? lines : group_size / per_line};
   const auto typed = [&](auto in) {
     using In = decltype(in);

@@ -1096,31 +1096,18 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel, "quant_panel_gemm: n does not match the panels");
   TORCH_CHECK(group_size > 0, "quant_panel_gemm: group_size must be positive");
   const int64_t groups = (k + group_size - 1) / group_size;
-  const auto check_values = [&](const at::Tensor& v, const char* name) {
-    TORCH_CHECK(v.dim() == 3 && v.size(0) == num_panels && v.size(1) == groups && v.size(2) == kPanel &&
-                    v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
-                "quant_panel_gemm: ", name, " from pack_quant_panels for ", groups, " groups of ", group_size);
-  };
-  check_values(scales, "scales");
   const bool has_mins = mins.has_value() && mins->defined();
-  if (has_mins) check_values(*mins, "mins");
+  const GroupValues scale_values = inflight_cpu::group_values_of(scales, num_panels, groups, group_size, "quant_panel_gemm",
+                                                                 "scales", "pack_quant_panels");
+  const GroupValues min_values = has_mins ? inflight_cpu::group_values_of(*mins, num_panels, groups, group_size,
+                                                                          "quant_panel_gemm", "mins", "pack_quant_panels")
+                                          : GroupValues{nullptr, false};
   TORCH_CHECK(isa != kIsaAvx512Bf16 || groups == 1 || group_size % 2 == 0,
               "quant_panel_gemm: the bf16 dot products (isa 3) take groups of an even size or one group, not ", group_size);
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
-  at::Tensor bias_float;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype,
-                "quant_panel_gemm: bias [N] in ", dtype);
-    bias_float = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_float = inflight_cpu::float_bias(bias, n, dtype, "quant_panel_gemm");
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
-  const Packed w{q.data_ptr<uint8_t>(),
-                 q.stride(0),
-                 {scales.data_ptr(), scales.scalar_type() == at::kHalf},
-                 {has_mins ? mins->data_ptr() : nullptr, has_mins && mins->scalar_type() == at::kHalf},
-                 groups,
-                 group_size,
-                 k};
+  const Packed w{q.data_ptr<uint8_t>(), q.stride(0), scale_values, min_values, groups, group_size, k};
   switch (isa) {
     case kIsaAmx:
       return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);

@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace inflight_cpu {
 
@@ -25,6 +26,23 @@ struct GroupValues {
                 : static_cast<const float*>(at(panel_group))[c];
   }
 };
+
+// A GEMM's packed scales or mins [P, groups, 16] (float16 or float32), checked as `op` takes them
+// (`packer`: the function that makes them), as GroupValues.
+inline GroupValues group_values_of(const at::Tensor& v, int64_t panels, int64_t groups, int64_t group_size,
+                                   const char* op, const char* name, const char* packer) {
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == panels && v.size(1) == groups && v.size(2) == kQuantPanel &&
+                  v.is_contiguous() && (v.scalar_type() == at::kHalf || v.scalar_type() == at::kFloat),
+              op, ": ", name, " from ", packer, " for ", groups, " groups of ", group_size);
+  return {v.data_ptr(), v.scalar_type() == at::kHalf};
+}
+
+// A GEMM's optional bias [N] in `dtype`, as float32 (undefined where absent).
+inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, at::ScalarType dtype, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype, op, ": bias [N] in ", dtype);
+  return bias->to(at::kFloat).contiguous();
+}
 
 // values [N, groups] float32 as [P, groups, 16], in float16 where that is exact, padded with zeros.
 inline at::Tensor pack_group_values(const at::Tensor& values, int64_t panels) {

@@ -242,16 +242,19 @@ def test_a_bad_quantization_parameter_is_named(tiny_checkpoint):
         EngineConfig(model_path=tiny_checkpoint, quantization="int4", quantization_group_size=100)
 
 
-def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint):
-    """A probe's logprobs alone and in a busy batch, bitwise (the quantized GEMM reduces each
-    row in an order of its own, as the float one does)."""
+@pytest.mark.parametrize("dtype, activations", [("float32", "none"), ("bfloat16", "int8")])
+def test_batch_invariant_logprobs_with_quantized_weights(tiny_checkpoint, dtype, activations):
+    """A probe's logprobs alone and in a busy batch, bitwise: the quantized GEMM reduces each row in
+    an order of its own, as the float one does; with int8 activations the integer dot products are
+    exact and each row's float steps its own, on one kernel for every row count."""
     probe = SHARED_PROMPTS[0]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
     def logprobs_beside(others: list[list[int]]) -> list[float]:
-        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="float32", num_kv_blocks=256,
+        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype=dtype, num_kv_blocks=256,
                                         quantization="int4", quantization_group_size=32, batch_invariant=True,
-                                        max_num_batched_tokens=64, long_prefill_token_threshold=16))
+                                        activation_quantization=activations, max_num_batched_tokens=64,
+                                        long_prefill_token_threshold=16))
         return probe_logprobs(engine, probe, params,
                               [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in others])
 
@@ -297,26 +300,6 @@ def test_int8_activations_give_their_torch_models_tokens_under_every_scheduling_
         ("quant_panels", kernels.cpu_ext.QUANT_INT8_DOTS, 0)}
     assert engine.model.cpu_layers is not None  # the fused C++ layers run them
     _scenarios(tiny_checkpoint, _int8_activations_oracle(tiny_checkpoint, **config), **config)
-
-
-def test_int8_activations_keep_a_requests_logprobs_its_own(tiny_checkpoint):
-    """The integer dot products are exact and each row's float steps its own, on one kernel for
-    every row count: in the batch-invariant mode a probe's bf16 logprobs alone and in a busy batch
-    are the same bits."""
-    probe = SHARED_PROMPTS[0]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-
-    def logprobs_beside(others: list[list[int]]) -> list[float]:
-        engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", dtype="bfloat16", num_kv_blocks=256,
-                                        quantization="int4", quantization_group_size=32,
-                                        activation_quantization="int8", batch_invariant=True,
-                                        max_num_batched_tokens=64, long_prefill_token_threshold=16))
-        return probe_logprobs(engine, probe, params,
-                              [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in others])
-
-    alone = logprobs_beside([])
-    assert len(alone) == 12
-    assert logprobs_beside(PROMPTS[:9]) == alone
 
 
 def test_int8_activations_without_quantized_weights_are_refused(tiny_checkpoint):

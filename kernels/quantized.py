@@ -131,44 +131,51 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
     return QuantizedWeight(q, scales.contiguous(), None if mins is None else mins.contiguous(), bits, group)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x [M, K] as int8, symmetric: inv = 127 / max|row| (float32), q = round(x * inv)
-    (ties to even; a row of zeros stays zero), and the row's scale max|row| * fl(1 / 127) (a product,
-    which no compiler's fast math rewrites). Returns (q int8 [M, K],
-    scale float32 [M]): the activations of `int8_activation_linear`."""
+def quantize_rows_int8(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as int8 in blocks of `block` inputs along each row (None: each row whole), each
+    block symmetric: inv = 127 / max|block| (float32), q = round(x * inv) (ties to even; a block of
+    zeros stays zero), and the block's scale max|block| * fl(1 / 127) (a product, which no
+    compiler's fast math rewrites). Returns (q int8 [M, K], scales float32 [M, blocks]): the
+    activations of `int8_activation_linear`."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1)
+    k = xf.shape[-1]
+    size = k if block is None else block
+    blocks = -(-k // size)
+    padded = torch.nn.functional.pad(xf, (0, blocks * size - k)).view(xf.shape[0], blocks, size)
+    amax = padded.abs().amax(dim=-1)
     # A quotient of two tensors: torch runs a scalar over a tensor as a reciprocal times the scalar.
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv[:, None]).to(torch.int8)
-    scale = amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)
-    return q, scale
+    q = torch.round(padded * inv[..., None]).to(torch.int8).view(xf.shape[0], -1)[:, :k]
+    scales = amax * torch.tensor(1.0 / 127.0, dtype=torch.float32)
+    return q, scales
 
 
 def int8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) with int8 activations (the engine's `activation_quantization`
     int8, kernels/cpu/gemm_int8_dots.cpp's numerics, to the bit): x's rows quantized by
-    `quantize_rows_int8`; per group g in order, the exact integer dot product d of the integers and,
-    with mins, the group's sum s of x's integers, acc = fma(scale_g, float(d), acc) then
-    acc = fma(min_g, float(s), acc) from zero; out = acc * row scale (+ bias), in x's dtype.
-    The integers are summed exactly in float64; a fused multiply-add is a float64 product and sum
-    rounded once to float32 (the product of two float32 is exact in float64)."""
+    `quantize_rows_int8` in blocks of the weight's groups (scales t); per group g in order, the
+    exact integer dot product d of the integers and, with mins, the group's sum s of x's integers,
+    acc = fma(fl(scale_g * t_g), float(d), acc) then acc = fma(min_g, fl(t_g * float(s)), acc) from
+    zero; out = acc (+ bias), in x's dtype. The integers are summed exactly in float64; a fused
+    multiply-add is a float64 product and sum rounded once to float32 (the product of two float32
+    is exact in float64)."""
     shape, k = x.shape, x.shape[-1]
     rows = x.reshape(-1, k)
-    q, row_scale = quantize_rows_int8(rows)
     group = weight.group_size
     groups = -(-k // group)
+    q, scales = quantize_rows_int8(rows, group)
     pad = groups * group - k
     qx = torch.nn.functional.pad(q.double(), (0, pad)).view(-1, groups, group)
     qw = torch.nn.functional.pad(weight.q.double(), (0, pad)).view(-1, groups, group)
     dots = torch.einsum("mgk,ngk->mgn", qx, qw).float().double()  # float(d): int32 to float32
-    sums = qx.sum(dim=-1).float().double()
+    min_factors = scales * qx.sum(dim=-1).float()
     acc = torch.zeros(rows.shape[0], weight.q.shape[0], dtype=torch.float32)
     for g in range(groups):
-        acc = (weight.scales[:, g].double() * dots[:, g] + acc.double()).float()
+        factor = weight.scales[None, :, g] * scales[:, g, None]  # float32 [M, N]
+        acc = (factor.double() * dots[:, g] + acc.double()).float()
         if weight.mins is not None:
-            acc = (weight.mins[:, g].double() * sums[:, g, None] + acc.double()).float()
-    out = acc * row_scale[:, None]
+            acc = (weight.mins[:, g].double() * min_factors[:, g, None].double() + acc.double()).float()
+    out = acc
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*shape[:-1], -1)

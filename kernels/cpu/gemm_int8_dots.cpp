@@ -2,17 +2,19 @@
 // W4A8: the `activation_quantization: int8` setting, as llama.cpp multiplies its Q4_0 and Q8_0
 // weights with Q8 activations and vLLM-CPU runs W8A8): out[M, N] = x[M, K] W^T (+ bias).
 //
-// Numerics, the same on every path. Each row of x (float32 or bfloat16) is quantized on its
-// own, symmetric: inv = 127 / max|x|, q_x = round(x * inv) (to nearest, ties to even; a row of
-// zeros stays zero), and the row's scale is max|x| * fl(1 / 127). For each group g of the weight (in order),
-// the exact integer dot product d = sum of q_w * q_x over the group and, for weights with mins,
-// the exact group sum s = sum of q_x give
-//     acc = fma(scale_g, float(d), acc), then acc = fma(min_g, float(s), acc)
-// (from zero), and out = acc * row scale (+ bias), rounded to x's dtype. Integers are exact
-// whatever adds them, and the float operations are the same ones in the same order on every
-// path: so AVX-512 VNNI, AVX2 and plain C++ give the same bits, and a row's bits depend on its
-// own x only, at every row count, on one kernel (the batch-invariant mode costs nothing here).
-// kernels/int8_activations.py computes the same in torch, the tests' reference.
+// Numerics, the same on every path. x (float32 or bfloat16) is quantized in blocks of the
+// weight's groups (a weight of one group per output channel: each row whole, per token), each
+// block on its own, symmetric: inv = 127 / max|x|, q_x = round(x * inv) (to nearest, ties to
+// even; a block of zeros stays zero), and the block's scale t = max|x| * fl(1 / 127), as llama.cpp
+// quantizes its Q8 activations a block of 32 at a time. For each group g (in order), the exact
+// integer dot product d = sum of q_w * q_x over the group and, for weights with mins, the exact
+// group sum s = sum of q_x give
+//     acc = fma(fl(scale_g * t_g), float(d), acc), then acc = fma(min_g, fl(t_g * float(s)), acc)
+// (from zero), and out = acc (+ bias), rounded to x's dtype. Integers are exact whatever adds
+// them, and the float operations are the same ones in the same order on every path: so AVX-512
+// VNNI, AVX2, the AMX tiles and plain C++ give the same bits, and a row's bits depend on its own x
+// only, at every row count (the batch-invariant mode costs nothing here).
+// kernels/quantized.int8_activation_linear computes the same in torch, the tests' reference.
 //
 // Layout (pack_int8_dot_panels). Panel p holds output columns 16p..16p+15, in 64-byte lines
 // shaped for vpdpbusd (each 32-bit lane one column's 4 consecutive k's):
@@ -80,12 +82,14 @@ struct Weights {
   int64_t groups, lines, lines_per_group;
 };
 
-// x quantized: q [M, lines * k_per_line] int8 (zero past K), scale [M], group sums [M, groups].
+// x quantized: q [M, lines * k_per_line] int8 (zero past K); per row and group, the block's scale
+// t, t times the integers' sum (the mins' factor) and that sum.
 struct QuantizedRows {
   const int8_t* q;
   int64_t ld;  // bytes from one row to the next
-  const float* scale;
-  const int32_t* group_sums;
+  const float* scales;       // [M, groups]
+  const float* min_factors;  // [M, groups]
+  const int32_t* group_sums;  // [M, groups]
   int64_t groups;
   // x's 4 bytes at k's 4i..4i+3 of row r, as one 32-bit lane.
   int32_t quad(int64_t r, int64_t i) const {
@@ -94,7 +98,11 @@ struct QuantizedRows {
     return v;
   }
   int32_t group_sum(int64_t r, int64_t g) const { return group_sums[r * groups + g]; }
-  QuantizedRows from(int64_t row) const { return {q + row * ld, ld, scale + row, group_sums + row * groups, groups}; }
+  float scale(int64_t r, int64_t g) const { return scales[r * groups + g]; }
+  float min_factor(int64_t r, int64_t g) const { return min_factors[r * groups + g]; }
+  QuantizedRows from(int64_t row) const {
+    return {q + row * ld, ld, scales + row * groups, min_factors + row * groups, group_sums + row * groups, groups};
+  }
 };
 
 inline float to_float(float v) { return v; }
@@ -105,31 +113,33 @@ inline float to_float(c10::BFloat16 v) {
   return f;
 }
 
+// One row of x, a block (the weight's group) at a time.
 template <class In>
 void quantize_row(const In* x, int64_t k, int64_t padded_k, int64_t group_size, int64_t groups, int8_t* q,
-                  float* scale, int32_t* group_sums) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(to_float(x[i]) * inv));
-  std::memset(q + k, 0, padded_k - k);
+                  float* scales, float* min_factors, int32_t* group_sums) {
   // A product by a constant: the build's -funsafe-math-optimizations may rewrite a division.
   constexpr float kStep = 1.f / 127.f;
-  *scale = amax * kStep;
   for (int64_t g = 0; g < groups; ++g) {
+    const int64_t begin = g * group_size, end = std::min(k, begin + group_size);
+    float amax = 0.f;
+    for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t sum = 0;
-    for (int64_t i = g * group_size; i < std::min(k, (g + 1) * group_size); ++i) sum += q[i];
+    for (int64_t i = begin; i < end; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(to_float(x[i]) * inv));
+      sum += q[i];
+    }
+    scales[g] = amax * kStep;
+    min_factors[g] = scales[g] * static_cast<float>(sum);
     group_sums[g] = sum;
   }
+  std::memset(q + k, 0, padded_k - k);
 }
 
-// The row's outputs: acc * scale, + bias, in the output's dtype.
+// The row's outputs: acc + bias, in the output's dtype.
 template <class Out>
-inline void store_row(const float* acc, float scale, const float* bias, Out* out, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const float v = acc[c] * scale;
-    out[c] = static_cast<Out>(bias != nullptr ? v + bias[c] : v);
-  }
+inline void store_row(const float* acc, const float* bias, Out* out, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<Out>(bias != nullptr ? acc[c] + bias[c] : acc[c]);
 }
 
 // ---- the plain path ---------------------------------------------------------------------------
@@ -153,13 +163,13 @@ void scalar_rows(const QuantizedRows& x, int64_t rows, const Weights& w, int64_t
               dot[c] += (byte & 0xF) * xq[8 * j + i] + (byte >> 4) * xq[8 * j + 4 + i];
             }
           }
-      const float sum = static_cast<float>(x.group_sum(r, g));
+      const float t = x.scale(r, g), min_factor = x.min_factor(r, g);
       for (int c = 0; c < kPanel; ++c) {
-        acc[c] = std::fma(w.scales.value(panel * w.groups + g, c), static_cast<float>(dot[c]), acc[c]);
-        if (Mins) acc[c] = std::fma(w.mins.value(panel * w.groups + g, c), sum, acc[c]);
+        acc[c] = std::fma(w.scales.value(panel * w.groups + g, c) * t, static_cast<float>(dot[c]), acc[c]);
+        if (Mins) acc[c] = std::fma(w.mins.value(panel * w.groups + g, c), min_factor, acc[c]);
       }
     }
-    store_row(acc, x.scale[r], bias, out + r * ldo, cols);
+    store_row(acc, bias, out + r * ldo, cols);
   }
 }
 
@@ -229,13 +239,13 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const int32_t sum = x.group_sum(r, g);
+      const __m512 t = _mm512_set1_ps(x.scale(r, g));
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
         __m512i d = kHalves == 2 ? _mm512_add_epi32(dot[r][p][0], dot[r][p][kHalves - 1]) : dot[r][p][0];
-        if (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * sum));
-        acc[r][p] = _mm512_fmadd_ps(s[p], _mm512_cvtepi32_ps(d), acc[r][p]);
-        if (Mins) acc[r][p] = _mm512_fmadd_ps(m[p], _mm512_set1_ps(static_cast<float>(sum)), acc[r][p]);
+        if (Bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * x.group_sum(r, g)));
+        acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(s[p], t), _mm512_cvtepi32_ps(d), acc[r][p]);
+        if (Mins) acc[r][p] = _mm512_fmadd_ps(m[p], _mm512_set1_ps(x.min_factor(r, g)), acc[r][p]);
       }
     }
   }
@@ -246,7 +256,7 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
       if (p * kPanel >= cols) continue;
       alignas(64) float sums[kPanel];
       _mm512_store_ps(sums, acc[r][p]);
-      store_row(sums, x.scale[r], bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+      store_row(sums, bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
                 std::min<int64_t>(kPanel, cols - p * kPanel));
     }
 }
@@ -318,10 +328,10 @@ void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
       if (Mins) group_values8(w.mins, (first_panel + p) * w.groups + g, m);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
-        const __m256 sum = _mm256_set1_ps(static_cast<float>(x.group_sum(r, g)));
+        const __m256 t = _mm256_set1_ps(x.scale(r, g)), min_factor = _mm256_set1_ps(x.min_factor(r, g));
         for (int v = 0; v < 2; ++v) {
-          acc[r][p][v] = _mm256_fmadd_ps(s[v], _mm256_cvtepi32_ps(dot[r][p][v]), acc[r][p][v]);
-          if (Mins) acc[r][p][v] = _mm256_fmadd_ps(m[v], sum, acc[r][p][v]);
+          acc[r][p][v] = _mm256_fmadd_ps(_mm256_mul_ps(s[v], t), _mm256_cvtepi32_ps(dot[r][p][v]), acc[r][p][v]);
+          if (Mins) acc[r][p][v] = _mm256_fmadd_ps(m[v], min_factor, acc[r][p][v]);
         }
       }
     }
@@ -334,7 +344,7 @@ void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
       alignas(32) float sums[kPanel];
       _mm256_store_ps(sums, acc[r][p][0]);
       _mm256_store_ps(sums + 8, acc[r][p][1]);
-      store_row(sums, x.scale[r], bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
+      store_row(sums, bias != nullptr ? bias + p * kPanel : nullptr, out + r * ldo + p * kPanel,
                 std::min<int64_t>(kPanel, cols - p * kPanel));
     }
 }
@@ -521,19 +531,19 @@ void tiles_gemm(const QuantizedRows& x, int64_t m, const Weights& w, int64_t num
               min[p][c] = Mins ? w.mins.value(panel_group, c) : 0.f;
             }
           for (int64_t r = 0; r < 2 * kTileRows; ++r) {
-            const float sum = static_cast<float>(x.group_sum(row0 + r, g));
+            const float t = x.scale(row0 + r, g), min_factor = x.min_factor(row0 + r, g);
             for (int p = 0; p < 2; ++p) {
               const int32_t* dot = dots[(r / kTileRows) * 2 + p][r % kTileRows];
               float* a = acc[r] + p * kPanel;
               for (int c = 0; c < kPanel; ++c) {
-                a[c] = std::fma(scale[p][c], static_cast<float>(dot[c]), a[c]);
-                if (Mins) a[c] = std::fma(min[p][c], sum, a[c]);
+                a[c] = std::fma(scale[p][c] * t, static_cast<float>(dot[c]), a[c]);
+                if (Mins) a[c] = std::fma(min[p][c], min_factor, a[c]);
               }
             }
           }
         }
         for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, m - row0); ++r)
-          store_row(acc[r], x.scale[row0 + r], bias != nullptr ? bias + col : nullptr, out + (row0 + r) * n + col, cols);
+          store_row(acc[r], bias != nullptr ? bias + col : nullptr, out + (row0 + r) * n + col, cols);
       }
     }
     AMX_RELEASE();
@@ -552,18 +562,21 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t num_panels, int64
   const int64_t padded_k = tiles ? shape.width : w.lines * k_per_line(Bits);
   const int64_t rows_held = tiles ? (m + 31) / 32 * 32 : m;
   at::Tensor xq = at::zeros({rows_held, padded_k}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::zeros({rows_held}, x.options().dtype(at::kFloat));
+  at::Tensor scales = at::zeros({rows_held, w.groups}, x.options().dtype(at::kFloat));
+  at::Tensor min_factors = at::zeros({rows_held, w.groups}, x.options().dtype(at::kFloat));
   at::Tensor group_sums = at::zeros({rows_held, w.groups}, x.options().dtype(at::kInt));
   const In* xp = x.data_ptr<In>();
   const int64_t ldx = x.stride(0);
   int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  float* mp = min_factors.data_ptr<float>();
   int32_t* gp = group_sums.data_ptr<int32_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * ldx, k, padded_k, group_size, w.groups, qp + r * padded_k, sp + r, gp + r * w.groups);
+      quantize_row(xp + r * ldx, k, padded_k, group_size, w.groups, qp + r * padded_k, sp + r * w.groups,
+                   mp + r * w.groups, gp + r * w.groups);
   });
-  const QuantizedRows rows{qp, padded_k, sp, gp, w.groups};
+  const QuantizedRows rows{qp, padded_k, sp, mp, gp, w.groups};
   In* op = out.data_ptr<In>();
   if (tiles) {
     inflight_cpu::with_tiles([&](auto tile_kind) {

@@ -1,6 +1,6 @@
 """kernels/cpu/gemm_int8_dots.cpp and its use in kernels.linear: int8 activations against int8
-and int4 weights (the engine's `activation_quantization` int8). x's rows are quantized to int8
-and each group's integer dot product is exact, so the result is `int8_activation_linear`'s
+and int4 weights (the engine's `activation_quantization` int8). x is quantized to int8 in blocks
+of the weight's groups and each group's integer dot product is exact, so the result is `int8_activation_linear`'s
 (kernels/quantized.py, in torch) to the bit, for every layout, shape tail, row count and input
 dtype, on whichever instruction set the build has (AVX-512 VNNI, AVX2, plain C++: CI builds the
 AVX2 one too) and, from 32 rows, on the AMX tiles (or their software model); a row's bits never depend on its batch; and the torch path (no C++ kernels) is the
@@ -51,19 +51,28 @@ def kernel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor |
     return kernels.linear(x, packed.shape_only, bias, packed)
 
 
-def test_the_rows_quantize_symmetric_to_127():
+@pytest.mark.parametrize("block", [None, 32, 128])
+def test_the_blocks_quantize_symmetric_to_127(block):
+    """Each block (a row whole, or a weight group's inputs) on its own: its largest magnitude
+    maps to 127, each value within half a step, a block of zeros stays zero."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 300, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 5.0, 1.0])[:, None]
     x[3] = 0.0
     x[4, 7] = -80.0  # the largest magnitude negative
-    q, scale = quantize_rows_int8(x)
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32
-    assert q.abs().max() <= 127 and torch.equal(q[3], torch.zeros_like(q[3])) and scale[3] == 0
+    x[5, 200:] *= 1e3  # an outlier block, which per-block scales keep from the others
+    q, scales = quantize_rows_int8(x, block)
+    size = 300 if block is None else block
+    assert q.dtype == torch.int8 and q.shape == x.shape and scales.shape == (6, -(-300 // size))
+    assert q.abs().max() <= 127 and torch.equal(q[3], torch.zeros_like(q[3])) and torch.equal(scales[3], torch.zeros(scales.shape[1]))
     assert q[4, 7] == -127
+    per_input = scales.repeat_interleave(size, dim=1)[:, :300]
     for r in (0, 1, 2, 4, 5):
-        assert q[r].abs().max() == 127
+        for b in range(scales.shape[1]):
+            assert q[r, b * size:(b + 1) * size].abs().max() == 127
         # Each value within half a step of the float one (and a few ulps of the scale's rounding).
-        assert (q[r].float() * scale[r] - x[r]).abs().max() <= 0.5 * scale[r] * (1 + 1e-5)
+        assert ((q[r].float() * per_input[r] - x[r]).abs() <= 0.5 * per_input[r] * (1 + 1e-5)).all()
+    if block == 32:  # the outlier block's scale stays its own
+        assert scales[5, 0] < 1e-2 * scales[5, -1]
 
 
 def assert_reference_bits(layout: str, dtype: torch.dtype, row_counts: tuple[int, ...]) -> None:
@@ -112,11 +121,11 @@ def test_the_reference_is_the_quantized_product():
     roundings of that product computed in float64."""
     weight = make_weight(48, 256, "int4_g32_q4_1", 7)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
-    q, scale = quantize_rows_int8(x)
-    exact = (q.double() * scale.double()[:, None]) @ weight.dequantize().double().T
+    q, scales = quantize_rows_int8(x, weight.group_size)
+    exact = (q.double() * scales.double().repeat_interleave(32, dim=1)) @ weight.dequantize().double().T
     out = int8_activation_linear(x, weight)
     assert (out.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-    # And close to the float product: int8 activations lose about 1/254 of each row's range.
+    # And close to the float product: int8 activations lose about 1/254 of each block's range.
     assert (out - x @ weight.dequantize().T).abs().max() <= 0.02 * (x @ weight.dequantize().T).abs().max()
 
 

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences at once: the engine's max_num_seqs and llama-server's --parallel")
     parser.add_argument("--activation-quantization", choices=("none", "int8"), default="none",
                         help="tritonserver's activation_quantization (int8: W4A8/W8A8, as llama.cpp's Q8 activations)")
+    parser.add_argument("--llama-server-args", default="",
+                        help="flags added to llama-server's command, space-separated (e.g. --no-repack where its "
+                             "repacked AMX kernels die with SIGILL)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     servers.add_run_arguments(parser, "q3_gguf_vs_llama_server.json")
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "gguf_files": {t: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)} for t, f in files.items()},
         "slots": args.slots,
         "tritonserver_parameters": engine_parameters(args),
+        "llama_server_extra_args": args.llama_server_args.split(),
         "workloads": {f"c={c}": w.summary() for c, w in workloads.items()},
         **({"note": args.note} if args.note else {}),
         "slo": slo,
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for gguf_type, gguf in files.items():
         for system in SYSTEMS:
             start = (partial(tritonserver, BASE_MODEL, {"model_path": gguf, **engine_parameters(args)}, cpus, args.slots)
-                     if system == "tritonserver" else partial(llama_server, gguf, cpus, args.slots))
+                     if system == "tritonserver" else partial(llama_server, gguf, cpus, args.slots,
+                                                              extra=args.llama_server_args.split()))
             with servers.started(f"{gguf_type} {system}", system, start, tmp, versions) as address:
                 target = parse_target(f"{system}=openai://{address}")
                 for concurrency, workload in workloads.items():

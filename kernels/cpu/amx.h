@@ -1,6 +1,6 @@
 // The AMX tiles, shared by the bfloat16 panel GEMM (gemm.cpp) and the quantized ones
-// (gemm_quant.cpp; gemm_int8_dots.cpp's int8 tiles): the tile configuration, the tile shapes the kernels use, and two ways to run
-// the tile instructions, which a kernel takes as its `Tiles` type:
+// (gemm_quant.cpp; gemm_int8_dots.cpp's int8 tiles): the tile configuration, the tile shapes the
+// kernels use, and two ways to run the tile instructions, which a kernel takes as its `Tiles` type:
 // - HardwareTiles, the instructions themselves, where the build has them
 //   (INFLIGHT_HAVE_AMX_HARDWARE) and Linux lends the process the tiles (`amx_permitted`);
 // - TileModel, a software model of them, in every build: what the tests run the tile kernels on

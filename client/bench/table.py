@@ -139,9 +139,12 @@ def table(paths: list[str], link_base: str = REPO_ROOT) -> str:
             continue
         name = report["workload"]["name"]
         model = os.path.basename(os.path.normpath(report.get("checkpoint", "-")))
-        # Quantized weights (the engine's `quantization`) beside the activations' dtype.
-        quantization = (report.get("engine_parameters") or {}).get("quantization", "none")
+        # Quantized weights (the engine's `quantization`, and its int8 activations) beside the activations' dtype.
+        parameters = report.get("engine_parameters") or {}
+        quantization = parameters.get("quantization", "none")
         weights = "" if quantization == "none" else f" {quantization} weights"
+        if parameters.get("activation_quantization", "none") != "none":
+            weights += f", {parameters['activation_quantization']} activations"
         for r in report["results"]:
             where = ", ".join(filter(None, [load_label(r), run_label(r)]))
             # A serving bench's runs of one system differ by a setting (kv_serving's cache dtype).

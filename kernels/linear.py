@@ -247,8 +247,9 @@ def pack_linear_weight(weight: torch.Tensor | QuantizedWeight, isa: Isa | None =
     `batch_invariant` False (the engine's mode off) lets a bf16 model's weight on the AMX tiles run
     calls of a few rows on a vector path (vdpbf16ps; a quantized one's, VECTOR_ROWS_BESIDE_TILES),
     faster there but not the tiles' bits. `int8_activations` (a quantized weight on the CPU): its
-    calls quantize x's rows to int8 and run integer dot products (`int8_activation_linear`'s
-    numbers; kernels/cpu/gemm_int8_dots.cpp), batch invariant at every row count."""
+    calls quantize x to int8 in blocks of its groups and run integer dot products
+    (`int8_activation_linear`'s numbers; kernels/cpu/gemm_int8_dots.cpp), batch invariant at every
+    row count."""
     if isinstance(weight, QuantizedWeight):
         return _pack_quantized(weight, cpu_ext.isa() if isa is None else isa, dtype or torch.float32,
                                torch.device(device or "cpu"), batch_invariant, int8_activations)

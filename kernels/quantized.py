@@ -152,7 +152,7 @@ def quantize_rows_int8(x: torch.Tensor, block: int | None = None) -> tuple[torch
 
 def int8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) with int8 activations (the engine's `activation_quantization`
-    int8, kernels/cpu/gemm_int8_dots.cpp's numerics, to the bit): x's rows quantized by
+    int8, kernels/cpu/gemm_int8_dots.cpp's numerics, to the bit): x quantized by
     `quantize_rows_int8` in blocks of the weight's groups (scales t); per group g in order, the
     exact integer dot product d of the integers and, with mins, the group's sum s of x's integers,
     acc = fma(fl(scale_g * t_g), float(d), acc) then acc = fma(min_g, fl(t_g * float(s)), acc) from

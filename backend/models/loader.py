@@ -540,8 +540,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, max_po
     groups of `quantization_group_size` inputs) live in their module's `quantized` and are
     packed either way; their `weight` keeps only the shape. `batch_invariant`: whether the engine
     will run batch invariant (resolve_batch_invariance's answer), which their CPU path follows.
-    `activation_quantization` "int8": the quantized weights' GEMMs take x quantized to int8 per
-    row (CPU only; refused for a model without quantized weights).
+    `activation_quantization` "int8": the quantized weights' GEMMs take x quantized to int8 in
+    blocks of their groups (CPU only; refused for a model without quantized weights).
 
     Each tensor is read once, checked, converted and moved to the device; a fused
     parameter is assembled as soon as its last part arrives, so peak memory stays near

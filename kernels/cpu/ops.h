@@ -53,8 +53,9 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor>
 // C++, 1 AVX2, 2 AVX-512; 4 the AMX tiles, for bfloat16 x (and bias): the bf16 tile GEMM's bits on
 // the de-quantized weight rounded to bfloat16; 3, int4 only, for bfloat16 x: vdpbf16ps on the exact
 // integers, each group's scale and min applied to its sums (bits of its own); 5, x float32 or
-// bfloat16: x quantized to int8 per row, on integer dot products (gemm_int8_dots.cpp, its own
-// layout). quant_gemm_isa: the best built; quant_bf16_dots_built: whether 3 is.
+// bfloat16: x quantized to int8 in blocks of the weight's groups, on integer dot products
+// (gemm_int8_dots.cpp, its own layout). quant_gemm_isa: the best built; quant_bf16_dots_built:
+// whether 3 is.
 int64_t quant_gemm_isa();
 bool quant_bf16_dots_built();
 constexpr int64_t kQuantBf16Dots = 3;  // quant_panel_gemm's isa of the bf16 dot products

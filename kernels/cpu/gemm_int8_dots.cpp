@@ -185,11 +185,6 @@ void scalar_rows(const QuantizedRows& x, int64_t rows, const Weights& w, int64_t
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define INFLIGHT_HAVE_INT8_DOTS_VNNI 1
 
-inline __m512 group_values16(const GroupValues& v, int64_t panel_group) {
-  return v.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))))
-                : _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
-}
-
 template <int Rows, int Panels, int Bits, bool Mins, class Out>
 void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, const float* bias, Out* out,
                int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin, int64_t line_end) {
@@ -241,8 +236,8 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
     __m512 s[Panels], m[Panels];
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
-      s[p] = group_values16(w.scales, (first_panel + p) * w.groups + g);
-      if (Mins) m[p] = group_values16(w.mins, (first_panel + p) * w.groups + g);
+      s[p] = inflight_cpu::group_values_avx512(w.scales, (first_panel + p) * w.groups + g);
+      if (Mins) m[p] = inflight_cpu::group_values_avx512(w.mins, (first_panel + p) * w.groups + g);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
@@ -273,18 +268,6 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(INFLIGHT_HAVE_INT8_DOTS_VNNI)
 #define INFLIGHT_HAVE_INT8_DOTS_AVX2 1
-
-inline void group_values8(const GroupValues& v, int64_t panel_group, __m256 (&out)[2]) {
-  if (v.half) {
-    const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
-    out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
-    out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
-  } else {
-    const float* f = static_cast<const float*>(v.at(panel_group));
-    out[0] = _mm256_loadu_ps(f);
-    out[1] = _mm256_loadu_ps(f + 8);
-  }
-}
 
 template <int Rows, int Panels, int Bits, bool Mins, class Out>
 void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, const float* bias, Out* out,
@@ -331,8 +314,8 @@ void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
       __m256 s[2], m[2];
-      group_values8(w.scales, (first_panel + p) * w.groups + g, s);
-      if (Mins) group_values8(w.mins, (first_panel + p) * w.groups + g, m);
+      inflight_cpu::group_values_avx2(w.scales, (first_panel + p) * w.groups + g, s);
+      if (Mins) inflight_cpu::group_values_avx2(w.mins, (first_panel + p) * w.groups + g, m);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const __m256 t = _mm256_set1_ps(x.scale(r, g)), min_factor = _mm256_set1_ps(x.min_factor(r, g));

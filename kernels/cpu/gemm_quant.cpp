@@ -186,15 +186,7 @@ struct Avx2 {
   static Vec zero() { return _mm256_setzero_ps(); }
   static Vec load(const float* w) { return _mm256_loadu_ps(w); }
   static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
-    if (v.half) {
-      const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
-      out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
-      out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
-    } else {
-      const float* f = static_cast<const float*>(v.at(panel_group));
-      out[0] = _mm256_loadu_ps(f);
-      out[1] = _mm256_loadu_ps(f + 8);
-    }
+    inflight_cpu::group_values_avx2(v, panel_group, out);
   }
   static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
     q[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
@@ -235,11 +227,7 @@ struct Avx512 {
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec load(const float* w) { return _mm512_loadu_ps(w); }
   static void group_values(const GroupValues& v, int64_t panel_group, Vec (&out)[kVectors]) {
-    if (v.half) {
-      out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))));
-    } else {
-      out[0] = _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
-    }
+    out[0] = inflight_cpu::group_values_avx512(v, panel_group);
   }
   static void ints8(const uint8_t* row, IVec (&q)[kVectors]) {
     q[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));

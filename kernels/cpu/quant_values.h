@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <optional>
@@ -26,6 +27,29 @@ struct GroupValues {
                 : static_cast<const float*>(at(panel_group))[c];
   }
 };
+
+#if defined(__AVX2__) && defined(__F16C__)
+// One panel's 16 values for one group as two 8-float vectors.
+inline void group_values_avx2(const GroupValues& v, int64_t panel_group, __m256 (&out)[2]) {
+  if (v.half) {
+    const __m128i* h = static_cast<const __m128i*>(v.at(panel_group));
+    out[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+    out[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+  } else {
+    const float* f = static_cast<const float*>(v.at(panel_group));
+    out[0] = _mm256_loadu_ps(f);
+    out[1] = _mm256_loadu_ps(f + 8);
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// One panel's 16 values for one group as one 16-float vector.
+inline __m512 group_values_avx512(const GroupValues& v, int64_t panel_group) {
+  return v.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.at(panel_group))))
+                : _mm512_loadu_ps(static_cast<const float*>(v.at(panel_group)));
+}
+#endif
 
 // A GEMM's packed scales or mins [P, groups, 16] (float16 or float32), checked as `op` takes them
 // (`packer`: the function that makes them), as GroupValues.

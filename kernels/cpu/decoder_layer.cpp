@@ -9,6 +9,7 @@
 // and with 4 adapters in a step the ~1,300 small GEMM calls' Python (W1 with 4 rank-8 adapters
 // and base went from 0.65x to 0.86x the all-base output tokens/s, float32).
 
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/softmax.h>
@@ -16,6 +17,9 @@
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
+#include <atomic>
+#include <exception>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -178,7 +182,6 @@ at::Tensor MoeExperts::forward(at::Tensor x) const {
   auto [weights, chosen] = at::topk(probs, top_k_, -1);
   if (renormalize_) weights = weights / weights.sum(-1, true);
   if (!float32_weights_) weights = weights.to(x.scalar_type());
-  at::Tensor out = at::zeros_like(x);
   // Each expert's rows in token order, as torch.where(chosen == expert) lists them (a token is
   // routed to an expert at most once, so the order changes no row's sum).
   const at::Tensor chosen_cpu = chosen.contiguous();
@@ -189,13 +192,48 @@ at::Tensor MoeExperts::forward(at::Tensor x) const {
       rows[ids[t * top_k_ + s]].push_back(t);
       slots[ids[t * top_k_ + s]].push_back(s);
     }
-  for (int64_t e = 0; e < experts; ++e) {
-    if (rows[e].empty()) continue;
-    const at::Tensor token_ids = at::tensor(rows[e], at::kLong);
+  std::vector<int64_t> active;
+  int64_t largest = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    if (!rows[e].empty()) {
+      active.push_back(e);
+      largest = std::max<int64_t>(largest, static_cast<int64_t>(rows[e].size()));
+    }
+  std::vector<at::Tensor> token_ids(experts), scaled(experts);
+  const at::ScalarType out_dtype = x.scalar_type();
+  auto run_expert = [&](int64_t e) {
+    token_ids[e] = at::tensor(rows[e], at::kLong);
     const at::Tensor slot_ids = at::tensor(slots[e], at::kLong);
-    const at::Tensor y = project(down_[e], silu_and_mul(project(gate_up_[e], x.index_select(0, token_ids))));
-    const at::Tensor scaled = y * weights.index({token_ids, slot_ids}).unsqueeze(1);
-    out.index_add_(0, token_ids, scaled.to(out.scalar_type()));
+    const at::Tensor y = project(down_[e], silu_and_mul(project(gate_up_[e], x.index_select(0, token_ids[e]))));
+    scaled[e] = (y * weights.index({token_ids[e], slot_ids}).unsqueeze(1)).to(out_dtype);
+  };
+  // A step of many tokens routes a few rows to each of many experts: each expert's GEMMs are
+  // then too small to split over the cores without the cores waiting on each other at every one,
+  // so the cores take whole experts side by side, each GEMM on one core (the MoE block 1.5-1.8x
+  // faster at 32-256 tokens, qwen3-moe-small bf16, 2-core AMX Xeon). With fewer experts than two
+  // a core, or an expert holding more than a core's share of the rows (a prefill routed
+  // unevenly), the experts run one after another, each split over the cores, so that no core is
+  // left with most of the work. Either way every row's GEMMs are the same calls on the same rows,
+  // and the sums below run in expert order: the same bits.
+  const int64_t threads = at::get_num_threads();
+  const int64_t routed = tokens * top_k_;
+  if (threads > 1 && static_cast<int64_t>(active.size()) >= 2 * threads && largest * threads <= routed) {
+    std::exception_ptr failure;
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+    for (int64_t i = next++; i < static_cast<int64_t>(active.size()); i = next++) {
+      try {
+        run_expert(active[i]);
+      } catch (...) {
+#pragma omp critical
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  } else {
+    for (int64_t e : active) run_expert(e);
   }
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e : active) out.index_add_(0, token_ids[e], scaled[e]);
   return out;
 }

@@ -243,25 +243,36 @@ def test_cpu_decoder_layers_give_the_modules_bits(ckpt_root, monkeypatch, case, 
     assert all(torch.equal(a, b) for pair, other in zip(fused_kv, modules_kv) for a, b in zip(pair, other))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", MOE_CASES)
-def test_the_cpu_moe_block_gives_the_modules_bits(ckpt_root, case, dtype, quantization):
+def test_the_cpu_moe_block_gives_the_modules_bits(ckpt_root, case, dtype, quantization, threads):
     """The experts as one C++ call (kernels.cpu_moe_experts) run the modules' kernels in their
-    order: the same bits, float and int4 experts, for a batch where experts get 0 to many rows."""
+    order: the same bits, float and int4 experts, for a batch where experts get 0 to many rows.
+    On two threads the call runs the experts side by side, one core each, where a few tokens
+    spread over many experts, and one after another where one expert holds most of them."""
     model, _ = load_model(case_checkpoint(ckpt_root, case), dtype, torch.device("cpu"), 64,
                           quantization=quantization, quantization_group_size=32)
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert blocks and all(block.cpu_block is not None for block in blocks)
-    x = torch.randn(37, model.arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
-    for block in blocks:
-        fused = block(x)
-        block.cpu_block, cpu_block = None, block.cpu_block
-        try:
-            modules = block(x)
-        finally:
-            block.cpu_block = cpu_block
-        assert torch.equal(fused, modules)
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.randn(37, model.arch.hidden_size, generator=gen)
+    crowded = spread[:1].repeat(29, 1) + 1e-3 * torch.randn(29, model.arch.hidden_size, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in (spread.to(dtype), crowded.to(dtype), spread[:1].to(dtype)):
+            for block in blocks:
+                fused = block(x)
+                block.cpu_block, cpu_block = None, block.cpu_block
+                try:
+                    modules = block(x)
+                finally:
+                    block.cpu_block = cpu_block
+                assert torch.equal(fused, modules)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("case", MOE_CASES)

@@ -7,6 +7,8 @@ at batch 1 for SmolLM2-135M.
 
     layer = cpu_decoder_layer(input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads,
                               num_kv_heads, head_dim, scale, q_norm=None, k_norm=None, window=0)
+    layer = cpu_decoder_layer(input_norm, post_norm, eps, qkv, o, None, None, num_heads, num_kv_heads,
+                              head_dim, scale, experts=cpu_moe_experts(...))    (a MoE layer)
     step = cpu_step_meta(positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
                          seg_indptr=None, seg_adapter=None)
     hidden, residual = layer.forward(hidden, residual_or_None, k_cache, v_cache, step)
@@ -18,7 +20,8 @@ are loaded on it, `(packed, slice_offsets, rank)` in kernels/lora.py's terms (`p
 adapter a's `(lora_a, [lora_b per slice])`); a step's LoRA segments (`seg_indptr`,
 `seg_adapter`) then go into its `cpu_step_meta`, and each segment's delta is added as
 `lora_delta_cpu` adds it. `window` > 0: a sliding-window layer, each token attending to its last
-`window` positions (paged_attention's). `cpu_decoder_layer` answers None where the layer cannot run in one
+`window` positions (paged_attention's). A mixture-of-experts layer passes its routed experts'
+`cpu_moe_experts` block for gate_up and down. `cpu_decoder_layer` answers None where the layer cannot run in one
 call: no C++ kernels, a weight not in a panel GEMM's layout (the float one's, or quantized
 weights' `quant_panels`: LoRA adapters stay float over a quantized base), or norm weights of another dtype
 than the layer's.
@@ -57,23 +60,26 @@ def _lora_projection(module, lora):
 
 
 def cpu_decoder_layer(input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
-                      qkv: tuple, o: tuple, gate_up: tuple, down: tuple, num_heads: int, num_kv_heads: int,
-                      head_dim: int, scale: float, q_norm: torch.Tensor | None = None,
-                      k_norm: torch.Tensor | None = None, is_neox: bool = True, window: int = 0):
+                      qkv: tuple, o: tuple, gate_up: tuple | None, down: tuple | None, num_heads: int,
+                      num_kv_heads: int, head_dim: int, scale: float, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, is_neox: bool = True, window: int = 0, experts=None):
     module = cpu_ext.load()
     if module is None:
         return None
     norms = [input_norm, post_norm] + ([q_norm, k_norm] if q_norm is not None else [])
     if any(n.dtype != qkv[0].shape_only.dtype for n in norms):
         return None  # the C++ RMSNorm wants the weight in x's dtype (rms_norm_cpu falls back to the reference)
-    projections = [_projection(module, packed, bias) for packed, bias, _ in (qkv, o, gate_up, down)]
-    loras = [None if lora is None else _lora_projection(module, lora) for _, _, lora in (qkv, o, gate_up, down)]
+    given = [qkv, o] if experts is not None else [qkv, o, gate_up, down]
+    projections = [_projection(module, packed, bias) for packed, bias, _ in given]
+    loras = [None if lora is None else _lora_projection(module, lora) for _, _, lora in given]
     if any(p is None for p in projections) or any(
-            lora is None for (_, _, given), lora in zip((qkv, o, gate_up, down), loras) if given is not None):
+            lora is None for (_, _, wanted), lora in zip(given, loras) if wanted is not None):
         return None
+    if experts is not None:
+        projections += [None, None]
     lanes = 16 if cpu_ext.vector_isa() >= cpu_ext.Isa.AVX512 else 8
     return module.DecoderLayer(input_norm, post_norm, eps, *projections, num_heads, num_kv_heads, head_dim, scale,
-                               q_norm, k_norm, is_neox, lanes, loras, window)
+                               q_norm, k_norm, is_neox, lanes, loras, window, experts)
 
 
 def cpu_step_meta(positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -500,9 +500,10 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(layer, GemmaDecoderLayer):
             return None  # Gemma's norms, GELU, window and soft-capping: the modules run them
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(mlp, SparseMoeBlock) or attn.qk_norm_over_heads:
-            return None  # routed experts, or q/k norms over all heads: the modules run them
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        routed = isinstance(mlp, SparseMoeBlock)
+        if attn.qk_norm_over_heads or (routed and (mlp.cpu_block is None or mlp.shared_expert is not None)):
+            return None  # q/k norms over all heads, or experts beyond the C++ block: the modules run them
+        projections = (attn.qkv_proj, attn.o_proj) + (() if routed else (mlp.gate_up_proj, mlp.down_proj))
         if any(p.lora is not None and p.lora.packed is None for p in projections):
             return None  # adapters kept as plain tensors (not on the CPU): the modules run them
         if any(p.input_perm is not None for p in projections):
@@ -512,13 +513,14 @@ class LlamaForCausalLM(nn.Module):
             w = p.lora
             return None if w is None else (w.packed, w.slice_offsets, w.lora_a.shape[1] // len(w.lora_b))
 
+        mlp_projections = (None, None) if routed else ()
         return kernels.cpu_decoder_layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-            *((p.packed, p.bias, lora(p)) for p in projections),
+            *((p.packed, p.bias, lora(p)) for p in projections), *mlp_projections,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None,
-            window=attn.window,
+            window=attn.window, experts=mlp.cpu_block if routed else None,
         )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,

@@ -87,14 +87,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cu_seqlens_q"),
            pybind11::arg("seg_indptr"), pybind11::arg("seg_adapter"));
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", "A Llama-family decoder layer in one call")
-      .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, Projection, Projection, int64_t,
-                          int64_t, int64_t, double, std::optional<at::Tensor>, std::optional<at::Tensor>, bool,
-                          int64_t, std::vector<std::optional<LoraProjection>>, int64_t>(),
+      .def(pybind11::init<at::Tensor, at::Tensor, double, Projection, Projection, std::optional<Projection>,
+                          std::optional<Projection>, int64_t, int64_t, int64_t, double, std::optional<at::Tensor>,
+                          std::optional<at::Tensor>, bool, int64_t, std::vector<std::optional<LoraProjection>>, int64_t,
+                          std::optional<MoeExperts>>(),
            pybind11::arg("input_norm"), pybind11::arg("post_norm"), pybind11::arg("eps"), pybind11::arg("qkv"),
            pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("q_norm"),
            pybind11::arg("k_norm"), pybind11::arg("is_neox"), pybind11::arg("lanes"), pybind11::arg("lora"),
-           pybind11::arg("window") = 0)
+           pybind11::arg("window") = 0, pybind11::arg("experts") = std::nullopt)
       .def("forward", &DecoderLayer::forward, kNoGil, pybind11::arg("hidden"), pybind11::arg("residual"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("meta"),
            pybind11::arg("k_scale") = std::nullopt, pybind11::arg("v_scale") = std::nullopt);

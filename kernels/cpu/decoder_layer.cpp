@@ -96,10 +96,11 @@ StepMeta::StepMeta(at::Tensor positions, at::Tensor cos_sin_cache, at::Tensor sl
 }
 
 DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
-                           Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double scale, std::optional<at::Tensor> q_norm,
+                           std::optional<Projection> gate_up, std::optional<Projection> down, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, double scale, std::optional<at::Tensor> q_norm,
                            std::optional<at::Tensor> k_norm, bool is_neox, int64_t lanes,
-                           std::vector<std::optional<LoraProjection>> lora, int64_t window)
+                           std::vector<std::optional<LoraProjection>> lora, int64_t window,
+                           std::optional<MoeExperts> experts)
     : input_norm_(std::move(input_norm)),
       post_norm_(std::move(post_norm)),
       eps_(eps),
@@ -107,6 +108,7 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
       o_(std::move(o)),
       gate_up_(std::move(gate_up)),
       down_(std::move(down)),
+      experts_(std::move(experts)),
       num_heads_(num_heads),
       num_kv_heads_(num_kv_heads),
       head_dim_(head_dim),
@@ -117,6 +119,8 @@ DecoderLayer::DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double e
       lanes_(lanes),
       window_(window) {
   TORCH_CHECK(window >= 0, "DecoderLayer: window is 0 (off) or positive");
+  TORCH_CHECK(gate_up_.has_value() == down_.has_value() && gate_up_.has_value() != experts_.has_value(),
+              "DecoderLayer: an MLP of gate_up and down, or experts");
   lora_ = std::move(lora);
   lora_.resize(4);
   for (const auto& projection : lora_) {
@@ -160,7 +164,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderLayer::forward(at::Tensor hidden, std:
                                                meta.cu_seqlens_q, scale_, lanes_, k_scale, v_scale, window_);
   const at::Tensor o = project(o_, lora_[1], attention.reshape({tokens, q_size}), meta);
   std::tie(normed, sum) = add_rms_norm(o, sum, post_norm_, eps_);
-  return {project(down_, lora_[3], silu_and_mul(project(gate_up_, lora_[2], normed, meta)), meta), sum};
+  if (experts_.has_value()) return {experts_->forward(normed), sum};
+  return {project(*down_, lora_[3], silu_and_mul(project(*gate_up_, lora_[2], normed, meta)), meta), sum};
 }
 
 MoeExperts::MoeExperts(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down,

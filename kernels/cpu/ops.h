@@ -124,31 +124,6 @@ struct StepMeta {
   std::vector<int64_t> seg_indptr, seg_adapter;
 };
 
-class DecoderLayer {
- public:
-  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
-               Projection gate_up, Projection down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double scale, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, bool is_neox,
-               int64_t lanes, std::vector<std::optional<LoraProjection>> lora, int64_t window = 0);
-  // (hidden, residual) after the layer; residual absent on the first layer.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
-                                             at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta,
-                                             std::optional<at::Tensor> k_scale = std::nullopt,
-                                             std::optional<at::Tensor> v_scale = std::nullopt) const;
-
- private:
-  at::Tensor input_norm_, post_norm_;
-  double eps_;
-  Projection qkv_, o_, gate_up_, down_;
-  std::vector<std::optional<LoraProjection>> lora_;  // per projection: qkv, o, gate_up, down
-  int64_t num_heads_, num_kv_heads_, head_dim_;
-  double scale_;
-  std::optional<at::Tensor> q_norm_, k_norm_;
-  bool is_neox_;
-  int64_t lanes_;
-  int64_t window_;  // sliding window: each token sees its last `window_` positions (0: all)
-};
-
 // A mixture-of-experts MLP in one call (backend/models/llama.py's SparseMoeBlock, the same ATen
 // and panel GEMM calls in the same order, so the same bits): the router's float32 softmax and
 // top-k, optionally renormalised, the weights rounded to x's dtype unless `float32_weights`;
@@ -165,6 +140,36 @@ class MoeExperts {
   std::vector<Projection> gate_up_, down_;
   int64_t top_k_;
   bool renormalize_, float32_weights_;
+};
+
+class DecoderLayer {
+ public:
+  // The MLP is either gate_up and down (SwiGLU) or routed `experts`.
+  DecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, Projection qkv, Projection o,
+               std::optional<Projection> gate_up, std::optional<Projection> down, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double scale, std::optional<at::Tensor> q_norm,
+               std::optional<at::Tensor> k_norm, bool is_neox, int64_t lanes,
+               std::vector<std::optional<LoraProjection>> lora, int64_t window = 0,
+               std::optional<MoeExperts> experts = std::nullopt);
+  // (hidden, residual) after the layer; residual absent on the first layer.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, std::optional<at::Tensor> residual,
+                                             at::Tensor k_cache, at::Tensor v_cache, const StepMeta& meta,
+                                             std::optional<at::Tensor> k_scale = std::nullopt,
+                                             std::optional<at::Tensor> v_scale = std::nullopt) const;
+
+ private:
+  at::Tensor input_norm_, post_norm_;
+  double eps_;
+  Projection qkv_, o_;
+  std::optional<Projection> gate_up_, down_;
+  std::optional<MoeExperts> experts_;
+  std::vector<std::optional<LoraProjection>> lora_;  // per projection: qkv, o, gate_up, down
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  std::optional<at::Tensor> q_norm_, k_norm_;
+  bool is_neox_;
+  int64_t lanes_;
+  int64_t window_;  // sliding window: each token sees its last `window_` positions (0: all)
 };
 
 // sampling.cpp: out = x's running sums along each row, torch.cumsum's bits (x and out

@@ -105,11 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences at once: the engine's max_num_seqs and llama-server's --parallel")
     parser.add_argument("--activation-quantization", choices=("none", "int8"), default="none",
                         help="tritonserver's activation_quantization (int8: W4A8/W8A8, as llama.cpp's Q8 activations)")
-    parser.add_argument("--llama-server-args", default="",
-                        help="flags added to llama-server's command, space-separated (e.g. --no-repack where its "
-                             "repacked AMX kernels die with SIGILL)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    servers.add_llama_server_arguments(parser)
     servers.add_run_arguments(parser, "q3_gguf_vs_llama_server.json")
     args = parser.parse_args(argv)
 

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"llama-server's, of {', '.join(LLAMA_CACHE_TYPES)}")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="the engine's kv_cache_memory_mb, every setting")
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="the float checkpoint (and tokenizer)")
+    servers.add_llama_server_arguments(parser)
     servers.add_run_arguments(parser, "kv_vs_llama_server.json")
     args = parser.parse_args(argv)
     try:
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "engine_kv_cache_memory_mb": args.kv_cache_mb,
         "llama_server_ctx_per_slot": context,
+        "llama_server_extra_args": args.llama_server_args.split(),
         "workload": workload.summary(),
         **({"note": args.note} if args.note else {}),
         "results": results,
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         start = (partial(tritonserver, BASE_MODEL,
                          engine_parameters(setting, args.model, args.dtype, args.kv_cache_mb, context), cpus,
                          args.concurrency) if system == "tritonserver" else
-                 partial(llama_server, gguf, cpus, args.concurrency, extra=llama_flags(setting), dtype=args.dtype,
+                 partial(llama_server, gguf, cpus, args.concurrency, extra=llama_flags(setting) + args.llama_server_args.split(),
+                         dtype=args.dtype,
                          slot_context=context))
         with servers.started(f"{system} {setting}", system, start, tmp, versions) as address:
             run = run_target(parse_target(f"{system}=openai://{address}"), workload, args.concurrency,

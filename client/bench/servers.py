@@ -59,6 +59,13 @@ def add_run_arguments(parser, default_json: str) -> None:
     parser.add_argument("--json", help=f"the report (default: bench/results/<cpu kind>/{default_json})")
 
 
+def add_llama_server_arguments(parser) -> None:
+    """The option of every benchmark that starts llama-server: flags added to its command."""
+    parser.add_argument("--llama-server-args", default="",
+                        help="flags added to llama-server's command, space-separated (e.g. --no-repack where its "
+                             "repacked AMX kernels die with SIGILL)")
+
+
 def report_header(benchmark: str, module: str, argv: list[str] | None, info: dict, cpus: list[int],
                   versions: dict, checkpoint: str) -> dict:
     """What every fresh-server benchmark's report starts with: what ran, how to run it again, where,

@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"llama-server's, of {', '.join(LLAMA_METHODS)}")
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="the float32 checkpoint (and tokenizer)")
     parser.add_argument("--slots", type=int, help="sequences at once (default: the highest concurrency)")
+    servers.add_llama_server_arguments(parser)
     servers.add_run_arguments(parser, "w9_vs_llama_server.json")
     args = parser.parse_args(argv)
 
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "slots": slots,
         "engine_methods": {m: METHODS[m] for m in methods},
         "llama_methods": {m: llama_flags(m, os.path.relpath(draft, REPO_ROOT) if draft else "") for m in llama_methods},
+        "llama_server_extra_args": args.llama_server_args.split(),
         "workloads": {f"{w.name} c={c}": w.summary() for w, c in runs},
         **({"note": args.note} if args.note else {}),
         "results": results,
@@ -238,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = [("tritonserver", m) for m in methods] + [("llama-server", m) for m in llama_methods]
     for system, method in settings:
         start = (partial(tritonserver, BASE_MODEL, engine_parameters(method, args.model), cpus, slots)
-                 if system == "tritonserver" else partial(llama_server, gguf, cpus, slots, extra=llama_flags(method, draft)))
+                 if system == "tritonserver" else partial(llama_server, gguf, cpus, slots,
+                                                          extra=llama_flags(method, draft) + args.llama_server_args.split()))
         with servers.started(f"{system} {method}", system, start, tmp, versions) as address:
             target = parse_target(f"{system}=openai://{address}")
             for workload, concurrency in runs:

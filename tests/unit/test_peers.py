@@ -498,6 +498,18 @@ def test_serving_benchmarks_refuse_bad_arguments_before_they_start_anything(benc
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("benchmark", [gguf_serving, speculative_serving, kv_serving],
+                         ids=lambda v: v.__name__.rsplit(".", 1)[-1])
+def test_every_benchmark_that_starts_llama_server_takes_flags_for_it(benchmark, capsys):
+    """`--llama-server-args` (such as --no-repack, where llama-server's repacked AMX kernels die)
+    parses wherever llama-server starts: the run then stops at the bad --cores, not at the flags."""
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--llama-server-args=--no-repack --threads-http 1", "--cores", "4096"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cores 4096: this process may use" in err and "unrecognized" not in err
+
+
 def test_w9_llama_engine_repository_carries_each_methods_speculative_config(tmp_path):
     for method in ("off", "ngram", "suffix"):
         parameters = speculative_serving.engine_parameters(method, "some/checkpoint")

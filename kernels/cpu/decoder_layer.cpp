@@ -10,6 +10,7 @@
 // and base went from 0.65x to 0.86x the all-base output tokens/s, float32).
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
@@ -255,18 +256,19 @@ at::Tensor MoeExperts::forward(at::Tensor x) const {
   at::Tensor out = at::zeros_like(xc);
   const at::Tensor routing_weights = weights.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "MoeExperts", [&] {
+    using Math = at::opmath_type<scalar_t>;  // what ATen computes scalar_t's mul and add in
     scalar_t* sums = out.data_ptr<scalar_t>();
     for (int64_t e : active) {
       const scalar_t* y = outputs[e].data_ptr<scalar_t>();
       for (size_t i = 0; i < rows[e].size(); ++i) {
         const int64_t t = rows[e][i], at_slot = t * top_k_ + slots[e][i];
-        const float w = float32_weights_ ? routing_weights.data_ptr<float>()[at_slot]
-                                         : static_cast<float>(routing_weights.data_ptr<scalar_t>()[at_slot]);
+        const Math w = float32_weights_ ? static_cast<Math>(routing_weights.data_ptr<float>()[at_slot])
+                                        : static_cast<Math>(routing_weights.data_ptr<scalar_t>()[at_slot]);
         scalar_t* sum = sums + t * hidden;
         const scalar_t* row = y + static_cast<int64_t>(i) * hidden;
         for (int64_t c = 0; c < hidden; ++c)
-          sum[c] = static_cast<scalar_t>(static_cast<float>(sum[c]) +
-                                         static_cast<float>(static_cast<scalar_t>(static_cast<float>(row[c]) * w)));
+          sum[c] = static_cast<scalar_t>(static_cast<Math>(sum[c]) +
+                                         static_cast<Math>(static_cast<scalar_t>(static_cast<Math>(row[c]) * w)));
       }
     }
   });

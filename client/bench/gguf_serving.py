@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "gguf_files": {t: {"path": os.path.relpath(f, REPO_ROOT), "bytes": os.path.getsize(f)} for t, f in files.items()},
         "slots": args.slots,
         "tritonserver_parameters": engine_parameters(args),
-        "llama_server_extra_args": args.llama_server_args.split(),
+        "llama_server_extra_args": args.llama_server_args,
         "workloads": {f"c={c}": w.summary() for c, w in workloads.items()},
         **({"note": args.note} if args.note else {}),
         "slo": slo,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in SYSTEMS:
             start = (partial(tritonserver, BASE_MODEL, {"model_path": gguf, **engine_parameters(args)}, cpus, args.slots)
                      if system == "tritonserver" else partial(llama_server, gguf, cpus, args.slots,
-                                                              extra=args.llama_server_args.split()))
+                                                              extra=args.llama_server_args))
             with servers.started(f"{gguf_type} {system}", system, start, tmp, versions) as address:
                 target = parse_target(f"{system}=openai://{address}")
                 for concurrency, workload in workloads.items():

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "engine_kv_cache_memory_mb": args.kv_cache_mb,
         "llama_server_ctx_per_slot": context,
-        "llama_server_extra_args": args.llama_server_args.split(),
+        "llama_server_extra_args": args.llama_server_args,
         "workload": workload.summary(),
         **({"note": args.note} if args.note else {}),
         "results": results,
@@ -170,9 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         start = (partial(tritonserver, BASE_MODEL,
                          engine_parameters(setting, args.model, args.dtype, args.kv_cache_mb, context), cpus,
                          args.concurrency) if system == "tritonserver" else
-                 partial(llama_server, gguf, cpus, args.concurrency, extra=llama_flags(setting) + args.llama_server_args.split(),
-                         dtype=args.dtype,
-                         slot_context=context))
+                 partial(llama_server, gguf, cpus, args.concurrency, extra=llama_flags(setting) + args.llama_server_args,
+                         dtype=args.dtype, slot_context=context))
         with servers.started(f"{system} {setting}", system, start, tmp, versions) as address:
             run = run_target(parse_target(f"{system}=openai://{address}"), workload, args.concurrency,
                              not args.no_progress, args.request_timeout)

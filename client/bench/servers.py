@@ -61,7 +61,7 @@ def add_run_arguments(parser, default_json: str) -> None:
 
 def add_llama_server_arguments(parser) -> None:
     """The option of every benchmark that starts llama-server: flags added to its command."""
-    parser.add_argument("--llama-server-args", default="",
+    parser.add_argument("--llama-server-args", type=str.split, default=[],
                         help="flags added to llama-server's command, space-separated (e.g. --no-repack where its "
                              "repacked AMX kernels die with SIGILL)")
 

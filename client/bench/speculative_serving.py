@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "slots": slots,
         "engine_methods": {m: METHODS[m] for m in methods},
         "llama_methods": {m: llama_flags(m, os.path.relpath(draft, REPO_ROOT) if draft else "") for m in llama_methods},
-        "llama_server_extra_args": args.llama_server_args.split(),
+        "llama_server_extra_args": args.llama_server_args,
         "workloads": {f"{w.name} c={c}": w.summary() for w, c in runs},
         **({"note": args.note} if args.note else {}),
         "results": results,
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for system, method in settings:
         start = (partial(tritonserver, BASE_MODEL, engine_parameters(method, args.model), cpus, slots)
                  if system == "tritonserver" else partial(llama_server, gguf, cpus, slots,
-                                                          extra=llama_flags(method, draft) + args.llama_server_args.split()))
+                                                          extra=llama_flags(method, draft) + args.llama_server_args))
         with servers.started(f"{system} {method}", system, start, tmp, versions) as address:
             target = parse_target(f"{system}=openai://{address}")
             for workload, concurrency in runs:

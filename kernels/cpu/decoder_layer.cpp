@@ -21,7 +21,6 @@
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -236,9 +235,8 @@ at::Tensor MoeExperts::forward(at::Tensor x) const {
   const int64_t routed = tokens * top_k_;
   if (threads > 1 && static_cast<int64_t>(active.size()) >= 2 * threads && largest * threads <= routed) {
     std::exception_ptr failure;
-    std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
-    for (int64_t i = next++; i < static_cast<int64_t>(active.size()); i = next++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < static_cast<int64_t>(active.size()); ++i) {
       try {
         run_expert(active[i]);
       } catch (...) {

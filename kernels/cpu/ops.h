@@ -124,11 +124,11 @@ struct StepMeta {
   std::vector<int64_t> seg_indptr, seg_adapter;
 };
 
-// A mixture-of-experts MLP in one call (backend/models/llama.py's SparseMoeBlock, the same ATen
-// and panel GEMM calls in the same order, so the same bits): the router's float32 softmax and
-// top-k, optionally renormalised, the weights rounded to x's dtype unless `float32_weights`;
-// then per expert, in ascending order, one GEMM over the rows routed to it, SiLU-and-mul, the
-// down GEMM, scaled by the rows' weights and added into each row's sum.
+// A mixture-of-experts MLP in one call (backend/models/llama.py's SparseMoeBlock: the same panel
+// GEMM calls and the same roundings, so the same bits): the router's float32 softmax and top-k,
+// optionally renormalised, the weights rounded to x's dtype unless `float32_weights`; then per
+// expert one GEMM over the rows routed to it, SiLU-and-mul, the down GEMM; each row's outputs
+// scaled by its weights and added into its sum in ascending expert order.
 class MoeExperts {
  public:
   MoeExperts(Projection router, std::vector<Projection> gate_up, std::vector<Projection> down, int64_t top_k,

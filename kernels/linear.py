@@ -45,11 +45,13 @@ above); a bfloat16 input is widened and the output rounded to bfloat16 once, as 
 AMX tiles a bfloat16 input stays bfloat16: each panel is de-quantized, rounded to bfloat16 and
 multiplied on the tiles, the bf16 tile GEMM's bits on `dequantize().bfloat16()`, for every row
 count (so a row's bits are its own there too); on a 2-core Xeon with AMX 2.3-5.1x the float32
-path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16). Packed with
-`batch_invariant=False` (the engine's mode off), a bf16 model's calls of up to
-VECTOR_ROWS_BESIDE_TILES rows take another path on the same panels: int4 of even groups the bf16
-dots (`vdpbf16ps` on the exact integers, each group's scale and min applied to its sums; where the
-CPU has AVX512-BF16, tiles or not), int8 beside the tiles the float32 vector path.
+path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16). Without tiles, a
+bf16 model's int4 weight of even groups runs the bf16 dots at every row count (QUANT_BF16_DOTS:
+`vdpbf16ps` on the exact integers, each group's scale and min applied to its sums; bits of their
+own, a row's its own), other formats the float32 path. Packed with `batch_invariant=False` (the
+engine's mode off), a bf16 model's calls of up to VECTOR_ROWS_BESIDE_TILES rows run int4 on the
+bf16 dots and other formats on the float32 path, and more rows run the de-quantized panels on
+the tiles or, without them, on vdpbf16ps (panel_gemm's bits of that path on the rounded weight).
 At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
 EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and
@@ -69,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .cpu_ext import QUANT_INT8_DOTS, Isa
+from .cpu_ext import QUANT_BF16_DOTS, QUANT_INT8_DOTS, Isa
 from .linear_quant import linear_quant_triton, pack_quant_weight_triton
 from .quantized import QuantizedWeight, int8_activation_linear
 
@@ -80,8 +82,11 @@ from .quantized import QuantizedWeight, int8_activation_linear
 BF16_ROWS_BESIDE_TILES = 6
 
 # Up to this many rows, a bf16 model's quantized weight runs its path for a few rows when the engine
-# is not batch invariant: at a few rows the tiles' de-quantize-to-bf16 pass costs more than the
-# vector path's de-quantizing in registers (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
+# is not batch invariant: at a few rows the de-quantize-to-bf16 pass of the tiles (or of vdpbf16ps,
+# without them) costs more than the vector path's de-quantizing in registers. On a 2-core AVX512-BF16
+# EPYC, vdpbf16ps on the de-quantized panels against the float32 path: 0.55-0.7x at 1 row, 1.0-1.2x
+# at 4, 1.8-2.9x at 32 (client.bench.quant_gemm --bf16 --rows 1 4 32 256; at 32 rows and more within
+# 0.8-1.1x of the bf16 weight's own GEMM). (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
 # 2-core AMX Xeon, Llama-3.2-1B's MLP and SmolLM2's gate|up, int8/q8_0/q4_1/int4: the vector path
 # 1.6-2.0x faster at 1 row, 1.1-1.8x at 2, 1.05-1.6x at 3, even at 4; the tiles 1.2-2.6x faster at 8).
 # int4's bf16 dots there against the float32 path: 1.2-1.4x at 1 row, 1.0-1.2x at 2, 0.95-1.4x at 3,
@@ -172,11 +177,11 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
 
 
 def _bf16_dots_take(weight: QuantizedWeight, isa: Isa, module) -> bool:
-    """Whether the int4 path on bf16 dot products (quant_panel_gemm's isa AVX512_BF16) runs this
+    """Whether the int4 path on bf16 dot products (quant_panel_gemm's QUANT_BF16_DOTS) runs this
     weight: 4 bits, groups of an even size or one group, on a CPU with vdpbf16ps."""
     groups = -(-weight.shape[1] // weight.group_size)
     return (weight.bits == 4 and (groups == 1 or weight.group_size % 2 == 0) and isa >= Isa.AVX512_BF16
-            and module.quant_bf16_dots_built())
+            and module.quant_bf16_built())
 
 
 def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device,
@@ -192,10 +197,17 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
         return packed
     module = cpu_ext.load()
     quant_isa = Isa.NONE if module is None else min(isa, Isa(module.quant_gemm_isa()))
-    # Above AVX-512 only the tiles have a quantized path, and they take bfloat16 activations only.
-    if quant_isa > Isa.AVX512 and not (quant_isa == Isa.AMX and dtype == torch.bfloat16):
+    # Above AVX-512 (vdpbf16ps, the tiles) the paths take bfloat16 activations only.
+    if quant_isa >= Isa.AVX512_BF16 and dtype != torch.bfloat16:
         quant_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
-    upcast = dtype != torch.float32 and quant_isa != Isa.AMX
+    if quant_isa == Isa.AVX512_BF16 and batch_invariant:
+        # Without tiles, one path serves every row count: de-quantizing to bfloat16 would make a
+        # decode's one row 2.5x slower than the float32 path (Llama-3.2-1B int8 and int4, 2-core
+        # AVX512-BF16 EPYC), while int4's bf16 dots are the fastest at one row and within 0.8x of it
+        # from 32 (client.bench.quant_gemm --bf16).
+        quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else min(
+            Isa.AVX512, Isa(module.gemm_vector_isa()))
+    upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16
     if quant_isa < Isa.AVX2:
         packed = PackedWeight("quant", None, shape, upcast)
         packed.quantized = weight
@@ -204,11 +216,11 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
-        if not batch_invariant and dtype == torch.bfloat16:
+        if not batch_invariant and dtype == torch.bfloat16 and quant_isa >= Isa.AVX512_BF16:
             # The panels are the same for every path; only the activations' dtype differs.
             if _bf16_dots_take(weight, isa, module):
-                packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16
-            elif quant_isa == Isa.AMX:
+                packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS
+            else:
                 packed.vector_rows = VECTOR_ROWS_BESIDE_TILES
                 packed.vector_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
     packed.bits, packed.group_size = weight.bits, weight.group_size

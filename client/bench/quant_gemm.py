@@ -13,10 +13,10 @@ reads run against. Timings: the best of `--windows` windows of `--seconds`, afte
     python -m client.bench.quant_gemm --threads 1 --json bench/results/avx2/quant_gemm.json
 
 `--bf16`: bfloat16 activations instead, as a bf16 model runs them: the bf16 panel GEMM (`bfloat16`,
-the machine's best: the AMX tiles on a Xeon with them) against each format as the engine packs it
-for bf16 (on the tiles where the machine has them, each checked to be the tile GEMM's bits on the
-weight rounded to bfloat16), and, where that is the tiles, the same format on the float32 vector
-path (`<format>_vector`: the input widened, as a machine without tiles runs it); where the CPU has
+the machine's best: the AMX tiles on a Xeon with them, else vdpbf16ps) against each format as the
+engine packs it for bf16 (on the tiles or vdpbf16ps where the machine has them, each checked to be
+that bf16 GEMM's bits on the weight rounded to bfloat16), and there the same format on the float32
+vector path (`<format>_vector`: the input widened, as a machine without bf16 paths runs it); where the CPU has
 AVX512-BF16, each int4 format on the bf16 dots too (`<format>_bf16_dots`, what a decode of a few
 rows runs outside the batch-invariant mode; checked against x times the weight in float64 within
 its roundings).
@@ -75,11 +75,11 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
     for fmt, bits, group, mins, half in FORMATS:
         weight = make_random_quantized_weight(n, k, bits, group, mins, half, gen)
         packed[fmt] = (weight, kernels.pack_linear_weight(weight, dtype=torch.bfloat16))
-        if packed[fmt][1].isa == cpu_ext.Isa.AMX:
+        if packed[fmt][1].isa >= cpu_ext.Isa.AVX512_BF16:
             vector_isa = min(cpu_ext.Isa.AVX512, cpu_ext.Isa(module.gemm_vector_isa()))
             packed[fmt + "_vector"] = (weight, kernels.pack_linear_weight(weight, isa=vector_isa, dtype=torch.bfloat16))
         beside = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
-        if beside.vector_isa == cpu_ext.Isa.AVX512_BF16:
+        if beside.vector_isa == cpu_ext.QUANT_BF16_DOTS:
             packed[fmt + "_bf16_dots"] = (weight, beside)
         packed[fmt + "_a8"] = (weight, kernels.pack_linear_weight(weight, dtype=torch.bfloat16, int8_activations=True))
     bf16 = kernels.pack_linear_weight(packed["int8"][0].dequantize().bfloat16())
@@ -97,11 +97,11 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
                 continue
             if fmt.endswith("_a8"):
                 check_int8_activations(p, x, weight, f"{fmt} {name} at {rows} rows")
-            elif p.isa == cpu_ext.Isa.AMX:
-                tiles = module.pack_panels(weight.dequantize().bfloat16(), int(cpu_ext.Isa.AMX))
-                want = module.panel_gemm(x, tiles, None, n, int(cpu_ext.Isa.AMX))
+            elif p.isa >= cpu_ext.Isa.AVX512_BF16:
+                panels = module.pack_panels(weight.dequantize().bfloat16(), int(p.isa))
+                want = module.panel_gemm(x, panels, None, n, int(p.isa))
                 if not torch.equal(kernels.linear(x, p.shape_only, None, p), want):
-                    raise RuntimeError(f"{fmt} {name} at {rows} rows: not the tile GEMM's bits; refusing to time it")
+                    raise RuntimeError(f"{fmt} {name} at {rows} rows: not the bf16 GEMM's bits; refusing to time it")
             calls[fmt] = (lambda p=p: kernels.linear(x, p.shape_only, None, p), p.nbytes)
         rows_out.append(timed_row(calls, name, n, k, rows, args))
     return rows_out

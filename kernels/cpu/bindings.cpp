@@ -30,8 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, kNoGil, "A weight [N, K] as 16-column panels for panel_gemm's instruction set isa");
   m.def("panel_gemm", &panel_gemm, kNoGil, "x [M, K] times the packed weight's transpose, plus an optional bias");
   m.def("quant_gemm_isa", &quant_gemm_isa, "The best instruction set quant_panel_gemm is built with here (0: plain C++)");
-  m.def("quant_bf16_dots_built", &quant_bf16_dots_built,
-        "Whether quant_panel_gemm has its int4 path on vdpbf16ps here (isa 3, bfloat16 activations)");
+  m.def("quant_bf16_built", &quant_bf16_built,
+        "Whether quant_panel_gemm has its vdpbf16ps paths here (bfloat16 activations: isa 3, the de-quantized "
+        "weight, and 6, int4's bf16 dots)");
   m.def("int8_dots_path", &int8_dots_path,
         "The instruction set quant_panel_gemm's int8 activations (isa 5) run on here: avx512_vnni, avx2 or plain");
   m.def("pack_quant_panels", &pack_quant_panels, kNoGil, pybind11::arg("q"), pybind11::arg("scales"),

@@ -37,11 +37,11 @@
 namespace {
 
 at::Tensor project(const Projection& p, const at::Tensor& x) {
-  if (p.bits != 0) {  // int8/int4 weights: bf16 as it is on the tiles and bf16 dots; else float32
+  if (p.bits != 0) {  // int8/int4 weights: bf16 as it is on vdpbf16ps, the tiles and the bf16 dots; else float32
     // A call of a few rows runs the path beside (linear()'s rule): the bf16 dots as they are, the
     // float32 vector path widened as an upcast weight is.
     const int64_t isa = p.isa_for(x.size(0));
-    const bool widen = isa < kQuantBf16Dots;  // the paths below the tiles and the bf16 dots take float32
+    const bool widen = isa < kQuantFirstBf16Isa;
     // The bias in the dtype of the path's input (kept in the main path's).
     const auto dtype = widen ? at::kFloat : x.scalar_type();
     const std::optional<at::Tensor> bias = p.bias.has_value() ? std::optional(p.bias->to(dtype)) : p.bias;

@@ -237,14 +237,39 @@ struct TileTable {
   static constexpr auto kTiles = make(std::make_integer_sequence<int, V::kMaxRows>{});
 };
 
+// Rows [first_row, row_end) of x against one group of `panels` adjacent panels (1 or 2, from
+// `group`), in as few tiles as the registers allow, of equal height: 32 rows as 11 + 11 + 10
+// rather than 12 + 12 + 8, whose last tile does two-thirds of the multiply-adds for the same panel
+// loads and loop (a step's bf16 projections 4% faster at 32 and 64 rows; a row's sums do not depend
+// on its tile, so the bits are the same). `next` (or nullptr): the panels whose lines the tiles
+// ask for, each tile its share.
+template <class V>
+void row_tiles(const typename V::In* xp, int64_t ldx, int64_t first_row, int64_t row_end, const typename V::In* group,
+               int64_t panel_elems, int64_t panels, int64_t k, const float* bias, typename V::Out* op, int64_t ldo,
+               int64_t cols, const typename V::In* next) {
+  constexpr int64_t kRows = V::kMaxRows, kGroup = V::kMaxPanels;
+  const int64_t steps = k / V::kStepK;
+  const bool odd_k = k % V::kStepK != 0;
+  const int64_t tiles = (row_end - first_row + kRows - 1) / kRows;
+  const int64_t tile_rows = (row_end - first_row + tiles - 1) / tiles;
+  const int64_t prefetch_total = next != nullptr ? steps + odd_k : 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t row = first_row + t * tile_rows, rows = std::min(tile_rows, row_end - row);
+    const int64_t share_begin = t * prefetch_total / tiles, share_end = (t + 1) * prefetch_total / tiles;
+    const typename V::In* prefetch = next != nullptr ? next + share_begin * kPanel * V::kStepK : nullptr;
+    const auto& table = panels == 2 ? TileTable<V, kGroup>::kTiles : TileTable<V, 1>::kTiles;
+    table[rows](xp + row * ldx, ldx, group, panel_elems, steps, odd_k, bias, op + row * ldo, ldo, cols, prefetch,
+                share_end - share_begin);
+  }
+}
+
 template <class V>
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   using In = typename V::In;
   using Out = typename V::Out;
   constexpr int64_t kRows = V::kMaxRows, kGroup = V::kMaxPanels;
   const int64_t m = x.size(0), k = x.size(1), num_panels = packed.size(0);
-  const int64_t panel_elems = packed.stride(0), steps = k / V::kStepK;
-  const bool odd_k = k % V::kStepK != 0;
+  const int64_t panel_elems = packed.stride(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const In* xp = reinterpret_cast<const In*>(x.data_ptr());
@@ -265,29 +290,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
       const int64_t row_end = std::min(m, (block + 1) * block_rows);
       const int64_t first_panel = g * kGroup, panels = std::min(kGroup, num_panels - first_panel);
       const int64_t col = first_panel * kPanel, cols = std::min(panels * kPanel, n - col);
-      const In* group = wp + first_panel * panel_elems;
-      const float* group_bias = bias != nullptr ? bias + col : nullptr;
-      // The group this core computes next, whose lines the tiles below prefetch. (Past the last
+      // The group this core computes next, whose lines the tiles prefetch. (Past the last
       // panel a prefetch asks for nothing that exists, which costs nothing: prefetches never fault.)
       const int64_t next_item = item + 1 < end ? item + 1 : after;
       const In* next = next_item >= 0 ? wp + next_item % groups * kGroup * panel_elems : nullptr;
-      // The block's rows in as few tiles as the registers allow, of equal height: 32 rows as
-      // 11 + 11 + 10 rather than 12 + 12 + 8, whose last tile does two-thirds of the multiply-adds
-      // for the same panel loads and loop (a step's bf16 projections 4% faster at 32 and 64 rows;
-      // a row's sums do not depend on its tile, so the bits are the same).
-      const int64_t first_row = block * block_rows, tiles = (row_end - first_row + kRows - 1) / kRows;
-      const int64_t tile_rows = (row_end - first_row + tiles - 1) / tiles;
-      const int64_t prefetch_total = next != nullptr ? steps + odd_k : 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t row = first_row + t * tile_rows, rows = std::min(tile_rows, row_end - row);
-        const int64_t share_begin = t * prefetch_total / tiles, share_end = (t + 1) * prefetch_total / tiles;
-        const In* prefetch = next != nullptr ? next + share_begin * kPanel * V::kStepK : nullptr;
-        const In* xr = xp + row * ldx;
-        Out* o = op + row * n + col;
-        const auto& table = panels == 2 ? TileTable<V, kGroup>::kTiles : TileTable<V, 1>::kTiles;
-        table[rows](xr, ldx, group, panel_elems, steps, odd_k, group_bias, o, n, cols, prefetch,
-                    share_end - share_begin);
-      }
+      row_tiles<V>(xp, ldx, block * block_rows, row_end, wp + first_panel * panel_elems, panel_elems, panels, k,
+                   bias != nullptr ? bias + col : nullptr, op + col, n, cols, next);
     }
   };
   const int64_t items = row_blocks * groups;
@@ -426,6 +434,17 @@ int64_t gemm_vector_isa() { return vector_isa(); }
 bool request_amx_permission() { return amx_permitted(); }
 
 void use_tile_model() { tile_model_in_use = true; }
+
+void bf16_panel_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows, const c10::BFloat16* panels,
+                     int64_t panel_elems, int64_t num_panels, int64_t k, const float* bias, c10::BFloat16* out,
+                     int64_t ldo, int64_t cols) {
+#if defined(INFLIGHT_HAVE_AVX512_BF16)
+  TORCH_CHECK(num_panels == 1 || num_panels == 2, "bf16_panel_rows: one or two panels, not ", num_panels);
+  row_tiles<Avx512Bf16>(x, ldx, 0, rows, panels, panel_elems, num_panels, k, bias, out, ldo, cols, nullptr);
+#else
+  TORCH_CHECK(false, "bf16_panel_rows: this build has no AVX512-BF16 path");
+#endif
+}
 
 at::Tensor pack_panels(at::Tensor weight, int64_t isa) {
   check_isa("pack_panels", isa);

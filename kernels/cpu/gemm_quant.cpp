@@ -41,7 +41,10 @@
 //   to the bit, at every row count: a row's bits depend on its own x only, as on the other paths.
 //   A decode's one row pays the de-quantizing as the register path does; from 32 rows on the
 //   tiles' multiply-adds cost next to nothing, where the vector paths' FMAs bound them.
-// - kIsaAvx512Bf16 (int4, bfloat16 x, AVX512-BF16): the bf16 dots below, for a decode's few rows
+// - kIsaAvx512Bf16: bfloat16 x on vdpbf16ps where there are no tiles, as kIsaAmx: each two panels
+//   de-quantized to bfloat16 once a call, then gemm.cpp's vdpbf16ps tiles (panel_gemm's isa 3 bits
+//   on dequantize().bfloat16(), at every row count);
+// - kQuantBf16Dots (int4, bfloat16 x, AVX512-BF16): the bf16 dots below, for a decode's few rows
 //   outside the batch-invariant mode; numerics of their own (the group's scale applied to the sums).
 // Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
@@ -823,6 +826,59 @@ at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, co
   });
 }
 
+// ---- bfloat16 activations on vdpbf16ps, where there are no tiles ----------------------------
+//
+// A bf16 model's quantized weight on a CPU with AVX512-BF16 and no AMX (AVX-512 EPYCs, or a Xeon
+// whose kernel refused the tiles): each item is two panels, de-quantized and rounded to bfloat16 as
+// the tiles' path does it (dequantize_pairs) into gemm.cpp's bf16 panel layout in a buffer of the
+// core's own, once a call, then every row of x runs gemm.cpp's vdpbf16ps tiles on it. So its
+// result is panel_gemm's isa 3 on dequantize().bfloat16(), to the bit, at every row count. The
+// float32 vector path it replaces spent ~2 FMAs (de-quantize, multiply-add) a weight a row from
+// 32 rows on; here the multiply-adds are vdpbf16ps's, two k's an instruction, and de-quantizing
+// is paid once a call.
+#if defined(INFLIGHT_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFLIGHT_HAVE_BF16 1
+template <int Bits, bool Mins>
+at::Tensor gemm_bf16_dequantized(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias,
+                                 int64_t n) {
+  using In = c10::BFloat16;
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2, panel_elems = pairs * 2 * kPanel;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const In* xp = x.data_ptr<In>();
+  In* op = out.data_ptr<In>();
+  const int64_t groups = (num_panels + 1) / 2;
+  const auto run = [&](int64_t begin, int64_t end, int64_t /*after*/) {
+    // Kept from call to call: a fresh buffer would take fresh pages, page faults and all.
+    thread_local std::vector<uint16_t> weights;
+    if (weights.size() < size_t(2 * panel_elems)) weights.resize(2 * panel_elems);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t panels = std::min<int64_t>(2, num_panels - 2 * g), col = 2 * g * kPanel;
+      for (int64_t p = 0; p < panels; ++p)
+        dequantize_pairs<Bits, Mins>(w, 2 * g + p, 0, pairs, weights.data() + p * panel_elems);
+      bf16_panel_rows(xp, x.stride(0), m, reinterpret_cast<const In*>(weights.data()), panel_elems, panels, k,
+                      bias != nullptr ? bias + col : nullptr, op + col, n, std::min<int64_t>(panels * kPanel, n - col));
+    }
+  };
+  const int64_t threads = at::get_num_threads();
+  if (m * n * k < kMinParallelMacs || threads == 1) {
+    run(0, groups, -1);
+    return out;
+  }
+  run_in_shrinking_chunks(groups, threads, run);
+  return out;
+}
+
+at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
+                     int64_t bits, bool mins) {
+  if (bits == 8)
+    return mins ? gemm_bf16_dequantized<8, true>(x, w, num_panels, bias, n)
+                : gemm_bf16_dequantized<8, false>(x, w, num_panels, bias, n);
+  return mins ? gemm_bf16_dequantized<4, true>(x, w, num_panels, bias, n)
+              : gemm_bf16_dequantized<4, false>(x, w, num_panels, bias, n);
+}
+#endif
+
 // ---- bf16 dot products: int4 weights against bfloat16 activations, a few rows ---------------
 //
 // A bf16 model's decode outside the batch-invariant mode (kernels/linear.py packs it beside the
@@ -1000,21 +1056,23 @@ int64_t best_isa() {
 
 bool amx_built() { return inflight_cpu::tiles_built(); }
 
-bool bf16_dots_built() {
-#if defined(INFLIGHT_HAVE_BF16_DOTS)
+// vdpbf16ps: the de-quantized bf16 panels (isa 3) and the bf16 dots (kQuantBf16Dots).
+bool bf16_built() {
+#if defined(INFLIGHT_HAVE_BF16) && defined(INFLIGHT_HAVE_BF16_DOTS)
   return true;
 #else
   return false;
 #endif
 }
 
-// The vector paths up to the best built, and the tiles where built and, as gemm.cpp checks,
-// permitted (a tile instruction without the permission kills the process).
+// The vector paths up to the best built, vdpbf16ps's where built, and the tiles where built and,
+// as gemm.cpp checks, permitted (a tile instruction without the permission kills the process).
 void check_isa(const char* op, int64_t isa) {
   TORCH_CHECK((isa >= kIsaNone && isa <= best_isa()) || (isa == kIsaAmx && amx_built()) ||
-                  (isa == kIsaAvx512Bf16 && bf16_dots_built()),
+                  ((isa == kIsaAvx512Bf16 || isa == kQuantBf16Dots) && bf16_built()),
               op, ": instruction set ", isa, " has no quantized path built here (float activations: up to ", best_isa(),
-              bf16_dots_built() ? "; bfloat16 activations: 3, int4 on vdpbf16ps" : "",
+              bf16_built() ? "; bfloat16 activations: 3, vdpbf16ps on the de-quantized weight, and 6, int4 on "
+                             "vdpbf16ps's bf16 dots" : "",
               amx_built() ? "; bfloat16 activations: 4, the AMX tiles" : "", "; int8 activations: 5)");
   TORCH_CHECK(isa != kIsaAmx || inflight_cpu::amx_permitted(), op,
               ": the kernel refused this process the AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)");
@@ -1024,9 +1082,9 @@ using inflight_cpu::pack_group_values;
 
 }  // namespace
 
-int64_t quant_gemm_isa() { return amx_built() ? int64_t(kIsaAmx) : best_isa(); }
+int64_t quant_gemm_isa() { return amx_built() ? int64_t(kIsaAmx) : bf16_built() ? int64_t(kIsaAvx512Bf16) : best_isa(); }
 
-bool quant_bf16_dots_built() { return bf16_dots_built(); }
+bool quant_bf16_built() { return bf16_built(); }
 
 std::vector<at::Tensor> pack_quant_panels(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                                           int64_t bits, int64_t group_size, int64_t isa) {
@@ -1072,8 +1130,8 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   TORCH_CHECK(bits == 4 || bits == 8, "quant_panel_gemm: bits must be 4 or 8, not ", bits);
   // The tiles and the bf16 dot products take bfloat16 activations (and bias, as panel_gemm's
   // bfloat16 paths); the vector paths float32.
-  const auto dtype = isa == kIsaAmx || isa == kIsaAvx512Bf16 ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK(isa != kIsaAvx512Bf16 || bits == 4, "quant_panel_gemm: the bf16 dot products (isa 3) take 4-bit weights only");
+  const auto dtype = isa >= kQuantFirstBf16Isa ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(isa != kQuantBf16Dots || bits == 4, "quant_panel_gemm: the bf16 dot products (isa 6) take 4-bit weights only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "quant_panel_gemm: x [M, K] in ", dtype);
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
@@ -1090,8 +1148,8 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   const GroupValues min_values = has_mins ? inflight_cpu::group_values_of(*mins, num_panels, groups, group_size,
                                                                           "quant_panel_gemm", "mins", "pack_quant_panels")
                                           : GroupValues{nullptr, false};
-  TORCH_CHECK(isa != kIsaAvx512Bf16 || groups == 1 || group_size % 2 == 0,
-              "quant_panel_gemm: the bf16 dot products (isa 3) take groups of an even size or one group, not ", group_size);
+  TORCH_CHECK(isa != kQuantBf16Dots || groups == 1 || group_size % 2 == 0,
+              "quant_panel_gemm: the bf16 dot products (isa 6) take groups of an even size or one group, not ", group_size);
   if (x.stride(1) != 1 || x.stride(0) < k) x = x.contiguous();
   const at::Tensor bias_float = inflight_cpu::float_bias(bias, n, dtype, "quant_panel_gemm");
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
@@ -1099,8 +1157,10 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   switch (isa) {
     case kIsaAmx:
       return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
-#if defined(INFLIGHT_HAVE_BF16_DOTS)
+#if defined(INFLIGHT_HAVE_BF16) && defined(INFLIGHT_HAVE_BF16_DOTS)
     case kIsaAvx512Bf16:
+      return bf16_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
+    case kQuantBf16Dots:
       return has_mins ? gemm_bf16_dots<true>(x, w, num_panels, bias_data, n)
                       : gemm_bf16_dots<false>(x, w, num_panels, bias_data, n);
 #endif

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <optional>
 #include <tuple>
@@ -47,18 +48,27 @@ at::Tensor pack_panels(at::Tensor weight, int64_t isa);
 
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias, int64_t n, int64_t isa);
 
+// panel_gemm's isa 3 tiles on `rows` rows of bfloat16 x against one or two bfloat16 panels in
+// pack_panels' layout (`panel_elems` apart, K = k), storing `cols` columns of out (ldo apart):
+// gemm_quant.cpp runs it on panels it de-quantized. Builds without AVX512-BF16 refuse it.
+void bf16_panel_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows, const c10::BFloat16* panels,
+                     int64_t panel_elems, int64_t num_panels, int64_t k, const float* bias, c10::BFloat16* out,
+                     int64_t ldo, int64_t cols);
+
 // gemm_quant.cpp: float32 x against int8 or int4 weights (kernels/quantized.py's q, scales, mins),
 // packed once into 16-column panels (returns q panels, scales, and mins where given) and
 // de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
-// C++, 1 AVX2, 2 AVX-512; 4 the AMX tiles, for bfloat16 x (and bias): the bf16 tile GEMM's bits on
-// the de-quantized weight rounded to bfloat16; 3, int4 only, for bfloat16 x: vdpbf16ps on the exact
-// integers, each group's scale and min applied to its sums (bits of its own); 5, x float32 or
-// bfloat16: x quantized to int8 in blocks of the weight's groups, on integer dot products
-// (gemm_int8_dots.cpp, its own layout). quant_gemm_isa: the best built; quant_bf16_dots_built:
-// whether 3 is.
+// C++, 1 AVX2, 2 AVX-512; for bfloat16 x (and bias), 3 (AVX512-BF16) and 4 (the AMX tiles): panel_gemm's
+// bits of that isa on the de-quantized weight rounded to bfloat16; 6, int4 only, for bfloat16 x:
+// vdpbf16ps on the exact integers, each group's scale and min applied to its sums (bits of its
+// own); 5, x float32 or bfloat16: x quantized to int8 in blocks of the weight's groups, on integer
+// dot products (gemm_int8_dots.cpp, its own layout). quant_gemm_isa: the best of 0-4 built;
+// quant_bf16_built: whether 3 and 6 are.
 int64_t quant_gemm_isa();
-bool quant_bf16_dots_built();
-constexpr int64_t kQuantBf16Dots = 3;  // quant_panel_gemm's isa of the bf16 dot products
+bool quant_bf16_built();
+constexpr int64_t kQuantBf16Dots = 6;  // quant_panel_gemm's isa of the bf16 dot products
+// quant_panel_gemm's isas from this one on take x as it is; those below it, float32.
+constexpr int64_t kQuantFirstBf16Isa = 3;
 // quant_panel_gemm's (and pack_quant_panels') isa 5, which they hand to the two below: int8
 // activations (out in x's dtype) on the best instruction set the build has (int8_dots_path:
 // "avx512_vnni", "avx2" or "plain").
@@ -97,8 +107,8 @@ struct Projection {
   std::optional<at::Tensor> mins;
   // Outside the batch-invariant mode (kernels/linear.py's PackedWeight), inputs of at most
   // vector_rows rows run the path vector_isa instead: a bf16 weight's vdpbf16ps beside the tiles; a
-  // quantized weight's float32 vector path (input widened) or, from kQuantBf16Dots on, its bf16 dot
-  // products (input as it is).
+  // quantized weight's float32 vector path (input widened) or its bf16 dot products (input as it
+  // is).
   int64_t vector_rows = 0, vector_isa = 0;
   // The path a call of `rows` rows takes (kernels/linear.py's PackedWeight.isa_for).
   int64_t isa_for(int64_t rows) const { return rows > 0 && rows <= vector_rows ? vector_isa : isa; }

@@ -321,7 +321,7 @@ def test_a_bf16_models_projections_follow_the_batch_invariant_mode(tiny_checkpoi
     either way (the CPU runs the fused layers; the modules are what the other devices run)."""
     prompts = PROMPTS[:3]
     Isa = kernels.cpu_ext.Isa
-    beside = {"none": (BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16), "int4": (VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16),
+    beside = {"none": (BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16), "int4": (VECTOR_ROWS_BESIDE_TILES, kernels.cpu_ext.QUANT_BF16_DOTS),
               "int8": (VECTOR_ROWS_BESIDE_TILES, min(Isa.AVX512, Isa(kernels.cpu_ext.load().gemm_vector_isa())))}
     rows, vector_isa = (0, Isa.NONE) if batch_invariant else beside[quantization]
 

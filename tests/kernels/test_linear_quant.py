@@ -5,12 +5,13 @@ group layout, shape tail and row count; a row's bits never depend on its batch; 
 AVX-512 and plain C++ paths agree; and a decoder layer with quantized projections runs as one
 C++ call with the bits of the same layer on the de-quantized weights.
 
-On the AMX tiles (bfloat16 activations on an AMX Xeon) the result is instead the bf16 tile GEMM's
-(gemm.cpp) on the de-quantized weight rounded to bfloat16, `dequantize().bfloat16()`: what a bf16
-model of the de-quantized weights computes. Those tests run on AMX hardware, and under the
-software model of the tiles on any CPU (test_the_quantized_tile_path_under_a_software_model).
+With bfloat16 activations on vdpbf16ps (isa AVX512_BF16, CPUs with AVX512-BF16) or the AMX tiles,
+the result is instead gemm.cpp's bf16 GEMM of that isa on the de-quantized weight rounded to
+bfloat16, `dequantize().bfloat16()`: what a bf16 model of the de-quantized weights computes. The
+tile tests run on AMX hardware, and under the software model of the tiles on any CPU
+(test_the_quantized_tile_path_under_a_software_model).
 
-int4 against bfloat16 activations on vdpbf16ps (isa AVX512_BF16, the bf16 dots: a bf16 model's
+int4 against bfloat16 activations on vdpbf16ps (QUANT_BF16_DOTS, the bf16 dots: a bf16 model's
 calls of a few rows outside the batch-invariant mode) applies each group's scale and min to its
 sums of x times the integers: bits of its own, within the roundings of its sums of the exact
 product, and a row's bits still its own."""
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import kernels
 from backend.paths import REPO_ROOT
 from kernels import cpu_ext
-from kernels.cpu_ext import Isa
+from kernels.cpu_ext import QUANT_BF16_DOTS, Isa
 from kernels.quantized import QuantizedWeight, quantize
 from kernels.testing import bf16_dots_rounding_excess, make_random_quantized_weight
 
@@ -43,9 +44,10 @@ def needs(isa: Isa):
 
 VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512)]
 # The tiles: built (on the hardware, or as the software model) and lent to this process.
-needs_bf16_dots = pytest.mark.skipif(
-    MODULE is None or not MODULE.quant_bf16_dots_built() or cpu_ext.isa() < Isa.AVX512_BF16,
-    reason="no int4 path on bf16 dot products in this build, or no vdpbf16ps on this CPU")
+needs_bf16 = pytest.mark.skipif(
+    MODULE is None or not MODULE.quant_bf16_built() or cpu_ext.isa() < Isa.AVX512_BF16,
+    reason="no vdpbf16ps paths in this build, or no vdpbf16ps on this CPU")
+needs_bf16_dots = needs_bf16
 needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
                                  reason="no AMX tiles in this build, or the kernel refused them")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
@@ -197,18 +199,29 @@ def assert_a_row_keeps_its_bits(x: torch.Tensor, weight: QuantizedWeight, bias: 
         torch.set_num_threads(threads)
 
 
-def tile_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The bf16 tile GEMM (kernels/cpu/gemm.cpp) on the de-quantized weight rounded to bfloat16."""
-    panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
-    return MODULE.panel_gemm(x, panels, bias, weight.shape[0], int(Isa.AMX))
+def bf16_panel_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, isa: Isa) -> torch.Tensor:
+    """gemm.cpp's bf16 GEMM of `isa` (vdpbf16ps or the tiles) on the de-quantized weight rounded to
+    bfloat16."""
+    panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(isa))
+    return MODULE.panel_gemm(x, panels, bias, weight.shape[0], int(isa))
 
 
-@needs_tiles
+def bf16_isa() -> Isa:
+    """The path a bf16 model's quantized weight takes here: the tiles where lent, else vdpbf16ps."""
+    return min(cpu_ext.isa(), Isa(MODULE.quant_gemm_isa()))
+
+
+# The bf16 GEMMs on the rounded weight; "tiles" in an id is what the software model's run selects.
+BF16_PATHS = [pytest.param(Isa.AVX512_BF16, marks=needs_bf16, id="vdpbf16ps"),
+              pytest.param(Isa.AMX, marks=needs_tiles, id="tiles")]
+
+
+@pytest.mark.parametrize("isa", BF16_PATHS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_tiles_give_the_bf16_tile_gemms_bits_on_the_rounded_weight(layout):
-    """Every layout, at 1-16 rows (one tile of x), 17-32 (two), 33 and more (several passes), with
-    a partial last panel, an odd pair of panels, an odd K (its last pair half zeros) and short
-    groups."""
+def test_the_bf16_paths_give_the_bf16_gemms_bits_on_the_rounded_weight(layout, isa):
+    """Every layout, at 1-16 rows (one tile of x), 17-32 (two), 33 and more (several passes or
+    tiles), with a partial last panel, an odd pair of panels, an odd K (its last pair half zeros)
+    and short groups."""
     for n, k in [(70, 200), (33, 37), (16, 65)]:
         weight = make_weight(n, k, layout, n + k)
         gen = torch.Generator().manual_seed(k)
@@ -216,20 +229,20 @@ def test_the_tiles_give_the_bf16_tile_gemms_bits_on_the_rounded_weight(layout):
         for rows in (1, 7, 16, 17, 33, 70):
             x = torch.randn(rows, k, generator=gen).bfloat16()
             for b in (None, bias):
-                got = quant_gemm(x, weight, b, Isa.AMX)
+                got = quant_gemm(x, weight, b, isa)
                 assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-                assert torch.equal(got, tile_gemm(x, weight, b)), (n, k, rows, b is not None)
+                assert torch.equal(got, bf16_panel_gemm(x, weight, b, isa)), (n, k, rows, b is not None)
 
 
-@needs_tiles
+@pytest.mark.parametrize("isa", BF16_PATHS)
 @pytest.mark.parametrize("layout", ["int8_per_channel", "int4_g32_mins"])
-def test_a_row_has_the_same_bits_in_any_batch_on_the_tiles(layout):
-    """Batch invariance on the tiles: alone (one tile of x), beside 30 rows (two), or in a batch
-    of 300 at any position, with one thread or two."""
+def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_paths(layout, isa):
+    """Batch invariance on vdpbf16ps and the tiles: alone (one tile of x), beside 30 rows (two),
+    or in a batch of 300 at any position, with one thread or two."""
     weight = make_weight(160, 576, layout, 3)
     gen = torch.Generator().manual_seed(3)
     x, bias = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(160, generator=gen).bfloat16()
-    assert_a_row_keeps_its_bits(x, weight, bias, Isa.AMX, [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)])
+    assert_a_row_keeps_its_bits(x, weight, bias, isa, [(7, 1), (0, 5), (13, 31), (100, 200), (299, 1)])
 
 
 @needs_tiles
@@ -240,7 +253,7 @@ def test_linear_runs_bf16_activations_on_the_tiles_and_float32_on_the_vector_pat
     tiles = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
     assert (tiles.kind, tiles.isa, tiles.upcast) == ("quant_panels", Isa.AMX, False)
     got = kernels.linear(x.bfloat16(), tiles.shape_only, bias.bfloat16(), tiles)
-    expected = tile_gemm(x.bfloat16().reshape(10, 200), weight, bias.bfloat16()).view(2, 5, 70)
+    expected = bf16_panel_gemm(x.bfloat16().reshape(10, 200), weight, bias.bfloat16(), Isa.AMX).view(2, 5, 70)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
     vector = kernels.pack_linear_weight(weight, dtype=torch.float32)
     assert vector.isa == min(Isa.AVX512, Isa(MODULE.gemm_vector_isa())) and not vector.upcast
@@ -250,29 +263,53 @@ def test_linear_runs_bf16_activations_on_the_tiles_and_float32_on_the_vector_pat
         MODULE.quant_panel_gemm(x[0], tiles.data, tiles.scales, tiles.mins, None, 70, 4, 32, int(Isa.AMX))
 
 
-@needs_tiles
+@needs_bf16
+@pytest.mark.skipif(cpu_ext.isa() >= Isa.AMX, reason="the tiles serve the batch-invariant mode here")
+@pytest.mark.parametrize("layout", ["int4_g128_mins", "int4_g32_q4_1", "int4_per_channel", "int4_g33_odd_group",
+                                    "int8_per_channel", "int8_g32_q8_0"])
+def test_on_vdpbf16ps_alone_the_batch_invariant_mode_runs_one_path_at_every_row_count(layout):
+    """A bf16 model's weight packed in the batch-invariant mode on a CPU with vdpbf16ps and no
+    tiles: int4 of even groups (or one group) on the bf16 dots, other formats on the float32 path
+    (widened, rounded once), at every row count; nothing beside."""
+    weight = make_weight(70, 256, layout, 14)
+    gen = torch.Generator().manual_seed(14)
+    bias = torch.randn(70, generator=gen).bfloat16()
+    packed = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
+    dots = weight.bits == 4 and layout != "int4_g33_odd_group"
+    vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
+    assert (packed.isa, packed.vector_rows, packed.upcast) == ((QUANT_BF16_DOTS, 0, False) if dots else
+                                                               (vector_isa, 0, True))
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        got = kernels.linear(x, packed.shape_only, bias, packed)
+        if dots:
+            assert torch.equal(got, quant_gemm(x, weight, bias, QUANT_BF16_DOTS))
+        else:
+            assert torch.equal(got, float_panel_gemm(x.float(), weight, bias.float(), vector_isa).bfloat16())
+
+
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1, 40])
 def test_outside_batch_invariance_a_few_rows_beside_the_tiles_run_the_vector_path(rows):
-    """Packed with the engine's batch-invariant mode off, a quantized weight for the tiles runs a
-    call of at most VECTOR_ROWS_BESIDE_TILES rows on the AVX-512 path, on the same panels (the
-    bf16 input widened, the output rounded once, as `upcast`), and more rows on the tiles; packed
-    in the mode, every call on the tiles."""
+    """Packed with the engine's batch-invariant mode off, a quantized weight for vdpbf16ps or the
+    tiles runs a call of at most VECTOR_ROWS_BESIDE_TILES rows on the AVX-512 path, on the same
+    panels (the bf16 input widened, the output rounded once, as `upcast`), and more rows on its
+    bf16 path; packed in the mode, every call on the tiles or, without them, the AVX-512 path."""
     weight = make_weight(70, 200, "int8_g32_q8_0", 12)
     gen = torch.Generator().manual_seed(12)
     x, bias = torch.randn(rows, 200, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
     invariant = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
     fast = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
     vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
-    assert (invariant.isa, invariant.vector_rows) == (Isa.AMX, 0)
-    assert (fast.isa, fast.vector_rows, fast.vector_isa) == (Isa.AMX, LINEAR.VECTOR_ROWS_BESIDE_TILES, vector_isa)
+    tiles = bf16_isa() == Isa.AMX
+    assert (invariant.isa, invariant.vector_rows) == (Isa.AMX if tiles else vector_isa, 0)
+    assert (fast.isa, fast.vector_rows, fast.vector_isa) == (bf16_isa(), LINEAR.VECTOR_ROWS_BESIDE_TILES, vector_isa)
     assert torch.equal(fast.data, invariant.data) and torch.equal(fast.scales, invariant.scales)
-    tiles = tile_gemm(x, weight, bias)
-    assert torch.equal(kernels.linear(x, invariant.shape_only, bias, invariant), tiles)
+    vector = float_panel_gemm(x.float(), weight, bias.float(), vector_isa).bfloat16()
+    bf16 = bf16_panel_gemm(x, weight, bias, bf16_isa())
+    assert torch.equal(kernels.linear(x, invariant.shape_only, bias, invariant), bf16 if tiles else vector)
     got = kernels.linear(x, fast.shape_only, bias, fast)
-    if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES:
-        assert torch.equal(got, float_panel_gemm(x.float(), weight, bias.float(), vector_isa).bfloat16())
-    else:
-        assert torch.equal(got, tiles)
+    assert torch.equal(got, vector if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES else bf16)
     # A float32 model's weight is on the vector path already: nothing beside it.
     assert kernels.pack_linear_weight(weight, dtype=torch.float32, batch_invariant=False).vector_rows == 0
 
@@ -366,26 +403,28 @@ def test_bad_packing_is_refused():
         MODULE.quant_panel_gemm(torch.randn(2, 30), *packed, None, 16, 4, 32, Isa.AVX2)
     with pytest.raises(RuntimeError, match="n does not match"):
         MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 40, 4, 32, Isa.AVX2)
-    with pytest.raises(RuntimeError, match="instruction set 6 has no quantized path"):
-        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 6)
+    with pytest.raises(RuntimeError, match="instruction set 7 has no quantized path"):
+        MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 7)
     with pytest.raises(RuntimeError, match="int8_dot_gemm: q panels from pack_int8_dot_panels"):  # isa 5's own layout
         MODULE.quant_panel_gemm(torch.randn(2, 32), *packed, None, 16, 4, 32, 5)
-    if not MODULE.quant_bf16_dots_built():
-        with pytest.raises(RuntimeError, match="instruction set 3 has no quantized path"):
-            MODULE.quant_panel_gemm(torch.randn(2, 32).bfloat16(), *packed, None, 16, 4, 32, 3)
+    if not MODULE.quant_bf16_built():
+        for isa in (3, QUANT_BF16_DOTS):
+            with pytest.raises(RuntimeError, match=f"instruction set {isa} has no quantized path"):
+                MODULE.quant_panel_gemm(torch.randn(2, 32).bfloat16(), *packed, None, 16, 4, 32, isa)
 
 
 # ---- the fused decoder layer --------------------------------------------------------------------
 
-@pytest.mark.parametrize("isa", VECTOR_PATHS + [pytest.param(Isa.AMX, marks=needs_tiles, id="tiles")])
+@pytest.mark.parametrize("isa", VECTOR_PATHS + BF16_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decoder_layer_with_quantized_projections(isa, dtype):
     """A layer whose four projections are quantized (int4 g32 with mins, int8 per channel,
     int4 g64 symmetric, int8 g32), with a float LoRA adapter on q|k|v, runs as one C++ call, and
     gives the bits of the same layer on the de-quantized weights' float32 panels (that layer's
     bits are the modules' own: tests/engine/test_model_families.py), hidden state and KV writes
-    alike, over a batch of a prefill chunk and decodes. On the tiles, bf16 activations: the
-    same layer on the de-quantized weights rounded to bf16, in bf16 tile panels."""
+    alike, over a batch of a prefill chunk and decodes. On vdpbf16ps and the tiles, bf16
+    activations: the same layer on the de-quantized weights rounded to bf16, in that path's bf16
+    panels."""
     hidden_size, heads, kv_heads, head_dim, inter, rank = 64, 4, 2, 16, 96, 4
     qkv_size = (heads + 2 * kv_heads) * head_dim
     weights = {"qkv": make_weight(qkv_size, hidden_size, "int4_g32_mins", 1),
@@ -396,7 +435,7 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
     qkv_bias = (torch.randn(qkv_size, generator=gen) * 0.1).to(dtype)
     upcast = dtype != torch.float32
     float_isa = min(isa, Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
-    tiles = isa == Isa.AMX and dtype == torch.bfloat16
+    bf16_panels = isa >= Isa.AVX512_BF16 and dtype == torch.bfloat16
 
     def float_projection(weight: torch.Tensor, bias=None):
         return MODULE.Projection(MODULE.pack_panels(weight, float_isa), None if bias is None else bias.float(),
@@ -414,12 +453,15 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
         for name, weight in weights.items():
             bias = qkv_bias if name == "qkv" else None
             if quantized:
-                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
+                # Without tiles, vdpbf16ps on the de-quantized panels runs outside the batch-invariant
+                # mode, for calls of more than VECTOR_ROWS_BESIDE_TILES rows (this batch has 8).
+                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype,
+                                                    batch_invariant=isa != Isa.AVX512_BF16)
                 assert packed.kind == "quant_panels"
                 projections.append(kernels.decoder_layer._projection(MODULE, packed, bias))
-            elif tiles:
-                panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
-                projections.append(MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False))
+            elif bf16_panels:
+                panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(isa))
+                projections.append(MODULE.Projection(panels, bias, weight.shape[0], int(isa), False))
             else:
                 projections.append(float_projection(weight.dequantize(), bias))
         return MODULE.DecoderLayer(*norms, 1e-5, *projections, heads, kv_heads, head_dim, head_dim ** -0.5, None,
@@ -450,12 +492,13 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
     assert not torch.equal(got[0], hidden)
 
 
-@needs_tiles
+@needs_bf16
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_invariant):
     """One token through the fused layer with bf16 activations and quantized projections: in the
     batch-invariant mode each projection on the tiles (the layer of bf16 tile panels of the
-    rounded weights), outside it each on the path beside them, as linear() runs them: int4 on the
+    rounded weights) or, without them, on the path of every row count there, which is the path of
+    a few rows outside the mode: int4 on the
     bf16 dots, int8 on the float32 vector path (float32 panels of the de-quantized weights, bf16
     widened and rounded once)."""
     hidden_size, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
@@ -466,7 +509,7 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
     gen = torch.Generator().manual_seed(6)
     qkv_bias = (torch.randn(weights[0].shape[0], generator=gen) * 0.1).bfloat16()
     vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
-    bf16_dots = MODULE.quant_bf16_dots_built()
+    bf16_dots = MODULE.quant_bf16_built()
     norms = [(1 + 0.1 * torch.randn(hidden_size, generator=gen)).bfloat16() for _ in range(2)]
 
     def layer(projection):
@@ -479,14 +522,14 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
         return kernels.decoder_layer._projection(MODULE, packed, bias)
 
     def reference(weight, bias):
-        if batch_invariant:
+        if batch_invariant and bf16_isa() == Isa.AMX:
             panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
             return MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False)
         if weight.bits == 4 and bf16_dots:  # every call on the bf16 dots
             q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, 4, weight.group_size,
-                                                        int(Isa.AVX512_BF16))
+                                                        QUANT_BF16_DOTS)
             return MODULE.Projection.quantized(q, scales, mins[0] if mins else None, 4, weight.group_size, bias,
-                                               weight.shape[0], int(Isa.AVX512_BF16), False)
+                                               weight.shape[0], QUANT_BF16_DOTS, False)
         return MODULE.Projection(MODULE.pack_panels(weight.dequantize(), int(vector_isa)),
                                  None if bias is None else bias.float(), weight.shape[0], int(vector_isa), True)
 
@@ -529,7 +572,7 @@ def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
         for rows in (1, 2, 3, 4, 5, 9):
             x = torch.randn(rows, k, generator=gen).bfloat16()
             for b in (None, bias):
-                got = quant_gemm(x, weight, b, Isa.AVX512_BF16)
+                got = quant_gemm(x, weight, b, QUANT_BF16_DOTS)
                 assert got.shape == (rows, n)
                 assert got.dtype == torch.bfloat16 and bf16_dots_rounding_excess(got, x, weight, b) <= 0
 
@@ -537,10 +580,12 @@ def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
 @needs_bf16_dots
 @pytest.mark.parametrize("layout", ["int4_g32_mins", "int4_g128_symmetric", "int4_per_channel"])
 def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
+    """Without tiles the batch-invariant mode runs int4 on the bf16 dots at every row count."""
     weight = make_weight(200, 576, layout, 5)
     gen = torch.Generator().manual_seed(5)
-    x, bias = torch.randn(11, 576, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
-    assert_a_row_keeps_its_bits(x, weight, bias, Isa.AVX512_BF16, [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9)])
+    x, bias = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
+    assert_a_row_keeps_its_bits(x, weight, bias, QUANT_BF16_DOTS,
+                                [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9), (13, 31), (100, 200), (299, 1)])
 
 
 @needs_bf16_dots
@@ -549,19 +594,19 @@ def test_the_bf16_dots_refuse_what_they_do_not_compute():
     x = torch.randn(2, 66, generator=gen).bfloat16()
     for layout, message in [("int8_g32_q8_0", "4-bit weights only"), ("int4_g33_odd_group", "even size")]:
         with pytest.raises(RuntimeError, match=message):
-            quant_gemm(x, make_weight(20, 66, layout, 9), None, Isa.AVX512_BF16)
+            quant_gemm(x, make_weight(20, 66, layout, 9), None, QUANT_BF16_DOTS)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] in BFloat16"):
-        quant_gemm(x.float(), make_weight(20, 66, "int4_g32_mins", 9), None, Isa.AVX512_BF16)
+        quant_gemm(x.float(), make_weight(20, 66, "int4_g32_mins", 9), None, QUANT_BF16_DOTS)
 
 
 @needs_bf16_dots
-@pytest.mark.parametrize("layout, beside_isa", [("int4_g128_mins", Isa.AVX512_BF16), ("int4_g32_q4_1", Isa.AVX512_BF16),
+@pytest.mark.parametrize("layout, beside_isa", [("int4_g128_mins", QUANT_BF16_DOTS), ("int4_g32_q4_1", QUANT_BF16_DOTS),
                                                 ("int4_g33_odd_group", None), ("int8_per_channel", None)])
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1])
 def test_outside_batch_invariance_a_few_rows_of_int4_run_the_bf16_dots(layout, beside_isa, rows):
     """A bf16 model's int4 weight of even groups, packed with the engine's batch-invariant mode off,
     runs calls of at most VECTOR_ROWS_BESIDE_TILES rows on the bf16 dots, its input as it is and
-    its bias in bfloat16, and more rows on its main path (the tiles, or the float32 path widened);
+    its bias in bfloat16, and more rows on its main path (vdpbf16ps or the tiles, on the rounded weight);
     other layouts keep what they had (the float32 vector path beside the tiles, or nothing)."""
     weight = make_weight(70, 256, layout, 13)
     gen = torch.Generator().manual_seed(13)
@@ -570,14 +615,14 @@ def test_outside_batch_invariance_a_few_rows_of_int4_run_the_bf16_dots(layout, b
     main = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
     assert main.vector_rows == 0
     if beside_isa is None:
-        assert fast.vector_isa != Isa.AVX512_BF16
+        assert fast.vector_isa != QUANT_BF16_DOTS
         return
-    assert (fast.vector_rows, fast.vector_isa) == (LINEAR.VECTOR_ROWS_BESIDE_TILES, Isa.AVX512_BF16)
+    assert (fast.vector_rows, fast.vector_isa) == (LINEAR.VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS)
     got = kernels.linear(x, fast.shape_only, bias, fast)
     if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES:
-        assert torch.equal(got, quant_gemm(x, weight, bias, Isa.AVX512_BF16))
+        assert torch.equal(got, quant_gemm(x, weight, bias, QUANT_BF16_DOTS))
     else:
-        assert torch.equal(got, kernels.linear(x, main.shape_only, bias, main))
+        assert torch.equal(got, bf16_panel_gemm(x, weight, bias, bf16_isa()))
     # Which path ran, told apart where the results cannot round to the same bits.
     telling = weight_telling_the_paths_apart(70, 256, weight.group_size)
     fast = kernels.pack_linear_weight(telling, dtype=torch.bfloat16, batch_invariant=False)

@@ -84,9 +84,9 @@ BF16_ROWS_BESIDE_TILES = 6
 # Up to this many rows, a bf16 model's quantized weight runs its path for a few rows when the engine
 # is not batch invariant: at a few rows the de-quantize-to-bf16 pass of the tiles (or of vdpbf16ps,
 # without them) costs more than the vector path's de-quantizing in registers. On a 2-core AVX512-BF16
-# EPYC, vdpbf16ps on the de-quantized panels against the float32 path: 0.55-0.7x at 1 row, 1.0-1.2x
-# at 4, 1.8-2.9x at 32 (client.bench.quant_gemm --bf16 --rows 1 4 32 256; at 32 rows and more within
-# 0.8-1.1x of the bf16 weight's own GEMM). (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
+# EPYC, vdpbf16ps on the de-quantized panels against the float32 path: 0.57-0.71x at 1 row,
+# 1.03-1.26x at 4, 1.8-2.9x at 32 (client.bench.quant_gemm --bf16 --rows 1 4 32 256; from 32 rows
+# 0.82-1.16x the bf16 weight's own GEMM). (client.bench.quant_gemm --bf16 --rows 1 2 3 4 on a
 # 2-core AMX Xeon, Llama-3.2-1B's MLP and SmolLM2's gate|up, int8/q8_0/q4_1/int4: the vector path
 # 1.6-2.0x faster at 1 row, 1.1-1.8x at 2, 1.05-1.6x at 3, even at 4; the tiles 1.2-2.6x faster at 8).
 # int4's bf16 dots there against the float32 path: 1.2-1.4x at 1 row, 1.0-1.2x at 2, 0.95-1.4x at 3,
@@ -201,10 +201,10 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
     if quant_isa >= Isa.AVX512_BF16 and dtype != torch.bfloat16:
         quant_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
     if quant_isa == Isa.AVX512_BF16 and batch_invariant:
-        # Without tiles, one path serves every row count: de-quantizing to bfloat16 would make a
-        # decode's one row 2.5x slower than the float32 path (Llama-3.2-1B int8 and int4, 2-core
-        # AVX512-BF16 EPYC), while int4's bf16 dots are the fastest at one row and within 0.8x of it
-        # from 32 (client.bench.quant_gemm --bf16).
+        # Without tiles, one path serves every row count: de-quantizing to bfloat16 made a decode
+        # step at batch 1 2.5x slower than the float32 path (Llama-3.2-1B int8 and int4, 2-core
+        # AVX512-BF16 EPYC), while int4's bf16 dots are the fastest at one row and 1.4-2.0x the
+        # float32 path from 32 (client.bench.quant_gemm --bf16).
         quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else min(
             Isa.AVX512, Isa(module.gemm_vector_isa()))
     upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16

@@ -197,16 +197,17 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
         return packed
     module = cpu_ext.load()
     quant_isa = Isa.NONE if module is None else min(isa, Isa(module.quant_gemm_isa()))
+    # The float32 vector path, below the bf16 ones.
+    float_isa = Isa.NONE if module is None else min(Isa.AVX512, Isa(module.gemm_vector_isa()))
     # Above AVX-512 (vdpbf16ps, the tiles) the paths take bfloat16 activations only.
     if quant_isa >= Isa.AVX512_BF16 and dtype != torch.bfloat16:
-        quant_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
+        quant_isa = float_isa
     if quant_isa == Isa.AVX512_BF16 and batch_invariant:
         # Without tiles, one path serves every row count: de-quantizing to bfloat16 made a decode
         # step at batch 1 2.5x slower than the float32 path (Llama-3.2-1B int8 and int4, 2-core
         # AVX512-BF16 EPYC), while int4's bf16 dots are the fastest at one row and 1.4-2.0x the
         # float32 path from 32 (client.bench.quant_gemm --bf16).
-        quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else min(
-            Isa.AVX512, Isa(module.gemm_vector_isa()))
+        quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else float_isa
     upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16
     if quant_isa < Isa.AVX2:
         packed = PackedWeight("quant", None, shape, upcast)
@@ -221,8 +222,7 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
             if _bf16_dots_take(weight, isa, module):
                 packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS
             else:
-                packed.vector_rows = VECTOR_ROWS_BESIDE_TILES
-                packed.vector_isa = min(Isa.AVX512, Isa(module.gemm_vector_isa()))
+                packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, float_isa
     packed.bits, packed.group_size = weight.bits, weight.group_size
     return packed
 

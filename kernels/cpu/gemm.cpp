@@ -70,8 +70,6 @@ enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 
 constexpr int64_t kPanel = 16;  // output columns per panel
 // x rows of one row block: at most this many bytes (a quarter of a Zen 4 core's L2).
 constexpr int64_t kRowBlockBytes = 256 * 1024;
-// Below this many multiply-adds one core finishes before a second would have started.
-constexpr int64_t kMinParallelMacs = 1 << 18;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define INFLIGHT_HAVE_AVX2 1
@@ -298,13 +296,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const float* bias
                    bias != nullptr ? bias + col : nullptr, op + col, n, cols, next);
     }
   };
-  const int64_t items = row_blocks * groups;
-  const int64_t threads = at::get_num_threads();
-  if (m * n * k < kMinParallelMacs || threads == 1) {
-    run(0, items, -1);
-    return out;
-  }
-  run_in_shrinking_chunks(items, threads, run);
+  run_gemm_items(row_blocks * groups, m * n * k, at::get_num_threads(), run);
   return out;
 }
 

@@ -78,7 +78,6 @@ using inflight_cpu::GroupValues;
 constexpr int64_t kPanel = inflight_cpu::kQuantPanel;
 constexpr int64_t kLineBytes = 64;  // one packed line of a panel: 16 columns x 4 bytes
 constexpr int64_t kRowBlockBytes = 256 * 1024;
-constexpr int64_t kMinParallelMacs = 1 << 18;
 
 int64_t k_per_line(int64_t bits) { return bits == 4 ? 8 : 4; }
 
@@ -599,12 +598,7 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t num_panels, int64
                            std::min(panels * kPanel, n - col), panels_of(item + 1 < end ? item + 1 : after));
     }
   };
-  const int64_t threads = at::get_num_threads();
-  if (m * n * k < kMinParallelMacs || threads == 1) {
-    run_items(0, items, -1);
-  } else {
-    run_in_shrinking_chunks(items, threads, run_items);
-  }
+  run_gemm_items(items, m * n * k, at::get_num_threads(), run_items);
   return out;
 }
 

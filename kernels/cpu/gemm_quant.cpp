@@ -124,7 +124,6 @@ enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBytes = 16;  // one packed row of a panel: 16 int8's, or 16 pairs of nibbles
 constexpr int64_t kRowBlockBytes = 256 * 1024;
-constexpr int64_t kMinParallelMacs = 1 << 18;
 
 using inflight_cpu::GroupValues;
 
@@ -604,9 +603,7 @@ struct WorkGrid {
   // core takes next once [begin, end) is done (-1: none known).
   template <class Run>
   void run(int64_t k, const Run& run_items) const {
-    const int64_t threads = at::get_num_threads();
-    if (m * n * k < kMinParallelMacs || threads == 1) return run_items(0, items(), -1);
-    run_in_shrinking_chunks(items(), threads, run_items);
+    run_gemm_items(items(), m * n * k, at::get_num_threads(), run_items);
   }
 };
 
@@ -860,12 +857,7 @@ at::Tensor gemm_bf16_dequantized(const at::Tensor& x, const Packed& w, int64_t n
                       bias != nullptr ? bias + col : nullptr, op + col, n, std::min<int64_t>(panels * kPanel, n - col));
     }
   };
-  const int64_t threads = at::get_num_threads();
-  if (m * n * k < kMinParallelMacs || threads == 1) {
-    run(0, groups, -1);
-    return out;
-  }
-  run_in_shrinking_chunks(groups, threads, run);
+  run_gemm_items(groups, m * n * k, at::get_num_threads(), run);
   return out;
 }
 

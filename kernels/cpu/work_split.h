@@ -1,4 +1,4 @@
-// How the GEMMs (gemm.cpp, gemm_quant.cpp) split their work items over the cores.
+// How the GEMMs (gemm.cpp, gemm_quant.cpp, gemm_int8_dots.cpp) split their work items over the cores.
 #pragma once
 
 #include <atomic>
@@ -39,4 +39,15 @@ void run_in_shrinking_chunks(int64_t items, int64_t threads, const Run& run) {
       mine = following;
     }
   }
+}
+
+// Below this many multiply-adds one core finishes before a second would have started.
+constexpr int64_t kMinParallelMacs = 1 << 18;
+
+// A GEMM of `macs` multiply-adds: run(0, items, -1) on this thread when it is smaller than
+// kMinParallelMacs (or `threads` is 1), else run_in_shrinking_chunks over `threads`.
+template <class Run>
+void run_gemm_items(int64_t items, int64_t macs, int64_t threads, const Run& run) {
+  if (macs < kMinParallelMacs || threads == 1) return run(0, items, -1);
+  run_in_shrinking_chunks(items, threads, run);
 }

@@ -47,7 +47,6 @@ VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa
 needs_bf16 = pytest.mark.skipif(
     MODULE is None or not MODULE.quant_bf16_built() or cpu_ext.isa() < Isa.AVX512_BF16,
     reason="no vdpbf16ps paths in this build, or no vdpbf16ps on this CPU")
-needs_bf16_dots = needs_bf16
 needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
                                  reason="no AMX tiles in this build, or the kernel refused them")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
@@ -559,7 +558,7 @@ def test_cpu_decoder_layer_takes_quantized_projections():
     assert layer is not None
 
 
-@needs_bf16_dots
+@needs_bf16
 @pytest.mark.parametrize("layout", BF16_DOTS_LAYOUTS)
 def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
     """Every int4 layout of an even group size (or one group), at 1-4 rows (one block) and more
@@ -577,7 +576,7 @@ def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
                 assert got.dtype == torch.bfloat16 and bf16_dots_rounding_excess(got, x, weight, b) <= 0
 
 
-@needs_bf16_dots
+@needs_bf16
 @pytest.mark.parametrize("layout", ["int4_g32_mins", "int4_g128_symmetric", "int4_per_channel"])
 def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
     """Without tiles the batch-invariant mode runs int4 on the bf16 dots at every row count."""
@@ -588,7 +587,7 @@ def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
                                 [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9), (13, 31), (100, 200), (299, 1)])
 
 
-@needs_bf16_dots
+@needs_bf16
 def test_the_bf16_dots_refuse_what_they_do_not_compute():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 66, generator=gen).bfloat16()
@@ -599,7 +598,7 @@ def test_the_bf16_dots_refuse_what_they_do_not_compute():
         quant_gemm(x.float(), make_weight(20, 66, "int4_g32_mins", 9), None, QUANT_BF16_DOTS)
 
 
-@needs_bf16_dots
+@needs_bf16
 @pytest.mark.parametrize("layout, beside_isa", [("int4_g128_mins", QUANT_BF16_DOTS), ("int4_g32_q4_1", QUANT_BF16_DOTS),
                                                 ("int4_g33_odd_group", None), ("int8_per_channel", None)])
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1])

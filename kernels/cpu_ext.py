@@ -60,8 +60,9 @@ class Isa(enum.IntEnum):
 # quant_panel_gemm's path of int8 activations (kernels/cpu/gemm_int8_dots.cpp), in the place of an
 # instruction set: it runs on the best one the build has (the module's int8_dots_path()).
 QUANT_INT8_DOTS = 5
-# quant_panel_gemm's int4 path on bf16 dot products (vdpbf16ps on the exact integers, each group's
-# scale and min applied to its sums): a bf16 model's decode of a few rows outside batch invariance.
+# quant_panel_gemm's path on bf16 dot products (vdpbf16ps on the exact int8/int4 integers, each
+# group's scale and min applied to its sums): a bf16 model's every call where there are no tiles, and
+# its decode of a few rows beside them outside batch invariance.
 QUANT_BF16_DOTS = 6
 
 

@@ -135,7 +135,7 @@ class PackedWeight:
         self.scales = self.mins = self.quantized = None
         # Outside the batch-invariant mode, calls of at most `vector_rows` rows run the path
         # `vector_isa` on the same panels instead: a bf16 weight's vdpbf16ps beside the tiles; a
-        # quantized weight's int4 bf16 dots (AVX512_BF16, the input as it is) or float32 vector
+        # quantized weight's bf16 dots (QUANT_BF16_DOTS, the input as it is) or float32 vector
         # path (the input widened).
         self.vector_rows = 0
         self.vector_isa = Isa.NONE
@@ -177,11 +177,10 @@ def _pack_for_library(weight: torch.Tensor, upcast: bool) -> PackedWeight | None
 
 
 def _bf16_dots_take(weight: QuantizedWeight, isa: Isa, module) -> bool:
-    """Whether the int4 path on bf16 dot products (quant_panel_gemm's QUANT_BF16_DOTS) runs this
-    weight: 4 bits, groups of an even size or one group, on a CPU with vdpbf16ps."""
+    """Whether the path on bf16 dot products (quant_panel_gemm's QUANT_BF16_DOTS) runs this
+    weight: groups of an even size or one group, on a CPU with vdpbf16ps."""
     groups = -(-weight.shape[1] // weight.group_size)
-    return (weight.bits == 4 and (groups == 1 or weight.group_size % 2 == 0) and isa >= Isa.AVX512_BF16
-            and module.quant_bf16_built())
+    return (groups == 1 or weight.group_size % 2 == 0) and isa >= Isa.AVX512_BF16 and module.quant_bf16_built()
 
 
 def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, device: torch.device,
@@ -202,12 +201,16 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
     # Above AVX-512 (vdpbf16ps, the tiles) the paths take bfloat16 activations only.
     if quant_isa >= Isa.AVX512_BF16 and dtype != torch.bfloat16:
         quant_isa = float_isa
-    if quant_isa == Isa.AVX512_BF16 and batch_invariant:
-        # Without tiles, one path serves every row count: de-quantizing to bfloat16 made a decode
-        # step at batch 1 2.5x slower than the float32 path (Llama-3.2-1B int8 and int4, 2-core
-        # AVX512-BF16 EPYC), while int4's bf16 dots are the fastest at one row and 1.4-2.0x the
-        # float32 path from 32 (client.bench.quant_gemm --bf16).
-        quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else float_isa
+    if quant_isa == Isa.AVX512_BF16:
+        # Without tiles the bf16 dots serve every row count, in either mode: at one row they read
+        # at the memory's speed, where de-quantizing to bfloat16 first made a decode step at batch 1
+        # 2.5x slower than the float32 path, and from 4 rows on they ran 1.0-2.3x the de-quantized
+        # panels (Llama-3.2-1B's MLP, int8 and int4, 2-core AVX512-BF16 EPYC, client.bench.quant_gemm
+        # --bf16). Groups they cannot take: the float32 path in the mode, else the panels below.
+        if _bf16_dots_take(weight, isa, module):
+            quant_isa = QUANT_BF16_DOTS
+        elif batch_invariant:
+            quant_isa = float_isa
     upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16
     if quant_isa < Isa.AVX2:
         packed = PackedWeight("quant", None, shape, upcast)
@@ -217,7 +220,7 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
-        if not batch_invariant and dtype == torch.bfloat16 and quant_isa >= Isa.AVX512_BF16:
+        if not batch_invariant and quant_isa in (Isa.AVX512_BF16, Isa.AMX):
             # The panels are the same for every path; only the activations' dtype differs.
             if _bf16_dots_take(weight, isa, module):
                 packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS

@@ -63,6 +63,11 @@ def timed_row(calls: dict, name: str, n: int, k: int, rows: int, args) -> dict:
     return row
 
 
+def path_name(isa: int) -> str:
+    """A packed weight's path: an instruction set, or the bf16 dot products."""
+    return "bf16_dots" if isa == cpu_ext.QUANT_BF16_DOTS else cpu_ext.Isa(isa).name.lower()
+
+
 def check_int8_activations(packed, x: torch.Tensor, weight, what: str) -> None:
     if not torch.equal(kernels.linear(x, packed.shape_only, None, packed), int8_activation_linear(x, weight)):
         raise RuntimeError(f"{what}: not int8_activation_linear's bits; refusing to time it")
@@ -97,6 +102,9 @@ def bf16_rows(module, name: str, n: int, k: int, args, gen: torch.Generator) -> 
                 continue
             if fmt.endswith("_a8"):
                 check_int8_activations(p, x, weight, f"{fmt} {name} at {rows} rows")
+            elif p.isa == cpu_ext.QUANT_BF16_DOTS:  # the batch-invariant mode's one path, without tiles
+                if bf16_dots_rounding_excess(kernels.linear(x, p.shape_only, None, p), x, weight) > 0:
+                    raise RuntimeError(f"{fmt} {name} at {rows} rows: off x times the weight; refusing to time it")
             elif p.isa >= cpu_ext.Isa.AVX512_BF16:
                 panels = module.pack_panels(weight.dequantize().bfloat16(), int(p.isa))
                 want = module.panel_gemm(x, panels, None, n, int(p.isa))
@@ -161,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "git_commit": git_commit(), "threads": torch.get_num_threads(),
               "float_isa": float_isa.name.lower(), "quant_isa": min(cpu_ext.isa(), cpu_ext.Isa.AVX512).name.lower(),
               "bf16_activations": args.bf16,
-              "bf16_quant_isa": kernels.pack_linear_weight(make_random_quantized_weight(
-                  16, 32, 8, None, False, False, gen), dtype=torch.bfloat16).isa.name.lower(),
+              "bf16_quant_isa": path_name(kernels.pack_linear_weight(make_random_quantized_weight(
+                  16, 32, 8, None, False, False, gen), dtype=torch.bfloat16).isa),
               "formats": {fmt: {"bits": bits, "group_size": group, "mins": mins, "float16_group_values": half}
                           for fmt, bits, group, mins, half in FORMATS},
               "copy_bandwidth_gb_per_s": copy_bandwidth_gbps("cpu"),

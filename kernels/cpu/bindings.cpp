@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_isa", &quant_gemm_isa, "The best instruction set quant_panel_gemm is built with here (0: plain C++)");
   m.def("quant_bf16_built", &quant_bf16_built,
         "Whether quant_panel_gemm has its vdpbf16ps paths here (bfloat16 activations: isa 3, the de-quantized "
-        "weight, and 6, int4's bf16 dots)");
+        "weight, and 6, the bf16 dots)");
   m.def("int8_dots_path", &int8_dots_path,
         "The instruction set quant_panel_gemm's int8 activations (isa 5) run on here: avx512_vnni, avx2 or plain");
   m.def("pack_quant_panels", &pack_quant_panels, kNoGil, pybind11::arg("q"), pybind11::arg("scales"),

@@ -43,9 +43,11 @@
 //   tiles' multiply-adds cost next to nothing, where the vector paths' FMAs bound them.
 // - kIsaAvx512Bf16: bfloat16 x on vdpbf16ps where there are no tiles, as kIsaAmx: each two panels
 //   de-quantized to bfloat16 once a call, then gemm.cpp's vdpbf16ps tiles (panel_gemm's isa 3 bits
-//   on dequantize().bfloat16(), at every row count);
-// - kQuantBf16Dots (int4, bfloat16 x, AVX512-BF16): the bf16 dots below, for a decode's few rows
-//   outside the batch-invariant mode; numerics of their own (the group's scale applied to the sums).
+//   on dequantize().bfloat16(), at every row count); kernels/linear.py runs groups of an odd size
+//   on it outside the batch-invariant mode;
+// - kQuantBf16Dots (bfloat16 x, AVX512-BF16): the bf16 dots below, every call of a bf16 model
+//   without tiles and a decode's few rows beside them outside the batch-invariant mode; numerics
+//   of their own (the group's scale applied to the sums).
 // Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
@@ -826,7 +828,8 @@ at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, co
 // ---- bfloat16 activations on vdpbf16ps, where there are no tiles ----------------------------
 //
 // A bf16 model's quantized weight on a CPU with AVX512-BF16 and no AMX (AVX-512 EPYCs, or a Xeon
-// whose kernel refused the tiles): each item is two panels, de-quantized and rounded to bfloat16 as
+// whose kernel refused the tiles) where the bf16 dots below cannot take it (groups of an odd size;
+// kernels/linear.py runs it outside the batch-invariant mode): each item is two panels, de-quantized and rounded to bfloat16 as
 // the tiles' path does it (dequantize_pairs) into gemm.cpp's bf16 panel layout in a buffer of the
 // core's own, once a call, then every row of x runs gemm.cpp's vdpbf16ps tiles on it. So its
 // result is panel_gemm's isa 3 on dequantize().bfloat16(), to the bit, at every row count. The
@@ -871,26 +874,30 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 }
 #endif
 
-// ---- bf16 dot products: int4 weights against bfloat16 activations, a few rows ---------------
+// ---- bf16 dot products: int8 and int4 weights against bfloat16 activations ------------------
 //
-// A bf16 model's decode outside the batch-invariant mode (kernels/linear.py packs it beside the
-// tiles, or beside the float32 path of a CPU without them). The float paths spend ~10
-// instructions a 32 weights de-quantizing (widen, convert, scale, add the min) before the
-// multiply-adds, which bounds a decode's one row below the memory's speed (2-core AMX Xeon:
-// 10-14 GB/s of int4 against a copy bandwidth of ~20). Here the scale and min leave the inner loop:
+// A bf16 model's quantized weight where vdpbf16ps runs and the batch-invariant mode wants one path
+// for every row count (a CPU with AVX512-BF16 and no tiles), and a decode's few rows beside the
+// tiles outside that mode (kernels/linear.py). The float paths spend ~10 instructions a 32
+// weights de-quantizing (widen, convert, scale, add the min) before the multiply-adds, which bounds
+// a decode's one row below the memory's speed (2-core AMX Xeon: 10-14 GB/s of int4 against a copy
+// bandwidth of ~20), and from 32 rows on their two FMAs a weight a row bound them. Here the scale
+// and min leave the inner loop:
 //   out[r, c] = sum over groups g of  scale[g, c] * D[r, g, c] + min[g, c] * X[r, g]  (+ bias),
 //   D[r, g, c] = sum over k in g of x[r, k] * q[k, c],   X[r, g] = sum over k in g of x[r, k],
-// the same real number as x times the de-quantized weight. q (0..15) is exact in bfloat16, so a
-// 16-entry table (`vpermw`) turns a pair's two nibbles into the two bfloat16 factors
-// `vdpbf16ps` multiplies with the row's pair of x (products exact, sums in float32): 5
-// instructions a 32 weights, the rest once a group; 14-18 GB/s of int4 at one row there
-// (client.bench.quant_gemm --bf16, bench/results/amx/quant_gemm_bf16_dots.json). The shuffle port
-// bounds it now (the widening, the table and half of each vdpbf16ps issue there). So the bits are this path's own, neither the
-// float path's nor the tiles'; a row's still depend on that row only. Groups of an even size (a
-// pair of k's never straddles two), or one group (per output channel; an odd K's last pair
-// padded with zeros in x as in q).
-#if defined(INFLIGHT_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define INFLIGHT_HAVE_BF16_DOTS 1
+// the same real number as x times the de-quantized weight. Every int8 and int4 integer is exact in
+// bfloat16, so each pair of k's of a panel becomes the two bfloat16 factors `vdpbf16ps` multiplies
+// with the row's pair of x (products exact, sums in float32) once for all the rows of a tile: int4
+// through a 16-entry table (`vpermw`, 5 instructions a 32 weights), int8 through float32 (8). So
+// the bits are this path's own, neither the float path's nor the tiles'; a row's depend on that
+// row only, whatever tile it runs in. Groups of an even size (a pair of k's never straddles two),
+// or one group (per output channel; an odd K's last pair padded with zeros in x as in q).
+// Tiles: one row against four panels (four independent chains of dot products), more rows two
+// panels at a time in tiles of up to 12 rows, as gemm.cpp's vdpbf16ps tiles, whose group sums
+// leave the registers to the dot products and pass through L1 once a group.
+#if defined(INFLIGHT_HAVE_BF16)
+
+constexpr int kDotMaxRows = 12;
 
 // One call's rows of x as pairs (uint32: a pair of bfloat16's), and each row's sums of x over
 // each group (mins only): [rows][groups].
@@ -901,7 +908,27 @@ struct Bf16Rows {
   int64_t groups;
 };
 
-template <int Rows, int Panels, bool Mins>
+// Pair j of a panel as bfloat16 factors, lane c = (q[2j][c], q[2j + 1][c]).
+template <int Bits>
+__attribute__((always_inline)) inline __m512i pair_factors(const uint8_t* panel, int64_t j, int64_t k,
+                                                           __m512i table) {
+  if (Bits == 4) {
+    // Column c's byte (its k's low nibble, its k + 1's high) into lane c as the index pair
+    // (byte, byte << 12): the low word's 4 bits pick bf16(q[k]), the high word's bf16(q[k+1]).
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kRowBytes)));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), table);
+  }
+  // The two k's rows byte by byte (an odd K's last k + 1 is zero), then through float32, whose
+  // conversion to bfloat16 is exact for integers of 8 bits.
+  const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + 2 * j * kRowBytes));
+  const __m128i odd = 2 * j + 1 < k ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + (2 * j + 1) * kRowBytes))
+                                    : _mm_setzero_si128();
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(even, odd)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(even, odd)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int Bits, int Rows, int Panels, bool Mins>
 void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, const float* bias,
                    c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin,
                    int64_t line_end) {
@@ -911,10 +938,7 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
       0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
       0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
   const __m512i table = _mm512_load_si512(kTable);
-  __m512 acc[Rows][Panels];
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r)
-    for (int p = 0; p < Panels; ++p) acc[r][p] = _mm512_setzero_ps();
+  alignas(64) float sums[Rows][Panels][kPanel] = {};
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   const int64_t pairs_per_group = w.groups == 1 ? pairs : w.group_size / 2;
   int64_t line = line_begin;
@@ -927,13 +951,7 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
     for (int64_t j = g * pairs_per_group; j < end; ++j) {
       __m512i factors[Panels];
 #pragma GCC unroll 8
-      for (int p = 0; p < Panels; ++p) {
-        // Column c's byte (its k's low nibble, its k + 1's high) into lane c as the index pair
-        // (byte, byte << 12): the low word's 4 bits pick bf16(q[k]), the high word's bf16(q[k+1]).
-        const __m512i bytes =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * w.panel_bytes + j * kRowBytes)));
-        factors[p] = _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), table);
-      }
+      for (int p = 0; p < Panels; ++p) factors[p] = pair_factors<Bits>(q + p * w.panel_bytes, j, w.k, table);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x.pairs[r * x.ld_pairs + j]));
@@ -953,41 +971,68 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
       const __m512 group_sum = Mins ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
-        acc[r][p] = _mm512_fmadd_ps(s[p][0], dot[r][p], acc[r][p]);
-        if (Mins) acc[r][p] = _mm512_fmadd_ps(m[p][0], group_sum, acc[r][p]);
+        __m512 acc = _mm512_fmadd_ps(s[p][0], dot[r][p], _mm512_load_ps(sums[r][p]));
+        if (Mins) acc = _mm512_fmadd_ps(m[p][0], group_sum, acc);
+        _mm512_store_ps(sums[r][p], acc);
       }
     }
   }
-#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < Panels; ++p) {
-      if (p * kPanel >= cols) continue;
-      alignas(64) float sums[kPanel];
-      _mm512_store_ps(sums, acc[r][p]);
+    for (int p = 0; p < Panels && p * kPanel < cols; ++p) {
       const int64_t n = std::min<int64_t>(kPanel, cols - p * kPanel);
       c10::BFloat16* o = out + r * ldo + p * kPanel;
-      for (int64_t c = 0; c < n; ++c) o[c] = c10::BFloat16(bias != nullptr ? sums[c] + bias[p * kPanel + c] : sums[c]);
+      for (int64_t c = 0; c < n; ++c)
+        o[c] = c10::BFloat16(bias != nullptr ? sums[r][p][c] + bias[p * kPanel + c] : sums[r][p][c]);
     }
 }
 
-// Rows 1-4 of a row block against panels [first_panel, first_panel + panels): one row four
-// panels at a time (four independent chains of dot products), more rows two.
-template <int Rows, bool Mins>
-void bf16_dot_rows(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, int64_t panels,
-                   const float* bias, c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch) {
-  for_each_panel_tile<Rows == 1 ? 4 : 2>(w, panels, prefetch, [&](auto tile_panels, int64_t p, int64_t line_begin,
-                                                                  int64_t line_end) {
-    const int64_t col = p * kPanel;
-    bf16_dot_tile<Rows, decltype(tile_panels)::value, Mins>(x, w, pairs, first_panel + p,
-                                                            bias != nullptr ? bias + col : nullptr, out + col, ldo,
-                                                            cols - col, prefetch, line_begin, line_end);
+using DotTileFn = void (*)(const Bf16Rows&, const Packed&, int64_t, int64_t, const float*, c10::BFloat16*, int64_t,
+                           int64_t, const uint8_t*, int64_t, int64_t);
+
+// bf16_dot_tile's instances for 1..kDotMaxRows rows ([0]: none).
+template <int Bits, int Panels, bool Mins>
+struct DotTiles {
+  template <int... Rows>
+  static constexpr auto make(std::integer_sequence<int, Rows...>) {
+    return std::array<DotTileFn, sizeof...(Rows) + 1>{nullptr, bf16_dot_tile<Bits, Rows + 1, Panels, Mins>...};
+  }
+  static constexpr auto kTiles = make(std::make_integer_sequence<int, kDotMaxRows>{});
+};
+
+// A row block against panels [first_panel, first_panel + panels): one row four panels at a time,
+// more rows two panels at a time in row tiles of equal height (32 rows: 11 + 11 + 10), the
+// prefetch of the next item's panels shared out over the tiles.
+template <int Bits, bool Mins>
+void bf16_dot_item(const Bf16Rows& x, int64_t rows, const Packed& w, int64_t pairs, int64_t first_panel,
+                   int64_t panels, const float* bias, c10::BFloat16* out, int64_t ldo, int64_t cols,
+                   const uint8_t* prefetch) {
+  if (rows == 1) {
+    for_each_panel_tile<4>(w, panels, prefetch, [&](auto tile_panels, int64_t p, int64_t line_begin, int64_t line_end) {
+      const int64_t col = p * kPanel;
+      bf16_dot_tile<Bits, 1, decltype(tile_panels)::value, Mins>(x, w, pairs, first_panel + p,
+                                                                bias != nullptr ? bias + col : nullptr, out + col, ldo,
+                                                                cols - col, prefetch, line_begin, line_end);
+    });
+    return;
+  }
+  const int64_t tiles = (rows + kDotMaxRows - 1) / kDotMaxRows, tile_rows = (rows + tiles - 1) / tiles;
+  for_each_panel_tile<2>(w, panels, prefetch, [&](auto tile_panels, int64_t p, int64_t line_begin, int64_t line_end) {
+    const auto& table = DotTiles<Bits, decltype(tile_panels)::value, Mins>::kTiles;
+    const int64_t col = p * kPanel, lines = line_end - line_begin;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t row = t * tile_rows;
+      const Bf16Rows tile_x{x.pairs + row * x.ld_pairs, x.ld_pairs, Mins ? x.group_sums + row * x.groups : nullptr,
+                            x.groups};
+      table[std::min(tile_rows, rows - row)](tile_x, w, pairs, first_panel + p, bias != nullptr ? bias + col : nullptr,
+                                             out + row * ldo + col, ldo, cols - col, prefetch,
+                                             line_begin + t * lines / tiles, line_begin + (t + 1) * lines / tiles);
+    }
   });
 }
 
-template <bool Mins>
+template <int Bits, bool Mins>
 at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, const float* bias, int64_t n) {
-  constexpr int64_t kBlockRows = 4, kGroupPanels = 4;
+  constexpr int64_t kGroupPanels = 4;
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -996,43 +1041,47 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
   x = x.contiguous();
   at::Tensor group_sums;
   if (Mins) {
-    // Each group's sum of x in float32, k in order.
+    // Each group's sum of x in float32: 16 lanes along k, then the lanes added (a row's own
+    // order, whatever the other rows).
     group_sums = at::empty({m, w.groups}, x.options().dtype(at::kFloat));
-    const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     float* sums = group_sums.data_ptr<float>();
+    const auto widen = [](__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); };
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < w.groups; ++g) {
-        float sum = 0.f;
-        for (int64_t i = g * w.group_size; i < std::min(k, (g + 1) * w.group_size); ++i)
-          sum += static_cast<float>(xs[r * x.size(1) + i]);
-        sums[r * w.groups + g] = sum;
+        const uint16_t* row = xs + r * x.size(1) + g * w.group_size;
+        const int64_t len = std::min(k, (g + 1) * w.group_size) - g * w.group_size;
+        __m512 sum = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= len; i += 16) sum = _mm512_add_ps(sum, widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i))));
+        if (i < len) sum = _mm512_add_ps(sum, widen(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (len - i)) - 1), row + i)));
+        sums[r * w.groups + g] = _mm512_reduce_add_ps(sum);
       }
   }
   const Bf16Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
                       Mins ? group_sums.data_ptr<float>() : nullptr, w.groups};
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const WorkGrid grid{m, n, num_panels, kBlockRows, kGroupPanels};
+  // Row blocks whose x stays in L2 while the block's panels stream past (as gemm.cpp's).
+  const int64_t block_rows = std::max<int64_t>(kDotMaxRows, 2 * kRowBlockBytes / (4 * pairs) / kDotMaxRows * kDotMaxRows);
+  const WorkGrid grid{m, n, num_panels, block_rows, kGroupPanels};
   grid.run(k, [&](int64_t begin, int64_t end, int64_t after) {
     for (int64_t item = begin; item < end; ++item) {
       const WorkItem it = grid.at(item);
-      const uint8_t* next = grid.panels_of(w, item + 1 < end ? item + 1 : after);
-      const Bf16Rows block_rows{rows.pairs + it.first_row * rows.ld_pairs, rows.ld_pairs,
-                                Mins ? rows.group_sums + it.first_row * w.groups : nullptr, w.groups};
-      const float* b = bias != nullptr ? bias + it.col : nullptr;
-      c10::BFloat16* o = op + it.first_row * n + it.col;
-      const auto call = [&](auto rows_in_block) {
-        bf16_dot_rows<decltype(rows_in_block)::value, Mins>(block_rows, w, pairs, it.first_panel, it.panels, b, o, n,
-                                                            it.cols, next);
-      };
-      switch (it.rows) {
-        case 1: call(std::integral_constant<int, 1>{}); break;
-        case 2: call(std::integral_constant<int, 2>{}); break;
-        case 3: call(std::integral_constant<int, 3>{}); break;
-        default: call(std::integral_constant<int, 4>{}); break;
-      }
+      const Bf16Rows block_rows_x{rows.pairs + it.first_row * rows.ld_pairs, rows.ld_pairs,
+                                  Mins ? rows.group_sums + it.first_row * w.groups : nullptr, w.groups};
+      bf16_dot_item<Bits, Mins>(block_rows_x, it.rows, w, pairs, it.first_panel, it.panels,
+                                bias != nullptr ? bias + it.col : nullptr, op + it.first_row * n + it.col, n, it.cols,
+                                grid.panels_of(w, item + 1 < end ? item + 1 : after));
     }
   });
   return out;
+}
+
+at::Tensor bf16_dots_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
+                          int64_t bits, bool mins) {
+  if (bits == 8)
+    return mins ? gemm_bf16_dots<8, true>(x, w, num_panels, bias, n) : gemm_bf16_dots<8, false>(x, w, num_panels, bias, n);
+  return mins ? gemm_bf16_dots<4, true>(x, w, num_panels, bias, n) : gemm_bf16_dots<4, false>(x, w, num_panels, bias, n);
 }
 #endif
 
@@ -1050,7 +1099,7 @@ bool amx_built() { return inflight_cpu::tiles_built(); }
 
 // vdpbf16ps: the de-quantized bf16 panels (isa 3) and the bf16 dots (kQuantBf16Dots).
 bool bf16_built() {
-#if defined(INFLIGHT_HAVE_BF16) && defined(INFLIGHT_HAVE_BF16_DOTS)
+#if defined(INFLIGHT_HAVE_BF16)
   return true;
 #else
   return false;
@@ -1123,7 +1172,6 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   // The tiles and the bf16 dot products take bfloat16 activations (and bias, as panel_gemm's
   // bfloat16 paths); the vector paths float32.
   const auto dtype = isa >= kQuantFirstBf16Isa ? at::kBFloat16 : at::kFloat;
-  TORCH_CHECK(isa != kQuantBf16Dots || bits == 4, "quant_panel_gemm: the bf16 dot products (isa 6) take 4-bit weights only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "quant_panel_gemm: x [M, K] in ", dtype);
   const int64_t k = x.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes && q.scalar_type() == at::kByte && q.is_contiguous(),
@@ -1149,12 +1197,11 @@ at::Tensor quant_panel_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, std::
   switch (isa) {
     case kIsaAmx:
       return amx_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
-#if defined(INFLIGHT_HAVE_BF16) && defined(INFLIGHT_HAVE_BF16_DOTS)
+#if defined(INFLIGHT_HAVE_BF16)
     case kIsaAvx512Bf16:
       return bf16_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
     case kQuantBf16Dots:
-      return has_mins ? gemm_bf16_dots<true>(x, w, num_panels, bias_data, n)
-                      : gemm_bf16_dots<false>(x, w, num_panels, bias_data, n);
+      return bf16_dots_gemm(x, w, num_panels, bias_data, n, bits, has_mins);
 #endif
 #if defined(INFLIGHT_HAVE_AVX512)
     case kIsaAvx512:

@@ -316,13 +316,13 @@ def test_int8_activations_without_quantized_weights_are_refused(tiny_checkpoint)
 def test_a_bf16_models_projections_follow_the_batch_invariant_mode(tiny_checkpoint, batch_invariant, quantization):
     """The engine's mode reaches the packing: outside it every projection of a bf16 model (and the
     tied output head) runs calls of a few rows beside the tiles (kernels/linear.py: bf16 weights on
-    vdpbf16ps, int8 on the float32 vector path, int4 on the bf16 dots), in it none does; and the
+    vdpbf16ps, int8 and int4 on the bf16 dots), in it none does; and the
     fused C++ layers take the same path as the modules, so that a request's tokens are the same
     either way (the CPU runs the fused layers; the modules are what the other devices run)."""
     prompts = PROMPTS[:3]
     Isa = kernels.cpu_ext.Isa
     beside = {"none": (BF16_ROWS_BESIDE_TILES, Isa.AVX512_BF16), "int4": (VECTOR_ROWS_BESIDE_TILES, kernels.cpu_ext.QUANT_BF16_DOTS),
-              "int8": (VECTOR_ROWS_BESIDE_TILES, min(Isa.AVX512, Isa(kernels.cpu_ext.load().gemm_vector_isa())))}
+              "int8": (VECTOR_ROWS_BESIDE_TILES, kernels.cpu_ext.QUANT_BF16_DOTS)}
     rows, vector_isa = (0, Isa.NONE) if batch_invariant else beside[quantization]
 
     def check_packing(engine: LLMEngine) -> None:

@@ -11,10 +11,10 @@ bfloat16, `dequantize().bfloat16()`: what a bf16 model of the de-quantized weigh
 tile tests run on AMX hardware, and under the software model of the tiles on any CPU
 (test_the_quantized_tile_path_under_a_software_model).
 
-int4 against bfloat16 activations on vdpbf16ps (QUANT_BF16_DOTS, the bf16 dots: a bf16 model's
-calls of a few rows outside the batch-invariant mode) applies each group's scale and min to its
-sums of x times the integers: bits of its own, within the roundings of its sums of the exact
-product, and a row's bits still its own."""
+int8 and int4 against bfloat16 activations on vdpbf16ps (QUANT_BF16_DOTS, the bf16 dots: a bf16
+model's every call where there are no tiles, and its calls of a few rows beside them outside the
+batch-invariant mode) applies each group's scale and min to its sums of x times the integers: bits
+of its own, within the roundings of its sums of the exact product, and a row's bits still its own."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could no
 LAYOUTS = {
     "int8_per_channel": (8, None, False, False),
     "int8_g32_q8_0": (8, 32, False, True),
+    "int8_g64_mins": (8, 64, True, False),
     "int4_g32_mins": (4, 32, True, False),
     "int4_g32_q4_1": (4, 32, True, True),
     "int4_g64_mins": (4, 64, True, False),
@@ -86,8 +87,8 @@ def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
                                    weight.shape[0], weight.bits, weight.group_size, isa)
 
 
-BF16_DOTS_LAYOUTS = ["int4_g32_mins", "int4_g32_q4_1", "int4_g64_mins", "int4_g128_mins", "int4_g32_symmetric",
-                     "int4_g128_symmetric", "int4_per_channel"]
+BF16_DOTS_LAYOUTS = ["int8_per_channel", "int8_g32_q8_0", "int8_g64_mins", "int4_g32_mins", "int4_g32_q4_1",
+                     "int4_g64_mins", "int4_g128_mins", "int4_g32_symmetric", "int4_g128_symmetric", "int4_per_channel"]
 
 
 def test_dequantize_is_two_roundings():
@@ -268,13 +269,13 @@ def test_linear_runs_bf16_activations_on_the_tiles_and_float32_on_the_vector_pat
                                     "int8_per_channel", "int8_g32_q8_0"])
 def test_on_vdpbf16ps_alone_the_batch_invariant_mode_runs_one_path_at_every_row_count(layout):
     """A bf16 model's weight packed in the batch-invariant mode on a CPU with vdpbf16ps and no
-    tiles: int4 of even groups (or one group) on the bf16 dots, other formats on the float32 path
+    tiles: groups of an even size (or one group) on the bf16 dots, others on the float32 path
     (widened, rounded once), at every row count; nothing beside."""
     weight = make_weight(70, 256, layout, 14)
     gen = torch.Generator().manual_seed(14)
     bias = torch.randn(70, generator=gen).bfloat16()
     packed = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
-    dots = weight.bits == 4 and layout != "int4_g33_odd_group"
+    dots = layout != "int4_g33_odd_group"
     vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
     assert (packed.isa, packed.vector_rows, packed.upcast) == ((QUANT_BF16_DOTS, 0, False) if dots else
                                                                (vector_isa, 0, True))
@@ -290,11 +291,12 @@ def test_on_vdpbf16ps_alone_the_batch_invariant_mode_runs_one_path_at_every_row_
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1, 40])
 def test_outside_batch_invariance_a_few_rows_beside_the_tiles_run_the_vector_path(rows):
-    """Packed with the engine's batch-invariant mode off, a quantized weight for vdpbf16ps or the
-    tiles runs a call of at most VECTOR_ROWS_BESIDE_TILES rows on the AVX-512 path, on the same
-    panels (the bf16 input widened, the output rounded once, as `upcast`), and more rows on its
-    bf16 path; packed in the mode, every call on the tiles or, without them, the AVX-512 path."""
-    weight = make_weight(70, 200, "int8_g32_q8_0", 12)
+    """Packed with the engine's batch-invariant mode off, a quantized weight the bf16 dots cannot
+    take (groups of an odd size) for vdpbf16ps or the tiles runs a call of at most
+    VECTOR_ROWS_BESIDE_TILES rows on the AVX-512 path, on the same panels (the bf16 input widened,
+    the output rounded once, as `upcast`), and more rows on its bf16 path; packed in the mode,
+    every call on the tiles or, without them, the AVX-512 path."""
+    weight = make_weight(70, 200, "int4_g33_odd_group", 12)
     gen = torch.Generator().manual_seed(12)
     x, bias = torch.randn(rows, 200, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
     invariant = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
@@ -326,7 +328,7 @@ def test_the_quantized_tile_path_under_a_software_model_of_the_tiles():
                           "-m", "not slow"], capture_output=True, text=True, timeout=1800, env=env, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]
-    assert "skipped" not in summary and summary.startswith("19 passed"), summary
+    assert "skipped" not in summary and summary.startswith("20 passed"), summary
 
 
 @pytest.mark.parametrize("layout, bits_per_weight", [
@@ -451,11 +453,16 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
         projections = []
         for name, weight in weights.items():
             bias = qkv_bias if name == "qkv" else None
-            if quantized:
-                # Without tiles, vdpbf16ps on the de-quantized panels runs outside the batch-invariant
-                # mode, for calls of more than VECTOR_ROWS_BESIDE_TILES rows (this batch has 8).
-                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype,
-                                                    batch_invariant=isa != Isa.AVX512_BF16)
+            if quantized and bf16_panels and isa == Isa.AVX512_BF16:
+                # vdpbf16ps on the de-quantized panels, which kernels.linear packs for groups of an
+                # odd size only (these run the bf16 dots there): the projection built for it.
+                q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits,
+                                                            weight.group_size, int(isa))
+                projections.append(MODULE.Projection.quantized(q, scales, mins[0] if mins else None, weight.bits,
+                                                               weight.group_size, bias, weight.shape[0], int(isa),
+                                                               False))
+            elif quantized:
+                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
                 assert packed.kind == "quant_panels"
                 projections.append(kernels.decoder_layer._projection(MODULE, packed, bias))
             elif bf16_panels:
@@ -494,12 +501,10 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
 @needs_bf16
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_invariant):
-    """One token through the fused layer with bf16 activations and quantized projections: in the
-    batch-invariant mode each projection on the tiles (the layer of bf16 tile panels of the
-    rounded weights) or, without them, on the path of every row count there, which is the path of
-    a few rows outside the mode: int4 on the
-    bf16 dots, int8 on the float32 vector path (float32 panels of the de-quantized weights, bf16
-    widened and rounded once)."""
+    """One token through the fused layer with bf16 activations and quantized projections (int8 and
+    int4, groups of an even size): in the batch-invariant mode each projection on the tiles (the
+    layer of bf16 tile panels of the rounded weights), else on the bf16 dots, which are the path of
+    every row count without tiles and of a few rows beside them outside the mode."""
     hidden_size, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
     weights = [make_weight((heads + 2 * kv_heads) * head_dim, hidden_size, "int4_g32_mins", 1),
                make_weight(hidden_size, heads * head_dim, "int8_per_channel", 2),
@@ -507,8 +512,6 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
                make_weight(hidden_size, inter, "int8_g32_q8_0", 4)]
     gen = torch.Generator().manual_seed(6)
     qkv_bias = (torch.randn(weights[0].shape[0], generator=gen) * 0.1).bfloat16()
-    vector_isa = min(Isa.AVX512, Isa(MODULE.gemm_vector_isa()))
-    bf16_dots = MODULE.quant_bf16_built()
     norms = [(1 + 0.1 * torch.randn(hidden_size, generator=gen)).bfloat16() for _ in range(2)]
 
     def layer(projection):
@@ -524,13 +527,10 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
         if batch_invariant and bf16_isa() == Isa.AMX:
             panels = MODULE.pack_panels(weight.dequantize().bfloat16(), int(Isa.AMX))
             return MODULE.Projection(panels, bias, weight.shape[0], int(Isa.AMX), False)
-        if weight.bits == 4 and bf16_dots:  # every call on the bf16 dots
-            q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, 4, weight.group_size,
-                                                        QUANT_BF16_DOTS)
-            return MODULE.Projection.quantized(q, scales, mins[0] if mins else None, 4, weight.group_size, bias,
-                                               weight.shape[0], QUANT_BF16_DOTS, False)
-        return MODULE.Projection(MODULE.pack_panels(weight.dequantize(), int(vector_isa)),
-                                 None if bias is None else bias.float(), weight.shape[0], int(vector_isa), True)
+        q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits,
+                                                    weight.group_size, QUANT_BF16_DOTS)
+        return MODULE.Projection.quantized(q, scales, mins[0] if mins else None, weight.bits, weight.group_size, bias,
+                                           weight.shape[0], QUANT_BF16_DOTS, False)
 
     tables = torch.tensor([[0, 1]], dtype=torch.int32)
     meta = kernels.cpu_step_meta(torch.tensor([20]), kernels.build_cos_sin_cache(head_dim, 64, 10000.0),
@@ -561,14 +561,16 @@ def test_cpu_decoder_layer_takes_quantized_projections():
 @needs_bf16
 @pytest.mark.parametrize("layout", BF16_DOTS_LAYOUTS)
 def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
-    """Every int4 layout of an even group size (or one group), at 1-4 rows (one block) and more
-    (several), with a partial last panel, a group of panels short of four, a short last group, an
-    odd K (its last pair half zeros) and a bias or none."""
-    for n, k in [(70, 256), (33, 64), (130, 37), (16, 2)]:
+    """Every layout of an even group size (or one group), at one row (four panels a tile), 2-12
+    (one row tile), more (tiles of equal height: 13 as 7 + 6, 40 as four of 10) and, at K 4096,
+    two row blocks; with a partial last panel, a group of panels short of four, a short last
+    group, an odd K (its last pair half zeros), K of 1, and a bias or none."""
+    for n, k, row_counts in [(70, 256, (1, 2, 3, 4, 5, 9, 12, 13, 40)), (33, 64, (1, 3, 13)), (130, 37, (1, 4, 40)),
+                             (16, 2, (1, 2, 13)), (20, 1, (1, 5)), (33, 4096, (1, 70))]:
         weight = make_weight(n, k, layout, n + k)
         gen = torch.Generator().manual_seed(k)
         bias = torch.randn(n, generator=gen).bfloat16()
-        for rows in (1, 2, 3, 4, 5, 9):
+        for rows in row_counts:
             x = torch.randn(rows, k, generator=gen).bfloat16()
             for b in (None, bias):
                 got = quant_gemm(x, weight, b, QUANT_BF16_DOTS)
@@ -577,12 +579,14 @@ def test_the_bf16_dots_compute_x_times_the_dequantized_weight(layout):
 
 
 @needs_bf16
-@pytest.mark.parametrize("layout", ["int4_g32_mins", "int4_g128_symmetric", "int4_per_channel"])
+@pytest.mark.parametrize("layout", ["int8_per_channel", "int8_g64_mins", "int4_g32_mins", "int4_g128_symmetric",
+                                    "int4_per_channel"])
 def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
-    """Without tiles the batch-invariant mode runs int4 on the bf16 dots at every row count."""
-    weight = make_weight(200, 576, layout, 5)
+    """Without tiles the batch-invariant mode runs the bf16 dots at every row count: one row's four
+    panels a tile, a few rows' two, tall tiles of up to 12 rows, several row blocks (K 2048)."""
+    weight = make_weight(200, 2048, layout, 5)
     gen = torch.Generator().manual_seed(5)
-    x, bias = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
+    x, bias = torch.randn(300, 2048, generator=gen).bfloat16(), torch.randn(200, generator=gen).bfloat16()
     assert_a_row_keeps_its_bits(x, weight, bias, QUANT_BF16_DOTS,
                                 [(0, 1), (3, 2), (5, 3), (7, 4), (2, 9), (13, 31), (100, 200), (299, 1)])
 
@@ -591,44 +595,49 @@ def test_a_row_has_the_same_bits_in_any_batch_on_the_bf16_dots(layout):
 def test_the_bf16_dots_refuse_what_they_do_not_compute():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 66, generator=gen).bfloat16()
-    for layout, message in [("int8_g32_q8_0", "4-bit weights only"), ("int4_g33_odd_group", "even size")]:
-        with pytest.raises(RuntimeError, match=message):
-            quant_gemm(x, make_weight(20, 66, layout, 9), None, QUANT_BF16_DOTS)
+    with pytest.raises(RuntimeError, match="even size"):
+        quant_gemm(x, make_weight(20, 66, "int4_g33_odd_group", 9), None, QUANT_BF16_DOTS)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] in BFloat16"):
         quant_gemm(x.float(), make_weight(20, 66, "int4_g32_mins", 9), None, QUANT_BF16_DOTS)
 
 
 @needs_bf16
-@pytest.mark.parametrize("layout, beside_isa", [("int4_g128_mins", QUANT_BF16_DOTS), ("int4_g32_q4_1", QUANT_BF16_DOTS),
-                                                ("int4_g33_odd_group", None), ("int8_per_channel", None)])
+@pytest.mark.parametrize("layout, dots", [("int4_g128_mins", True), ("int4_g32_q4_1", True), ("int8_per_channel", True),
+                                          ("int8_g32_q8_0", True), ("int4_g33_odd_group", False)])
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1])
-def test_outside_batch_invariance_a_few_rows_of_int4_run_the_bf16_dots(layout, beside_isa, rows):
-    """A bf16 model's int4 weight of even groups, packed with the engine's batch-invariant mode off,
-    runs calls of at most VECTOR_ROWS_BESIDE_TILES rows on the bf16 dots, its input as it is and
-    its bias in bfloat16, and more rows on its main path (vdpbf16ps or the tiles, on the rounded weight);
-    other layouts keep what they had (the float32 vector path beside the tiles, or nothing)."""
+def test_outside_batch_invariance_a_bf16_models_weight_runs_the_bf16_dots(layout, dots, rows):
+    """A bf16 model's int8 or int4 weight of even groups, packed with the engine's batch-invariant
+    mode off: beside the tiles, calls of at most VECTOR_ROWS_BESIDE_TILES rows run the bf16 dots,
+    the input as it is and the bias in bfloat16, and more rows the tiles (on the rounded weight);
+    without tiles every call runs the bf16 dots, nothing beside. Groups of an odd size never run
+    them."""
     weight = make_weight(70, 256, layout, 13)
     gen = torch.Generator().manual_seed(13)
     x, bias = torch.randn(rows, 256, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
     fast = kernels.pack_linear_weight(weight, dtype=torch.bfloat16, batch_invariant=False)
     main = kernels.pack_linear_weight(weight, dtype=torch.bfloat16)
     assert main.vector_rows == 0
-    if beside_isa is None:
-        assert fast.vector_isa != QUANT_BF16_DOTS
+    if not dots:
+        assert QUANT_BF16_DOTS not in (fast.isa, fast.vector_isa)
         return
-    assert (fast.vector_rows, fast.vector_isa) == (LINEAR.VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS)
+    tiles = bf16_isa() == Isa.AMX
+    if tiles:
+        assert (fast.isa, fast.vector_rows, fast.vector_isa) == (Isa.AMX, LINEAR.VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS)
+    else:
+        assert (fast.isa, fast.vector_rows) == (QUANT_BF16_DOTS, 0)
+    on_dots = rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES or not tiles
     got = kernels.linear(x, fast.shape_only, bias, fast)
-    if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES:
+    if on_dots:
         assert torch.equal(got, quant_gemm(x, weight, bias, QUANT_BF16_DOTS))
     else:
-        assert torch.equal(got, bf16_panel_gemm(x, weight, bias, bf16_isa()))
+        assert torch.equal(got, bf16_panel_gemm(x, weight, bias, Isa.AMX))
     # Which path ran, told apart where the results cannot round to the same bits.
     telling = weight_telling_the_paths_apart(70, 256, weight.group_size)
     fast = kernels.pack_linear_weight(telling, dtype=torch.bfloat16, batch_invariant=False)
     x = torch.zeros(rows, 256, dtype=torch.bfloat16)
     x[:, 0], x[:, 1] = 1, -1
-    expected = 1.0 if rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES else 0.0
-    assert torch.equal(kernels.linear(x, fast.shape_only, None, fast), torch.full((rows, 70), expected).bfloat16())
+    assert torch.equal(kernels.linear(x, fast.shape_only, None, fast),
+                       torch.full((rows, 70), 1.0 if on_dots else 0.0).bfloat16())
 
 
 def weight_telling_the_paths_apart(out_features: int, in_features: int, group_size: int) -> QuantizedWeight:

@@ -958,7 +958,10 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
 #pragma GCC unroll 8
         for (int p = 0; p < Panels; ++p) dot[r][p] = _mm512_dpbf16_ps(dot[r][p], (__m512bh)factors[p], pair);
       }
-      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
+      // As many lines of the next item's panels as a pair reads of this one's (int8: two rows).
+#pragma GCC unroll 2
+      for (int i = 0; i < (Bits == 8 ? 2 : 1); ++i)
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
     }
     __m512 s[Panels][1], m[Panels][1];
 #pragma GCC unroll 8

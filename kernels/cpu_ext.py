@@ -61,8 +61,8 @@ class Isa(enum.IntEnum):
 # instruction set: it runs on the best one the build has (the module's int8_dots_path()).
 QUANT_INT8_DOTS = 5
 # quant_panel_gemm's path on bf16 dot products (vdpbf16ps on the exact int8/int4 integers, each
-# group's scale and min applied to its sums): a bf16 model's every call where there are no tiles, and
-# its decode of a few rows beside them outside batch invariance.
+# group's scale and min applied to its sums): a bf16 model's every call where there are no tiles in the
+# batch-invariant mode, and its decode of a few rows outside it.
 QUANT_BF16_DOTS = 6
 
 

@@ -46,12 +46,13 @@ AMX tiles a bfloat16 input stays bfloat16: each panel is de-quantized, rounded t
 multiplied on the tiles, the bf16 tile GEMM's bits on `dequantize().bfloat16()`, for every row
 count (so a row's bits are its own there too); on a 2-core Xeon with AMX 2.3-5.1x the float32
 path's speed at 32 rows, 0.46-0.76x at one (client.bench.quant_gemm --bf16). Without tiles, a
-bf16 model's int4 weight of even groups runs the bf16 dots at every row count (QUANT_BF16_DOTS:
-`vdpbf16ps` on the exact integers, each group's scale and min applied to its sums; bits of their
-own, a row's its own), other formats the float32 path. Packed with `batch_invariant=False` (the
-engine's mode off), a bf16 model's calls of up to VECTOR_ROWS_BESIDE_TILES rows run int4 on the
-bf16 dots and other formats on the float32 path, and more rows run the de-quantized panels on
-the tiles or, without them, on vdpbf16ps (panel_gemm's bits of that path on the rounded weight).
+bf16 model's weight of even groups (or one group: every format the engine loads) runs the bf16
+dots at every row count (QUANT_BF16_DOTS: `vdpbf16ps` on the exact int8/int4 integers, each
+group's scale and min applied to its sums; bits of their own, a row's its own), odd groups the
+float32 path. Packed with `batch_invariant=False` (the engine's mode off), a bf16 model's calls of
+up to VECTOR_ROWS_BESIDE_TILES rows run the bf16 dots (odd groups the float32 path), and more rows
+run the de-quantized panels on the tiles or, without them, on vdpbf16ps (panel_gemm's bits of
+that path on the rounded weight).
 At one row, Llama-3.2-1B's MLP weights ran 2.5-4.9x faster than float32 panels on a 2-core AVX2
 EPYC (the table in gemm_quant.cpp).
 Without the C++ kernels (or AVX2 and FMA), kind `quant` keeps the QuantizedWeight and
@@ -201,16 +202,14 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
     # Above AVX-512 (vdpbf16ps, the tiles) the paths take bfloat16 activations only.
     if quant_isa >= Isa.AVX512_BF16 and dtype != torch.bfloat16:
         quant_isa = float_isa
-    if quant_isa == Isa.AVX512_BF16:
-        # Without tiles the bf16 dots serve every row count, in either mode: at one row they read
-        # at the memory's speed, where de-quantizing to bfloat16 first made a decode step at batch 1
-        # 2.5x slower than the float32 path, and from 4 rows on they ran 1.0-2.3x the de-quantized
-        # panels (Llama-3.2-1B's MLP, int8 and int4, 2-core AVX512-BF16 EPYC, client.bench.quant_gemm
-        # --bf16). Groups they cannot take: the float32 path in the mode, else the panels below.
-        if _bf16_dots_take(weight, isa, module):
-            quant_isa = QUANT_BF16_DOTS
-        elif batch_invariant:
-            quant_isa = float_isa
+    if quant_isa == Isa.AVX512_BF16 and batch_invariant:
+        # Without tiles one path serves every row count: the bf16 dots read at the memory's speed at
+        # one row, where de-quantizing to bfloat16 first made a decode step at batch 1 2.5x slower
+        # than the float32 path, and from 8 rows on ran 2.0-2.6x the float32 path (int8 and int4,
+        # SmolLM2's and Llama-3.2-1B's projections, 2-core AVX512-BF16 EPYC, client.bench.quant_gemm
+        # --bf16). Outside the mode the de-quantized panels run calls of more than
+        # VECTOR_ROWS_BESIDE_TILES rows: groups of 32 ran 1.1-1.4x faster there from 32 rows.
+        quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else float_isa
     upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16
     if quant_isa < Isa.AVX2:
         packed = PackedWeight("quant", None, shape, upcast)
@@ -220,7 +219,7 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
-        if not batch_invariant and quant_isa in (Isa.AVX512_BF16, Isa.AMX):
+        if not batch_invariant and quant_isa in (Isa.AVX512_BF16, Isa.AMX):  # not the dots: they take every count
             # The panels are the same for every path; only the activations' dtype differs.
             if _bf16_dots_take(weight, isa, module):
                 packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS

@@ -43,11 +43,10 @@
 //   tiles' multiply-adds cost next to nothing, where the vector paths' FMAs bound them.
 // - kIsaAvx512Bf16: bfloat16 x on vdpbf16ps where there are no tiles, as kIsaAmx: each two panels
 //   de-quantized to bfloat16 once a call, then gemm.cpp's vdpbf16ps tiles (panel_gemm's isa 3 bits
-//   on dequantize().bfloat16(), at every row count); kernels/linear.py runs groups of an odd size
-//   on it outside the batch-invariant mode;
+//   on dequantize().bfloat16(), at every row count), outside the batch-invariant mode;
 // - kQuantBf16Dots (bfloat16 x, AVX512-BF16): the bf16 dots below, every call of a bf16 model
-//   without tiles and a decode's few rows beside them outside the batch-invariant mode; numerics
-//   of their own (the group's scale applied to the sums).
+//   without tiles in the batch-invariant mode, and a decode's few rows outside it; numerics of
+//   their own (the group's scale applied to the sums).
 // Work is split over the cores by (row block, group of panels) in chunks taken as cores come
 // free, as gemm.cpp splits it, and the tiles ask for the next item's panels into L2 as they go.
 //
@@ -828,14 +827,13 @@ at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, co
 // ---- bfloat16 activations on vdpbf16ps, where there are no tiles ----------------------------
 //
 // A bf16 model's quantized weight on a CPU with AVX512-BF16 and no AMX (AVX-512 EPYCs, or a Xeon
-// whose kernel refused the tiles) where the bf16 dots below cannot take it (groups of an odd size;
-// kernels/linear.py runs it outside the batch-invariant mode): each item is two panels, de-quantized and rounded to bfloat16 as
-// the tiles' path does it (dequantize_pairs) into gemm.cpp's bf16 panel layout in a buffer of the
-// core's own, once a call, then every row of x runs gemm.cpp's vdpbf16ps tiles on it. So its
-// result is panel_gemm's isa 3 on dequantize().bfloat16(), to the bit, at every row count. The
-// float32 vector path it replaces spent ~2 FMAs (de-quantize, multiply-add) a weight a row from
-// 32 rows on; here the multiply-adds are vdpbf16ps's, two k's an instruction, and de-quantizing
-// is paid once a call.
+// whose kernel refused the tiles), outside the batch-invariant mode (kernels/linear.py): each item
+// is two panels, de-quantized and rounded to bfloat16 as the tiles' path does it (dequantize_pairs)
+// into gemm.cpp's bf16 panel layout in a buffer of the core's own, once a call, then every row of
+// x runs gemm.cpp's vdpbf16ps tiles on it. So its result is panel_gemm's isa 3 on
+// dequantize().bfloat16(), to the bit, at every row count. The multiply-adds are vdpbf16ps's, two
+// k's an instruction, and de-quantizing is paid once a call: from 32 rows on it runs groups of 32
+// 1.1-1.4x faster than the bf16 dots below, whose group sums cost more the smaller the groups.
 #if defined(INFLIGHT_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define INFLIGHT_HAVE_BF16 1
 template <int Bits, bool Mins>
@@ -877,8 +875,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 // ---- bf16 dot products: int8 and int4 weights against bfloat16 activations ------------------
 //
 // A bf16 model's quantized weight where vdpbf16ps runs and the batch-invariant mode wants one path
-// for every row count (a CPU with AVX512-BF16 and no tiles), and a decode's few rows beside the
-// tiles outside that mode (kernels/linear.py). The float paths spend ~10 instructions a 32
+// for every row count (a CPU with AVX512-BF16 and no tiles), and a decode's few rows outside that
+// mode, beside the tiles or the de-quantized panels (kernels/linear.py). The float paths spend ~10 instructions a 32
 // weights de-quantizing (widen, convert, scale, add the min) before the multiply-adds, which bounds
 // a decode's one row below the memory's speed (2-core AMX Xeon: 10-14 GB/s of int4 against a copy
 // bandwidth of ~20), and from 32 rows on their two FMAs a weight a row bound them. Here the scale

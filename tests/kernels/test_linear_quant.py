@@ -12,8 +12,8 @@ tile tests run on AMX hardware, and under the software model of the tiles on any
 (test_the_quantized_tile_path_under_a_software_model).
 
 int8 and int4 against bfloat16 activations on vdpbf16ps (QUANT_BF16_DOTS, the bf16 dots: a bf16
-model's every call where there are no tiles, and its calls of a few rows beside them outside the
-batch-invariant mode) applies each group's scale and min to its sums of x times the integers: bits
+model's every call in the batch-invariant mode where there are no tiles, and its calls of a few rows
+outside the mode) applies each group's scale and min to its sums of x times the integers: bits
 of its own, within the roundings of its sums of the exact product, and a row's bits still its own."""
 
 from __future__ import annotations
@@ -453,16 +453,11 @@ def test_decoder_layer_with_quantized_projections(isa, dtype):
         projections = []
         for name, weight in weights.items():
             bias = qkv_bias if name == "qkv" else None
-            if quantized and bf16_panels and isa == Isa.AVX512_BF16:
-                # vdpbf16ps on the de-quantized panels, which kernels.linear packs for groups of an
-                # odd size only (these run the bf16 dots there): the projection built for it.
-                q, scales, *mins = MODULE.pack_quant_panels(weight.q, weight.scales, weight.mins, weight.bits,
-                                                            weight.group_size, int(isa))
-                projections.append(MODULE.Projection.quantized(q, scales, mins[0] if mins else None, weight.bits,
-                                                               weight.group_size, bias, weight.shape[0], int(isa),
-                                                               False))
-            elif quantized:
-                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype)
+            if quantized:
+                # Without tiles, vdpbf16ps on the de-quantized panels runs outside the batch-invariant
+                # mode, for calls of more than VECTOR_ROWS_BESIDE_TILES rows (this batch has 8).
+                packed = kernels.pack_linear_weight(weight, isa=isa, dtype=dtype,
+                                                    batch_invariant=isa != Isa.AVX512_BF16)
                 assert packed.kind == "quant_panels"
                 projections.append(kernels.decoder_layer._projection(MODULE, packed, bias))
             elif bf16_panels:
@@ -504,7 +499,7 @@ def test_a_decode_step_of_the_decoder_layer_follows_the_projections_path(batch_i
     """One token through the fused layer with bf16 activations and quantized projections (int8 and
     int4, groups of an even size): in the batch-invariant mode each projection on the tiles (the
     layer of bf16 tile panels of the rounded weights), else on the bf16 dots, which are the path of
-    every row count without tiles and of a few rows beside them outside the mode."""
+    every row count without tiles in the mode and of a few rows outside it."""
     hidden_size, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
     weights = [make_weight((heads + 2 * kv_heads) * head_dim, hidden_size, "int4_g32_mins", 1),
                make_weight(hidden_size, heads * head_dim, "int8_per_channel", 2),
@@ -605,12 +600,11 @@ def test_the_bf16_dots_refuse_what_they_do_not_compute():
 @pytest.mark.parametrize("layout, dots", [("int4_g128_mins", True), ("int4_g32_q4_1", True), ("int8_per_channel", True),
                                           ("int8_g32_q8_0", True), ("int4_g33_odd_group", False)])
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1])
-def test_outside_batch_invariance_a_bf16_models_weight_runs_the_bf16_dots(layout, dots, rows):
+def test_outside_batch_invariance_a_few_rows_run_the_bf16_dots(layout, dots, rows):
     """A bf16 model's int8 or int4 weight of even groups, packed with the engine's batch-invariant
-    mode off: beside the tiles, calls of at most VECTOR_ROWS_BESIDE_TILES rows run the bf16 dots,
-    the input as it is and the bias in bfloat16, and more rows the tiles (on the rounded weight);
-    without tiles every call runs the bf16 dots, nothing beside. Groups of an odd size never run
-    them."""
+    mode off, runs calls of at most VECTOR_ROWS_BESIDE_TILES rows on the bf16 dots, the input as it
+    is and the bias in bfloat16, and more rows on its main path (vdpbf16ps or the tiles, on the
+    rounded weight). Groups of an odd size never run them."""
     weight = make_weight(70, 256, layout, 13)
     gen = torch.Generator().manual_seed(13)
     x, bias = torch.randn(rows, 256, generator=gen).bfloat16(), torch.randn(70, generator=gen).bfloat16()
@@ -620,17 +614,14 @@ def test_outside_batch_invariance_a_bf16_models_weight_runs_the_bf16_dots(layout
     if not dots:
         assert QUANT_BF16_DOTS not in (fast.isa, fast.vector_isa)
         return
-    tiles = bf16_isa() == Isa.AMX
-    if tiles:
-        assert (fast.isa, fast.vector_rows, fast.vector_isa) == (Isa.AMX, LINEAR.VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS)
-    else:
-        assert (fast.isa, fast.vector_rows) == (QUANT_BF16_DOTS, 0)
-    on_dots = rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES or not tiles
+    assert (fast.isa, fast.vector_rows, fast.vector_isa) == (bf16_isa(), LINEAR.VECTOR_ROWS_BESIDE_TILES,
+                                                             QUANT_BF16_DOTS)
+    on_dots = rows <= LINEAR.VECTOR_ROWS_BESIDE_TILES
     got = kernels.linear(x, fast.shape_only, bias, fast)
     if on_dots:
         assert torch.equal(got, quant_gemm(x, weight, bias, QUANT_BF16_DOTS))
     else:
-        assert torch.equal(got, bf16_panel_gemm(x, weight, bias, Isa.AMX))
+        assert torch.equal(got, bf16_panel_gemm(x, weight, bias, bf16_isa()))
     # Which path ran, told apart where the results cannot round to the same bits.
     telling = weight_telling_the_paths_apart(70, 256, weight.group_size)
     fast = kernels.pack_linear_weight(telling, dtype=torch.bfloat16, batch_invariant=False)

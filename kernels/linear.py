@@ -205,9 +205,9 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
     if quant_isa == Isa.AVX512_BF16 and batch_invariant:
         # Without tiles one path serves every row count: the bf16 dots read at the memory's speed at
         # one row, where de-quantizing to bfloat16 first made a decode step at batch 1 2.5x slower
-        # than the float32 path, and from 8 rows on ran 2.0-2.6x the float32 path (int8 and int4,
-        # SmolLM2's and Llama-3.2-1B's projections, 2-core AVX512-BF16 EPYC, client.bench.quant_gemm
-        # --bf16). Outside the mode the de-quantized panels run calls of more than
+        # than the float32 path, and from 8 rows on ran 1.9-2.6x the float32 path (int8 per channel
+        # and int4 g128; groups of 32 1.1-2.2x; SmolLM2's and Llama-3.2-1B's projections, 2-core
+        # AVX512-BF16 EPYC, client.bench.quant_gemm --bf16). Outside the mode the de-quantized panels run calls of more than
         # VECTOR_ROWS_BESIDE_TILES rows: groups of 32 ran 1.1-1.4x faster there from 32 rows.
         quant_isa = QUANT_BF16_DOTS if _bf16_dots_take(weight, isa, module) else float_isa
     upcast = dtype != torch.float32 and quant_isa < Isa.AVX512_BF16
@@ -219,7 +219,7 @@ def _pack_quantized(weight: QuantizedWeight, isa: Isa, dtype: torch.dtype, devic
                                                     weight.group_size, int(quant_isa))
         packed = PackedWeight("quant_panels", q, shape, upcast, quant_isa)
         packed.scales, packed.mins = scales, (mins[0] if mins else None)
-        if not batch_invariant and quant_isa in (Isa.AVX512_BF16, Isa.AMX):  # not the dots: they take every count
+        if not batch_invariant and quant_isa in (Isa.AVX512_BF16, Isa.AMX):
             # The panels are the same for every path; only the activations' dtype differs.
             if _bf16_dots_take(weight, isa, module):
                 packed.vector_rows, packed.vector_isa = VECTOR_ROWS_BESIDE_TILES, QUANT_BF16_DOTS

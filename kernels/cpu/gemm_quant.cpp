@@ -572,10 +572,19 @@ void scalar_item(const float* x, int64_t ldx, int64_t rows, const Packed& w, int
                       out + p * kPanel, ldo, std::min(kPanel, cols - p * kPanel));
 }
 
+// call(bits, mins) with the weight's format as compile-time constants (std::integral_constant<int,
+// 8 or 4>, std::bool_constant): the one place a kernel's template is picked from them.
+template <class Call>
+auto with_format(int64_t bits, bool mins, const Call& call) {
+  using Int8 = std::integral_constant<int, 8>;
+  using Int4 = std::integral_constant<int, 4>;
+  if (bits == 8) return mins ? call(Int8{}, std::true_type{}) : call(Int8{}, std::false_type{});
+  return mins ? call(Int4{}, std::true_type{}) : call(Int4{}, std::false_type{});
+}
+
 template <class V>
 ItemFn pick_item(int64_t bits, bool mins) {
-  if (bits == 8) return mins ? vector_item<V, 8, true> : vector_item<V, 8, false>;
-  return mins ? vector_item<V, 4, true> : vector_item<V, 4, false>;
+  return with_format(bits, mins, [](auto b, auto m) -> ItemFn { return vector_item<V, b.value, m.value>; });
 }
 
 
@@ -817,10 +826,9 @@ at::Tensor gemm_amx(const at::Tensor& x, const Packed& w, int64_t num_panels, co
 at::Tensor amx_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
                     int64_t bits, bool mins) {
   return inflight_cpu::with_tiles([&](auto tiles) {
-    using Tiles = decltype(tiles);
-    if (bits == 8)
-      return mins ? gemm_amx<Tiles, 8, true>(x, w, num_panels, bias, n) : gemm_amx<Tiles, 8, false>(x, w, num_panels, bias, n);
-    return mins ? gemm_amx<Tiles, 4, true>(x, w, num_panels, bias, n) : gemm_amx<Tiles, 4, false>(x, w, num_panels, bias, n);
+    return with_format(bits, mins, [&](auto b, auto m) {
+      return gemm_amx<decltype(tiles), b.value, m.value>(x, w, num_panels, bias, n);
+    });
   });
 }
 
@@ -864,11 +872,9 @@ at::Tensor gemm_bf16_dequantized(const at::Tensor& x, const Packed& w, int64_t n
 
 at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
                      int64_t bits, bool mins) {
-  if (bits == 8)
-    return mins ? gemm_bf16_dequantized<8, true>(x, w, num_panels, bias, n)
-                : gemm_bf16_dequantized<8, false>(x, w, num_panels, bias, n);
-  return mins ? gemm_bf16_dequantized<4, true>(x, w, num_panels, bias, n)
-              : gemm_bf16_dequantized<4, false>(x, w, num_panels, bias, n);
+  return with_format(bits, mins, [&](auto b, auto m) {
+    return gemm_bf16_dequantized<b.value, m.value>(x, w, num_panels, bias, n);
+  });
 }
 #endif
 
@@ -1080,9 +1086,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
 
 at::Tensor bf16_dots_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, const float* bias, int64_t n,
                           int64_t bits, bool mins) {
-  if (bits == 8)
-    return mins ? gemm_bf16_dots<8, true>(x, w, num_panels, bias, n) : gemm_bf16_dots<8, false>(x, w, num_panels, bias, n);
-  return mins ? gemm_bf16_dots<4, true>(x, w, num_panels, bias, n) : gemm_bf16_dots<4, false>(x, w, num_panels, bias, n);
+  return with_format(bits, mins, [&](auto b, auto m) { return gemm_bf16_dots<b.value, m.value>(x, w, num_panels, bias, n); });
 }
 #endif
 

@@ -101,6 +101,17 @@ def naive_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_se
     return out
 
 
+def int16_rounded_query(query: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query (times `scale`) that the C++ kernel scores int8 keys against
+    (kernels/cpu/paged_attention.cpp's round_query_to_int16), as float32 values: each head's row
+    rounded to integers against a power-of-two step, peak / step in [16384, 32768)."""
+    query = query.float() * scale
+    peak = query.abs().amax(-1, keepdim=True)
+    _, exponent = torch.frexp(peak)
+    step = torch.ldexp(torch.ones_like(peak), exponent - 15)
+    return torch.round(query / step).clamp(-32767, 32767) * step
+
+
 def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Row by row, in float64."""
     rows = x.reshape(-1, x.shape[-1]).double()

@@ -10,7 +10,8 @@
 // stored, a byte a value, and its codes are widened to float32 lanes in the compute loops'
 // registers (an fp8 block that several tokens read is widened once, to bfloat16, first); each
 // row's scale multiplies its dot product (a score) and its probability (a value row's weight)
-// once, so the cache moves a quarter of float32's bytes through the core. A run's
+// once, so the cache moves a quarter of float32's bytes through the core; int8 keys are scored
+// as integers against the query rounded to int16 (score_tile_int8). A run's
 // tokens share the copy but not the arithmetic, where a GEMM-based kernel would share each load
 // among a tile of queries: long
 // chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
@@ -23,6 +24,8 @@
 //   block's lines (into L2) while it copies this one, with the values' lines asked for while
 //   the keys are scored, makes the kernel 2x faster: 17.6 to 8.4 ms a step (30 layers' own
 //   caches, batch 32, contexts ~200, 2-core AVX512-BF16 EPYC; the cache streams at ~17 GB/s);
+// - long contexts, copied a segment at a time: the next segment's lines are asked for while
+//   this one is computed on, so that streaming and arithmetic overlap rather than take turns;
 // - QK scores 8 rows at a time: 8 independent dot-product accumulators (no FMA latency
 //   chain), folded into 8 scores by one transposing reduction (hadd: 9 instructions for 8
 //   rows, where a horizontal sum per row costs ~6 each);
@@ -266,6 +269,103 @@ inline void score_tile(const C* const (&rows)[kTileRows], const float (&row_fact
   }
 }
 
+// int8 keys are scored as integers: each query row (a token's head, already times the softmax
+// scale) rounded to int16 against a power-of-two scale, `query_scale` (peak / 2^e in
+// [16384, 32768), so 15 bits for its largest value), each dot product of the int16 query and
+// the row's int8 codes summed exactly in int32 (pmaddwd: two products a lane), then
+// float(sum) * query_scale * the row's factor. The products take a quarter of float32's
+// instructions (int8 codes widen to int16 in one), the sums are exact, so their order is free
+// (the 8- and 16-lane kernels give the same bits), and scaling by a power of two is exact: a
+// score differs from float32's on the de-quantized row only by the query's rounding, at most
+// 2^-15 of its head's largest value a component (a bfloat16 query's own is 2^-9).
+constexpr float kQueryMax = 32767.f;
+
+// The row's int16 values into `out`; returns its scale (0 for a zero row).
+inline float round_query_to_int16(const float* q, int16_t* out, int64_t n) {
+  float peak = 0.f;
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(q[i]));
+  if (peak == 0.f) {
+    std::fill(out, out + n, int16_t{0});
+    return 0.f;
+  }
+  int exponent;
+  std::frexp(peak, &exponent);  // peak = m * 2^exponent, m in [0.5, 1)
+  const float scale = std::ldexp(1.f, exponent - 15), inverse = std::ldexp(1.f, 15 - exponent);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<int16_t>(std::clamp(std::nearbyint(q[i] * inverse), -kQueryMax, kQueryMax));
+  return scale;
+}
+
+// The int32 dot products of 8 rows' codes and `kHeads` int16 queries, of head_dim values each
+// (a multiple of 8): sums[h][i].
+template <int kHeads>
+inline void int8_key_dots(const int8_t* const (&rows)[kTileRows], const int16_t* q, int64_t head_dim,
+                          int32_t (&sums)[kHeads][kTileRows]) {
+#if defined(__AVX2__)
+  __m256i acc[kHeads][kTileRows];
+  for (int h = 0; h < kHeads; ++h)
+    for (int64_t i = 0; i < kTileRows; ++i) acc[h][i] = _mm256_setzero_si256();
+  int64_t d = 0;
+  for (; d + 16 <= head_dim; d += 16) {
+    __m256i qd[kHeads];
+    for (int h = 0; h < kHeads; ++h) qd[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + h * head_dim + d));
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const __m256i key = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + d)));
+      for (int h = 0; h < kHeads; ++h) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        acc[h][i] = _mm256_dpwssd_epi32(acc[h][i], key, qd[h]);
+#else
+        acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(key, qd[h]));
+#endif
+      }
+    }
+  }
+  if (d < head_dim) {  // the last 8 values
+    for (int h = 0; h < kHeads; ++h) {
+      const __m128i qd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + h * head_dim + d));
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        const __m128i key = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[i] + d)));
+        acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_zextsi128_si256(_mm_madd_epi16(key, qd)));
+      }
+    }
+  }
+  for (int h = 0; h < kHeads; ++h) {
+    // The transposing sum of sum_lanes_of_8, on integers.
+    const __m256i pair01 = _mm256_hadd_epi32(acc[h][0], acc[h][1]), pair23 = _mm256_hadd_epi32(acc[h][2], acc[h][3]);
+    const __m256i pair45 = _mm256_hadd_epi32(acc[h][4], acc[h][5]), pair67 = _mm256_hadd_epi32(acc[h][6], acc[h][7]);
+    const __m256i quad0123 = _mm256_hadd_epi32(pair01, pair23), quad4567 = _mm256_hadd_epi32(pair45, pair67);
+    const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(quad0123, quad4567, 0x20),
+                                           _mm256_permute2x128_si256(quad0123, quad4567, 0x31));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[h]), total);
+  }
+#else
+  for (int h = 0; h < kHeads; ++h)
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      int32_t total = 0;
+      for (int64_t d = 0; d < head_dim; ++d) total += int32_t(q[h * head_dim + d]) * int32_t(rows[i][d]);
+      sums[h][i] = total;
+    }
+#endif
+}
+
+// score_tile for int8 keys: `q` the kHeads int16 query rows, `query_scales` theirs.
+template <int kHeads>
+inline void score_tile_int8(const int8_t* const (&rows)[kTileRows], const float (&row_factors)[kTileRows],
+                            const int16_t* q, const float* query_scales, int64_t head_dim, float* scores,
+                            int64_t scores_stride, int64_t valid) {
+  int32_t sums[kHeads][kTileRows];
+  int8_key_dots<kHeads>(rows, q, head_dim, sums);
+  for (int h = 0; h < kHeads; ++h) {
+    // A power of two times the factor is exact, so the products' order is immaterial.
+    float* s = scores + h * scores_stride;
+    if (valid == kTileRows) {
+      for (int64_t i = 0; i < kTileRows; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
+    } else {
+      for (int64_t i = 0; i < valid; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
+    }
+  }
+}
+
 // out[h] += sum over the block's `count` rows of p[h][r] * value row r, for `kHeads` heads
 // (`out` [kHeads, head_dim] float32, `p` the first head's probabilities at the block's start);
 // a quantized row's weight (kScaled, as score_tile) is p[h][r] * row_factors[r] (scale * kLaneFactor).
@@ -427,6 +527,17 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
                                        g * kHeadDim + j * L) *
                             scale);
 
+  // int8 keys: each token's query rows also as int16, with their scales (round_query_to_int16).
+  constexpr bool kIntegerKeys = std::is_same_v<C, int8_t>;
+  thread_local std::vector<int16_t> query16;
+  thread_local std::vector<float> query16_scales;
+  if constexpr (kIntegerKeys) {
+    grow(query16, task.num_tokens * heads_width);
+    grow(query16_scales, task.num_tokens * num_heads * group);
+    for (int64_t row = 0; row < task.num_tokens * num_heads * group; ++row)
+      query16_scales[row] = round_query_to_int16(query_data + row * kHeadDim, query16.data() + row * kHeadDim, kHeadDim);
+  }
+
   // An fp8 block's codes take more work to widen in registers than a bfloat16 row (float16's
   // conversion beside the shifts): with several tokens to read each row, the block is widened
   // once into bfloat16 (decode_to_bfloat16: the same lanes, so the same bits), which its tokens
@@ -464,16 +575,28 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   Gatherer<C> values = keys;
   values.cache = v_cache;
   values.scales = v_scale;
-  // With the whole context in one segment, the values' lines are asked for (to L2) while the
-  // scores are computed, so that their copy finds them near.
-  const bool one_segment = segment_blocks >= num_blocks;
+  // While a segment is computed on, the lines of the one to be copied next (the keys' next
+  // segment; after the last, the values' first) are asked for (to L2), spread over its blocks, so
+  // that memory streams while the core computes and the copy finds them near. Copying and then
+  // computing with memory idle meanwhile, a step's time was the sum of the two (int8 KV at 8k:
+  // ~3.4 ms of streaming and ~5 of arithmetic a layer at batch 32).
+  const auto rows_of_block = [&](int64_t b) { return std::min(block_size, max_len - b * block_size); };
+  const auto prefetch_share = [&](const Gatherer<C>& next, int64_t next_begin, int64_t next_end, int64_t i,
+                                  int64_t blocks) {
+    const int64_t count = next_end - next_begin;
+    for (int64_t nb = next_begin + i * count / blocks; nb < next_begin + (i + 1) * count / blocks; ++nb)
+      next.prefetch_block(nb, rows_of_block(nb));
+  };
 
   for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
     const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
     keys.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
+    const Gatherer<C>& upcoming = s1 < num_blocks ? keys : values;
+    const int64_t upcoming_begin = s1 < num_blocks ? s1 : 0;
+    const int64_t upcoming_end = std::min(num_blocks, upcoming_begin + segment_blocks);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      if (one_segment) values.prefetch_block(b, std::min(block_size, max_len - first));
+      prefetch_share(upcoming, upcoming_begin, upcoming_end, b - s0, s1 - s0);
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
@@ -490,9 +613,16 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
             }
             for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
               const int64_t row = h * group + g;
-              score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
-                  head_rows, row_factors, query_data + t * heads_width + row * kHeadDim,
-                  scores_data + t * token_scores + row * scores_stride + first + r0, scores_stride, valid);
+              float* tile_scores = scores_data + t * token_scores + row * scores_stride + first + r0;
+              if constexpr (kIntegerKeys) {
+                score_tile_int8<decltype(heads)::value>(head_rows, row_factors, query16.data() + t * heads_width + row * kHeadDim,
+                                                        query16_scales.data() + t * num_heads * group + row, kHeadDim,
+                                                        tile_scores, scores_stride, valid);
+              } else {
+                score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                    head_rows, row_factors, query_data + t * heads_width + row * kHeadDim, tile_scores, scores_stride,
+                    valid);
+              }
             });
           }
         }
@@ -504,8 +634,8 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     for (int64_t row = 0; row < num_heads * group; ++row)
       softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t, shape.window, shape.softcap);
 
-  // The core's next task's keys are asked for while this one's values are summed, spread over
-  // its blocks, so that its copy starts from L2 rather than from memory.
+  // The values' next segment is asked for as the keys' is; over the last, the core's next task's
+  // first keys, so that its copy starts from L2 rather than from memory.
   Gatherer<C> next_keys = keys;
   int64_t next_blocks = 0, next_len = 0;
   if (next != nullptr) {
@@ -523,8 +653,12 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     values.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      for (int64_t nb = b * next_blocks / num_blocks; nb < (b + 1) * next_blocks / num_blocks; ++nb)
-        next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
+      if (s1 < num_blocks) {
+        prefetch_share(values, s1, std::min(num_blocks, s1 + segment_blocks), b - s0, s1 - s0);
+      } else {
+        for (int64_t nb = (b - s0) * next_blocks / (s1 - s0); nb < (b - s0 + 1) * next_blocks / (s1 - s0); ++nb)
+          next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
+      }
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
@@ -563,15 +697,34 @@ void attend_token_scalar(const T* q, const C* k_cache, const C* v_cache, const f
   std::vector<float> query(shape.num_q_heads * head_dim);
   load_row(q, query.data(), query.size());
   for (float& x : query) x *= scale;
-  for (int64_t pos = 0; pos < len; ++pos) {
-    load_position(k_cache, k_scale, pos);
-    for (int64_t h = 0; h < shape.num_q_heads; ++h) {
-      const float* qh = query.data() + h * head_dim;
-      const float* kh = row.data() + (h / group) * head_dim;
-      float dot = 0.f;
+  if constexpr (std::is_same_v<C, int8_t>) {  // scored as the vectorised kernels score int8 keys
+    std::vector<int16_t> query16(query.size());
+    std::vector<float> query_scales(shape.num_q_heads);
+    for (int64_t h = 0; h < shape.num_q_heads; ++h)
+      query_scales[h] = round_query_to_int16(query.data() + h * head_dim, query16.data() + h * head_dim, head_dim);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const int64_t block = table[pos / block_size], slot = pos % block_size;
+      const int8_t* src = k_cache + block * block_stride + slot * row_width;
+      const float* row_scales = k_scale + block * shape.scale_block_stride + slot * shape.num_kv_heads;
+      for (int64_t h = 0; h < shape.num_q_heads; ++h) {
+        const int16_t* qh = query16.data() + h * head_dim;
+        const int8_t* kh = src + (h / group) * head_dim;
+        int32_t dot = 0;
+        for (int64_t d = 0; d < head_dim; ++d) dot += int32_t(qh[d]) * int32_t(kh[d]);
+        scores[h * len + pos] = static_cast<float>(dot) * query_scales[h] * row_scales[h / group];
+      }
+    }
+  } else {
+    for (int64_t pos = 0; pos < len; ++pos) {
+      load_position(k_cache, k_scale, pos);
+      for (int64_t h = 0; h < shape.num_q_heads; ++h) {
+        const float* qh = query.data() + h * head_dim;
+        const float* kh = row.data() + (h / group) * head_dim;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-      scores[h * len + pos] = dot;
+        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+        scores[h * len + pos] = dot;
+      }
     }
   }
   for (int64_t h = 0; h < shape.num_q_heads; ++h) softmax(scores + h * len, len, shape.window, shape.softcap);

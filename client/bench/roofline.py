@@ -23,6 +23,12 @@ over the rounds.
 
     python -m client.bench.roofline --model .models/random-llama3-1b --batch 1 --context 256 \
         --dtype bfloat16 --quantization none,int4,int8,int4+a8,int8+a8 --rounds 9 --batch-invariant false
+
+Several KV dtypes (`--kv-cache-dtype auto,int8,fp8_e4m3`, one quantization) are compared the
+same way: the KV-cache quantization's long-context step against the model's own dtype.
+
+    python -m client.bench.roofline --dtype bfloat16 --kv-cache-dtype auto,int8,fp8_e4m3 --batch 32 \
+        --context 8192 --rounds 5 --seconds 1
 """
 
 from __future__ import annotations
@@ -130,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the interleaved comparison")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    if "," in args.quantization:
+    if "," in args.quantization or "," in args.kv_cache_dtype:
         return compare(args, argv)
 
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
-    engine = LLMEngine(engine_config(args, args.quantization, max(batches), max(contexts)))
+    engine = LLMEngine(engine_config(args, args.quantization, args.kv_cache_dtype, max(batches), max(contexts)))
     bandwidth = copy_bandwidth_gbps(engine.device)
     rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
 
@@ -171,7 +177,7 @@ def report_head(benchmark: str, args, argv: list[str] | None, engine: LLMEngine)
             "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
-def engine_config(args, quantization: str, batch: int, context: int) -> EngineConfig:
+def engine_config(args, quantization: str, kv_cache_dtype: str, batch: int, context: int) -> EngineConfig:
     """`quantization`: the engine's quantization, with "+a8" for int8 activations (int4+a8)."""
     bs = args.block_size
     weights, _, activations = quantization.partition("+")
@@ -181,31 +187,38 @@ def engine_config(args, quantization: str, batch: int, context: int) -> EngineCo
                         max_num_seqs=batch, max_model_len=context, num_kv_blocks=batch * -(-context // bs) + 1,
                         quantization=weights, quantization_group_size=args.group_size,
                         activation_quantization="int8" if activations else "none",
-                        kv_cache_dtype=args.kv_cache_dtype,
+                        kv_cache_dtype=kv_cache_dtype,
                         batch_invariant={"auto": None, "true": True, "false": False}[args.batch_invariant])
 
 
 def compare(args, argv: list[str] | None) -> int:
-    """The interleaved comparison of several quantizations (the module docstring)."""
-    names = args.quantization.split(",")
+    """The interleaved comparison of several quantizations or of several KV dtypes (the module
+    docstring)."""
+    by_kv = "," in args.kv_cache_dtype
+    if by_kv and "," in args.quantization:
+        raise SystemExit("roofline: compare several quantizations or several KV dtypes, not both at once")
+    names = (args.kv_cache_dtype if by_kv else args.quantization).split(",")
     if "," in args.batch or "," in args.context:
-        raise SystemExit("roofline: several quantizations take one --batch and one --context")
+        raise SystemExit("roofline: several quantizations or KV dtypes take one --batch and one --context")
     batch, context = int(args.batch), int(args.context)
-    engines = {name: LLMEngine(engine_config(args, name, batch, context)) for name in names}
+    engines = {name: LLMEngine(engine_config(args, args.quantization if by_kv else name,
+                                             name if by_kv else args.kv_cache_dtype, batch, context))
+               for name in names}
     result = interleaved(engines, batch, context, args.seconds, args.rounds)
     first = names[0]
-    print(f"Q1 interleaved: {os.path.basename(os.path.normpath(args.model))} batch {batch} context {context}, "
-          f"{args.rounds} rounds (medians)")
+    print(f"{'KV dtypes' if by_kv else 'Q1'} interleaved: {os.path.basename(os.path.normpath(args.model))} "
+          f"batch {batch} context {context}, {args.rounds} rounds (medians)")
     for name in names:
         print(f"{name:>6}: step {result['median']['step_ms'][name]:8.2f} ms, "
               f"{result['median']['fraction_of_roofline'][name]:6.1%} of its roofline, "
               f"{result['median']['speedup_over_' + first][name]:5.2f}x {first}")
     engine = engines[first]
     report = {
-        **report_head("Q1 quantized decode step, interleaved", args, argv, engine),
-        "quantizations": names,
+        **report_head("decode step by KV dtype, interleaved" if by_kv else "Q1 quantized decode step, interleaved",
+                      args, argv, engine),
+        "quantizations": [args.quantization] if by_kv else names,
         "group_size": args.group_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtypes": names if by_kv else [args.kv_cache_dtype],
         "batch_invariant": engine.runner.batch_invariant,
         "seconds_per_window": args.seconds,
         **result,

@@ -217,3 +217,15 @@ def test_the_benchmarks_take_the_kv_dtype(tiny_checkpoint, tmp_path):
     engine = make_engine(tiny_checkpoint, num_kv_blocks=8)
     assert report["kv_cache_dtype"] == "int8"
     assert report["results"][0]["kv_bytes"] == 2 * 40 * kv_block_bytes(engine.arch, 1, None, "int8")
+    # Several KV dtypes: loaded side by side and timed in turn, round by round.
+    path = tmp_path / "interleaved.json"
+    assert roofline.main(["--model", tiny_checkpoint, "--device", "cpu", "--batch", "2", "--context", "40",
+                          "--kv-cache-dtype", "auto,int8", "--rounds", "2", "--seconds", "0.01",
+                          "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["kv_cache_dtypes"] == ["auto", "int8"] and len(report["rounds"]) == 2
+    weights = report["bytes_read"]["auto"] - 2 * 40 * kv_block_bytes(engine.arch, 1, torch.float32, "auto")
+    assert report["bytes_read"]["int8"] == weights + 2 * 40 * kv_block_bytes(engine.arch, 1, None, "int8")
+    assert set(report["median"]["step_ms"]) == {"auto", "int8"} and report["median"]["speedup_over_auto"]["auto"] == 1
+    with pytest.raises(SystemExit, match="not both"):
+        roofline.main(["--model", tiny_checkpoint, "--quantization", "none,int8", "--kv-cache-dtype", "auto,int8"])

@@ -34,7 +34,11 @@ from backend.paths import DEFAULT_CHECKPOINT
 # (class, pattern on "dso symbol"), the first that matches wins. The C++ kernels' symbols are
 # in the module's own DSO (inflight_cpu_kernels*.so); torch's (libtorch_cpu.so) are named.
 CLASSES = (
-    ("gemm", r"panel_gemm|gemm_amx|\bgemm<|Avx2F32|Avx512F32|Avx512Bf16|mkl_blas|sgemm|dnnl|brgemm|cpublas"),
+    # The quantized GEMMs' tiles and items (gemm_quant.cpp, gemm_int8_dots.cpp) are named as such:
+    # their names do not say gemm.
+    ("gemm", r"panel_gemm|gemm_amx|\bgemm<|Avx2F32|Avx512F32|Avx512Bf16|mkl_blas|sgemm|dnnl|brgemm|cpublas|"
+             r"bf16_dot_|vector_item|direct_(tile|rows)|buffered_tile|scalar_item|gemm_bf16|dequantize_pairs|"
+             r"int8_dot_gemm|vnni_tile|avx2_tile|run_tile|tiles_gemm"),
     ("attention", r"paged_attention|attention|attend_|sdpa|flash_attention"),
     ("sampler", r"(?i)keep_nucleus|cumsum|sampling|topk|top_k|argmax|multinomial|softmax|exponential|sort|gumbel"),
     ("elementwise", r"rms_norm|silu|rotary|layer_ops|activation|elementwise|vectorized_loop|cpu_kernel_vec|"

@@ -542,7 +542,9 @@ def test_step_profile_puts_each_function_in_its_class():
 
     report = """
 # Samples: 10K of event 'cpu-clock'
-    40.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::gemm<(anonymous namespace)::Avx2F32>(at::Tensor const&)
+    30.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::gemm<(anonymous namespace)::Avx2F32>(at::Tensor const&)
+     6.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::bf16_dot_item<8, false>
+     4.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::vector_item<(anonymous namespace)::Avx512, 8, false>
     12.00%  inflight_cpu_kernels.so      [.] paged_attention_kernel<8>
      8.00%  inflight_cpu_kernels.so      [.] (anonymous namespace)::attend_task_vectorised<float, 8, 8>
      9.00%  inflight_cpu_kernels.so      [.] rms_norm
@@ -555,7 +557,7 @@ def test_step_profile_puts_each_function_in_its_class():
      3.00%  libfoo.so                    [.] something_else
 """
     rows = step_profile.parse_report(report)
-    assert len(rows) == 11 and rows[0][0] == 40.0
+    assert len(rows) == 13 and rows[0][0] == 30.0
     classes, top = step_profile.shares(rows)
     assert classes == {"gemm": 0.4, "attention": 0.2, "sampler": 0.11, "elementwise": 0.09, "python": 0.08,
                        "openmp_wait": 0.04, "memory": 0.03, "other": 0.03, "linux_kernel": 0.02}

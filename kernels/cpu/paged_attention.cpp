@@ -358,7 +358,7 @@ inline void score_tile_int8(const int8_t* const (&rows)[kTileRows], const float 
   for (int h = 0; h < kHeads; ++h) {
     // A power of two times the factor is exact, so the products' order is immaterial.
     float* s = scores + h * scores_stride;
-    if (valid == kTileRows) {
+    if (valid == kTileRows) {  // a fixed count: one vector (a count of `valid` was a rep movs)
       for (int64_t i = 0; i < kTileRows; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
     } else {
       for (int64_t i = 0; i < valid; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
@@ -580,12 +580,13 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   // that memory streams while the core computes and the copy finds them near. Copying and then
   // computing with memory idle meanwhile, a step's time was the sum of the two (int8 KV at 8k:
   // ~3.4 ms of streaming and ~5 of arithmetic a layer at batch 32).
-  const auto rows_of_block = [&](int64_t b) { return std::min(block_size, max_len - b * block_size); };
-  const auto prefetch_share = [&](const Gatherer<C>& next, int64_t next_begin, int64_t next_end, int64_t i,
-                                  int64_t blocks) {
+  // Block i of `blocks` asks for its share of `next`'s blocks [next_begin, next_end), of a
+  // context `len` positions long.
+  const auto prefetch_share = [&](const Gatherer<C>& next, int64_t len, int64_t next_begin, int64_t next_end,
+                                  int64_t i, int64_t blocks) {
     const int64_t count = next_end - next_begin;
     for (int64_t nb = next_begin + i * count / blocks; nb < next_begin + (i + 1) * count / blocks; ++nb)
-      next.prefetch_block(nb, rows_of_block(nb));
+      next.prefetch_block(nb, std::min(block_size, len - nb * block_size));
   };
 
   for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
@@ -596,7 +597,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     const int64_t upcoming_end = std::min(num_blocks, upcoming_begin + segment_blocks);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      prefetch_share(upcoming, upcoming_begin, upcoming_end, b - s0, s1 - s0);
+      prefetch_share(upcoming, max_len, upcoming_begin, upcoming_end, b - s0, s1 - s0);
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
@@ -653,12 +654,10 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     values.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      if (s1 < num_blocks) {
-        prefetch_share(values, s1, std::min(num_blocks, s1 + segment_blocks), b - s0, s1 - s0);
-      } else {
-        for (int64_t nb = (b - s0) * next_blocks / (s1 - s0); nb < (b - s0 + 1) * next_blocks / (s1 - s0); ++nb)
-          next_keys.prefetch_block(nb, std::min(block_size, next_len - nb * block_size));
-      }
+      if (s1 < num_blocks)
+        prefetch_share(values, max_len, s1, std::min(num_blocks, s1 + segment_blocks), b - s0, s1 - s0);
+      else
+        prefetch_share(next_keys, next_len, 0, next_blocks, b - s0, s1 - s0);
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;

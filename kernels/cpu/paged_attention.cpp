@@ -353,15 +353,22 @@ template <int kHeads>
 inline void score_tile_int8(const int8_t* const (&rows)[kTileRows], const float (&row_factors)[kTileRows],
                             const int16_t* q, const float* query_scales, int64_t head_dim, float* scores,
                             int64_t scores_stride, int64_t valid) {
+  typedef int32_t vint __attribute__((vector_size(kTileRows * sizeof(int32_t))));
+  static_assert(sizeof(vint) == sizeof(vfloat), "a tile's sums convert lane for lane");
   int32_t sums[kHeads][kTileRows];
   int8_key_dots<kHeads>(rows, q, head_dim, sums);
+  const vfloat factors = load_vector<8>(row_factors);
   for (int h = 0; h < kHeads; ++h) {
-    // A power of two times the factor is exact, so the products' order is immaterial.
+    // A power of two times the factor is exact, so the products' order is immaterial. One
+    // vector conversion, not 8 scalar ones (g++ 12 left the loop over lanes scalar).
+    vint sum;
+    std::memcpy(&sum, sums[h], sizeof(sum));
+    const vfloat tile = __builtin_convertvector(sum, vfloat) * query_scales[h] * factors;
     float* s = scores + h * scores_stride;
     if (valid == kTileRows) {  // a fixed count: one vector (a count of `valid` was a rep movs)
-      for (int64_t i = 0; i < kTileRows; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
+      store_vector<8>(s, tile);
     } else {
-      for (int64_t i = 0; i < valid; ++i) s[i] = static_cast<float>(sums[h][i]) * query_scales[h] * row_factors[i];
+      for (int64_t i = 0; i < valid; ++i) s[i] = tile[i];
     }
   }
 }

@@ -22,7 +22,7 @@ from backend.models.llama import AttentionMetadata, LoRABatch, ModelArch, StepIn
 from backend.request import Request
 from backend.scheduler import SchedulerOutput
 from kernels import cpu_ext
-from kernels.kv_store import KV_QUANT_DTYPES, QuantizedKV, kv_storage
+from kernels.kv_store import KV_QUANT_DTYPES, QuantizedKV, kv_storage, pool_zeros
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,8 +81,7 @@ def make_kv_cache(num_blocks: int, block_size: int, arch: ModelArch, dtype: torc
             raise ValueError(f"invalid engine parameter: kv_cache_dtype={kv_cache_dtype} needs a head size that is a "
                              f"multiple of 4 (the model's: {arch.head_dim})")
         return QuantizedKV.zeros(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, kind, device, pin_memory)
-    return torch.zeros((num_blocks, block_size, arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device,
-                       pin_memory=pin_memory)
+    return pool_zeros((num_blocks, block_size, arch.num_kv_heads, arch.head_dim), dtype, device, pin_memory)
 
 
 @dataclass

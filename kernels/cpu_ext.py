@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # .build/ at the repository root (git-ignored). kernels/ imports nothing of the project, so
 # it finds the root from its own place rather than from backend.paths.
 BUILD_DIR = os.path.join(os.path.dirname(HERE), ".build", "cpu_kernels")
-SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp", "gemm_quant.cpp", "gemm_int8_dots.cpp", "decoder_layer.cpp", "threads.cpp", "sampling.cpp")]
+SOURCES = [os.path.join(HERE, "cpu", name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "activation.cpp", "gemm.cpp", "gemm_quant.cpp", "gemm_int8_dots.cpp", "decoder_layer.cpp", "threads.cpp", "sampling.cpp", "huge_pages.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-funsafe-math-optimizations", "-ffinite-math-only"]
 
 

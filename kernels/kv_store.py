@@ -19,7 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cpu_ext
 from .triton_utils import launch, next_power_of_2
+
+
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               pin_memory: bool = False) -> torch.Tensor:
+    """A zeroed KV pool tensor. On the CPU it lies on transparent huge pages (huge_pages.cpp: the
+    kernels read its blocks in no order, and on 4 KiB pages they wait on page walks); pinned
+    memory is CUDA's allocation, and without the C++ kernels it is torch's."""
+    module = cpu_ext.load() if torch.device(device).type == "cpu" and not pin_memory else None
+    if module is None:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    return module.huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -73,8 +85,8 @@ class QuantizedKV:
     def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kind: KVQuantDtype,
               device: torch.device | str = "cpu", pin_memory: bool = False) -> QuantizedKV:
         assert head_dim % 4 == 0, "the scales start at a 4-byte boundary"
-        blocks = torch.zeros(num_blocks, cls.block_bytes(block_size, num_kv_heads, head_dim), dtype=torch.uint8,
-                             device=device, pin_memory=pin_memory)
+        blocks = pool_zeros((num_blocks, cls.block_bytes(block_size, num_kv_heads, head_dim)), torch.uint8, device,
+                            pin_memory)
         return cls.of(blocks, block_size, num_kv_heads, head_dim, kind)
 
     @classmethod

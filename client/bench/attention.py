@@ -49,7 +49,7 @@ from backend.model_runner import resolve_device, resolve_dtype
 from client.bench.flops import WARMUP_CALLS, copy_bandwidth_gbps, seconds_per_call
 from client.bench.records import git_commit, machine, write_report
 from kernels import QuantizedKV, cpu_ext
-from kernels.kv_store import KV_QUANT_DTYPES, quantize_kv_rows
+from kernels.kv_store import KV_QUANT_DTYPES, pool_zeros, quantize_kv_rows
 from kernels.testing import PagedBatch, make_paged_batch
 
 IMPLEMENTATIONS = ("engine", "reference", "sdpa")
@@ -89,22 +89,24 @@ def engine_kernel_name(device: torch.device, batch_invariant: bool) -> str:
 
 
 def on_device(batch: PagedBatch, device: torch.device, kv_cache_dtype: str = "auto") -> PagedBatch:
-    """The batch on `device`, its caches quantized as the engine stores them where
+    """The batch on `device`, its caches in memory allocated as the engine allocates its pool
+    (`pool_zeros`: on the CPU, huge pages) and quantized as the engine stores them where
     `kv_cache_dtype` is not auto."""
-    moved = PagedBatch(*(t.to(device) for t in batch.args()[:6]), batch.scale)
     if kv_cache_dtype == "auto":
-        return moved
-    kind = KV_QUANT_DTYPES[kv_cache_dtype]
+        def stored(cache: torch.Tensor) -> torch.Tensor:
+            return pool_zeros(tuple(cache.shape), cache.dtype, device).copy_(cache)
+    else:
+        kind = KV_QUANT_DTYPES[kv_cache_dtype]
 
-    def quantized(cache: torch.Tensor) -> QuantizedKV:
-        out = QuantizedKV.zeros(*cache.shape, kind, device=device)
-        codes, scales = quantize_kv_rows(cache.float(), kind)
-        out.data.copy_(codes)
-        out.scale.copy_(scales)
-        return out
+        def stored(cache: torch.Tensor) -> QuantizedKV:
+            out = QuantizedKV.zeros(*cache.shape, kind, device=device)
+            codes, scales = quantize_kv_rows(cache.to(device).float(), kind)
+            out.data.copy_(codes)
+            out.scale.copy_(scales)
+            return out
 
-    return PagedBatch(moved.query, quantized(moved.k_cache), quantized(moved.v_cache), *moved.args()[3:6],
-                      batch.scale)
+    return PagedBatch(batch.query.to(device), stored(batch.k_cache), stored(batch.v_cache),
+                      *(t.to(device) for t in batch.args()[3:6]), batch.scale)
 
 
 def kv_row_bytes(cache: torch.Tensor | QuantizedKV) -> int:

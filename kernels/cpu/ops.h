@@ -22,6 +22,9 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
 
 int64_t attention_lanes();
 
+// huge_pages.cpp: `bytes` zeroed bytes (uint8) on transparent huge pages, for the KV pool.
+at::Tensor huge_page_zeros(int64_t bytes);
+
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

@@ -134,6 +134,15 @@ def test_auto_keeps_the_model_dtype(tiny_checkpoint):
     assert engine.runner.kv_caches[0][0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("kind", ["auto", *KINDS])
+def test_the_cpu_pool_lies_on_huge_pages(tiny_checkpoint, kind):
+    """Every layer's pools come from kernels.kv_store.pool_zeros (tests/kernels/test_kv_pool_memory.py)."""
+    engine = make_engine(tiny_checkpoint, kv_cache_memory_mb=8, kv_cache_dtype=kind)
+    for pools in engine.runner.kv_blocks:
+        for blocks in pools:
+            assert blocks.data_ptr() % (2 << 20) == 0
+
+
 @pytest.mark.parametrize("value", ["fp8_e4m3fn", "e4m3", "int4", "INT8", "FP8", "fp16", ""])
 def test_other_kv_cache_dtypes_are_refused_by_name(value):
     with pytest.raises(ValueError, match=r"kv_cache_dtype=.*expected one of "

@@ -203,6 +203,28 @@ inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
   for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inverse;
 }
 
+// softmax's first half over one part of a token's positions (a context split in parts, attend's
+// kPartPositions): the part's `len` scores become exp(s - peak), those before `skip` (outside the
+// sliding window) 0. Returns {peak, total}, total 0 when the window leaves none of the part.
+inline std::pair<float, float> part_softmax(float* s, int64_t len, int64_t skip, float softcap) {
+  skip = std::min(skip, len);
+  std::fill(s, s + skip, 0.f);
+  s += skip;
+  len -= skip;
+  if (len == 0) return {0.f, 0.f};
+  if (softcap > 0.f)
+    for (int64_t pos = 0; pos < len; ++pos) s[pos] = std::tanh(s[pos] / softcap) * softcap;
+  float peak = s[0];
+  for (int64_t pos = 1; pos < len; ++pos) peak = std::max(peak, s[pos]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t pos = 0; pos < len; ++pos) {
+    s[pos] = std::exp(s[pos] - peak);
+    total += s[pos];
+  }
+  return {peak, total};
+}
+
 struct Shape {
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
   // From one block to the next, in cache elements and in scales (quantized caches: a block's
@@ -414,9 +436,13 @@ inline void for_head_passes(int64_t group, Body&& body) {
 
 // A task's share of the work: `num_tokens` consecutive query tokens of one sequence (a decode is
 // a run of one), over KV heads [head_begin, head_end). `first_len` is the first token's context
-// length; token i of the run sees first_len + i keys.
+// length; token i of the run sees first_len + i keys. part_end > 0: the tokens' contexts are
+// split (attend's kPartPositions), and the task computes their part [part_begin, part_end)
+// unnormalised, with each row's softmax peak and total, for attend to merge.
 struct Task {
   int64_t seq, first_token, num_tokens, first_len, head_begin, head_end;
+  int64_t part_begin = 0, part_end = 0;
+  int64_t slot = -1;  // a part's: its first token's row in attend's part results
 };
 
 // The task's context, copied out of the paged cache into a buffer of its own (rows of its KV heads,
@@ -494,7 +520,8 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 
 // One task, head_dim = kVectors * L (vectors of L floats). `q` points at the first token's row
 // of queries [num_q_heads, head_dim]; `out` receives each token's query heads of the task's KV
-// heads as float32, [num_tokens][heads_in_task * group][head_dim]. Every token is computed as if
+// heads as float32, [num_tokens][heads_in_task * group][head_dim]; a part of a split context's
+// (Task::part_end) unnormalised, with `stats` [num_tokens][heads_in_task * group] {peak, total}. Every token is computed as if
 // alone: its scores, softmax and value sums run in the order its context length sets, whatever
 // tokens and heads share the task.
 // C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale,
@@ -502,7 +529,7 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 template <typename T, typename C, int L, int kVectors>
 void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
                             const float* v_scale, const int32_t* table, const Task& task, const Task* next,
-                            const int32_t* next_table, float* out, const Shape& shape, float scale,
+                            const int32_t* next_table, float* out, float* stats, const Shape& shape, float scale,
                             std::vector<float>& query, std::vector<float>& scores, std::vector<C>& local,
                             std::vector<float>& local_scales) {
   constexpr int64_t kHeadDim = kVectors * L;
@@ -511,8 +538,12 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   const int64_t num_heads = task.head_end - task.head_begin, heads_width = num_heads * group * kHeadDim;
   const int64_t width = num_heads * kHeadDim;  // one row of the local copy
   const int64_t max_len = task.first_len + task.num_tokens - 1;
-  const int64_t num_blocks = (max_len + block_size - 1) / block_size;
-  const int64_t scores_stride = (max_len + kTileRows - 1) / kTileRows * kTileRows;
+  const bool split = task.part_end > 0;
+  // The positions the task reads, [part_begin, context_end), and their blocks [begin_block, end_block).
+  const int64_t context_end = split ? std::min(task.part_end, max_len) : max_len;
+  const int64_t begin_block = task.part_begin / block_size;
+  const int64_t end_block = (context_end + block_size - 1) / block_size, num_blocks = end_block - begin_block;
+  const int64_t scores_stride = (context_end - task.part_begin + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t segment_blocks =
       std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(C))));
   const int64_t segment_rows = std::min(segment_blocks, num_blocks) * block_size;
@@ -560,7 +591,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     const int64_t first = b * block_size;
     const auto each_token = [&](const auto* rows) {
       for (int64_t t = 0; t < task.num_tokens; ++t) {
-        const int64_t len = task.first_len + t;
+        const int64_t len = std::min(task.first_len + t, context_end);
         if (first < len) body(rows, t, std::min(block_size, len - first));
       }
     };
@@ -568,7 +599,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     if constexpr (kWidensFp8) {
       if (task.num_tokens > 1) {
         inflight_cpu::decode_to_bfloat16<L>(block_rows, reinterpret_cast<uint16_t*>(widened.data()),
-                                            std::min(block_size, max_len - first) * width);
+                                            std::min(block_size, context_end - first) * width);
         each_token(static_cast<const c10::BFloat16*>(widened.data()));
         return;
       }
@@ -596,15 +627,15 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       next.prefetch_block(nb, std::min(block_size, len - nb * block_size));
   };
 
-  for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
-    const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
-    keys.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
-    const Gatherer<C>& upcoming = s1 < num_blocks ? keys : values;
-    const int64_t upcoming_begin = s1 < num_blocks ? s1 : 0;
-    const int64_t upcoming_end = std::min(num_blocks, upcoming_begin + segment_blocks);
+  for (int64_t s0 = begin_block; s0 < end_block; s0 += segment_blocks) {
+    const int64_t s1 = std::min(end_block, s0 + segment_blocks);
+    keys.gather(s0, std::min(s1 * block_size, context_end), s1 < end_block ? s1 : -1, block_size);
+    const Gatherer<C>& upcoming = s1 < end_block ? keys : values;
+    const int64_t upcoming_begin = s1 < end_block ? s1 : begin_block;
+    const int64_t upcoming_end = std::min(end_block, upcoming_begin + segment_blocks);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      prefetch_share(upcoming, max_len, upcoming_begin, upcoming_end, b - s0, s1 - s0);
+      prefetch_share(upcoming, context_end, upcoming_begin, upcoming_end, b - s0, s1 - s0);
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
@@ -621,7 +652,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
             }
             for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
               const int64_t row = h * group + g;
-              float* tile_scores = scores_data + t * token_scores + row * scores_stride + first + r0;
+              float* tile_scores = scores_data + t * token_scores + row * scores_stride + (first - task.part_begin) + r0;
               if constexpr (kIntegerKeys) {
                 score_tile_int8<decltype(heads)::value>(head_rows, row_factors, query16.data() + t * heads_width + row * kHeadDim,
                                                         query16_scales.data() + t * num_heads * group + row, kHeadDim,
@@ -639,32 +670,44 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   }
 
   for (int64_t t = 0; t < task.num_tokens; ++t)
-    for (int64_t row = 0; row < num_heads * group; ++row)
-      softmax(scores_data + t * token_scores + row * scores_stride, task.first_len + t, shape.window, shape.softcap);
+    for (int64_t row = 0; row < num_heads * group; ++row) {
+      float* token_row = scores_data + t * token_scores + row * scores_stride;
+      const int64_t len = task.first_len + t;
+      if (!split) {
+        softmax(token_row, len, shape.window, shape.softcap);
+        continue;
+      }
+      const int64_t skip = shape.window > 0 ? std::max<int64_t>(0, len - shape.window - task.part_begin) : 0;
+      const auto [peak, total] = part_softmax(token_row, std::min(len, context_end) - task.part_begin, skip, shape.softcap);
+      stats[(t * num_heads * group + row) * 2] = peak;
+      stats[(t * num_heads * group + row) * 2 + 1] = total;
+    }
 
   // The values' next segment is asked for as the keys' is; over the last, the core's next task's
   // first keys, so that its copy starts from L2 rather than from memory.
   Gatherer<C> next_keys = keys;
-  int64_t next_blocks = 0, next_len = 0;
+  int64_t next_begin = 0, next_end = 0, next_len = 0;
   if (next != nullptr) {
     next_keys.table = next_table;
     next_keys.column = next->head_begin * kHeadDim;
     next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
     next_len = next->first_len + next->num_tokens - 1;
-    next_blocks = std::min((next_len + block_size - 1) / block_size,
-                           std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(C)))));
+    if (next->part_end > 0) next_len = std::min(next_len, next->part_end);
+    next_begin = next->part_begin / block_size;
+    next_end = std::min((next_len + block_size - 1) / block_size,
+                        next_begin + std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(C)))));
   }
 
   std::fill(out, out + task.num_tokens * heads_width, 0.f);
-  for (int64_t s0 = 0; s0 < num_blocks; s0 += segment_blocks) {
-    const int64_t s1 = std::min(num_blocks, s0 + segment_blocks);
-    values.gather(s0, std::min(s1 * block_size, max_len), s1 < num_blocks ? s1 : -1, block_size);
+  for (int64_t s0 = begin_block; s0 < end_block; s0 += segment_blocks) {
+    const int64_t s1 = std::min(end_block, s0 + segment_blocks);
+    values.gather(s0, std::min(s1 * block_size, context_end), s1 < end_block ? s1 : -1, block_size);
     for (int64_t b = s0; b < s1; ++b) {
       const int64_t first = b * block_size;
-      if (s1 < num_blocks)
-        prefetch_share(values, max_len, s1, std::min(num_blocks, s1 + segment_blocks), b - s0, s1 - s0);
+      if (s1 < end_block)
+        prefetch_share(values, context_end, s1, std::min(end_block, s1 + segment_blocks), b - s0, s1 - s0);
       else
-        prefetch_share(next_keys, next_len, 0, next_blocks, b - s0, s1 - s0);
+        prefetch_share(next_keys, next_len, next_begin, next_end, b - s0, s1 - s0);
       const float* block_scales = local_scales_data + (b - s0) * block_size;
       for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
         using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
@@ -673,7 +716,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
             const int64_t row = h * group + g;
             accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
                 block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count,
-                scores_data + t * token_scores + row * scores_stride + first, scores_stride,
+                scores_data + t * token_scores + row * scores_stride + (first - task.part_begin), scores_stride,
                 out + t * heads_width + row * kHeadDim);
           });
         }
@@ -762,6 +805,13 @@ void store_row(const float* src, T* dst, int64_t n) {
 constexpr int64_t kRunTokens = 16;
 // A run's scores stay under this many bytes (runs are shorter at long contexts).
 constexpr int64_t kRunScoresBytes = 1 << 20;
+// A token that sees more positions than this has its context split in parts of this many, each
+// a task of its own, merged in order (each part's softmax peak and total) once all are done: a
+// few long sequences then keep every core busy (one sequence's three KV heads over two cores left
+// one idle a third of the time). Whether and where a context is split depends on its length
+// alone, never on the batch, so a token gets the same bits in any batch and as part of a chunk.
+// A multiple of every block size.
+constexpr int64_t kPartPositions = 2048;
 
 template <typename T, typename C>
 void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
@@ -775,29 +825,54 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
   // The kernel for head_dim = VECTORS * LANES, over every task.
   const auto run_vectorised = [&](auto kernel) {
     std::vector<Task> tasks;
+    // Tokens whose context is split: their first part's slot, and their part count (the other
+    // parts' slots follow, a run's tokens apart).
+    struct SplitToken {
+      int64_t token, slot, parts, slot_stride;
+    };
+    std::vector<SplitToken> split_tokens;
+    int64_t slots = 0;
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t first = cu_seqlens_q[seq], count = cu_seqlens_q[seq + 1] - first;
       const int64_t first_len = seq_lens[seq] - count + 1;
       const int64_t run = std::clamp<int64_t>(
           kRunScoresBytes / (int64_t(sizeof(float)) * shape.num_q_heads * std::max<int64_t>(seq_lens[seq], 1)), 1,
           kRunTokens);
-      for (int64_t i = 0; i < count; i += run)
-        tasks.push_back({seq, first + i, std::min(run, count - i), first_len + i, 0, shape.num_kv_heads});
+      for (int64_t i = 0; i < count;) {
+        // A run's tokens all have the same number of parts.
+        const int64_t len = first_len + i, parts = (len + kPartPositions - 1) / kPartPositions;
+        const int64_t n = std::min({run, count - i, parts * kPartPositions - len + 1});
+        if (parts == 1) {
+          tasks.push_back({seq, first + i, n, len, 0, shape.num_kv_heads});
+        } else {
+          for (int64_t t = 0; t < n; ++t) split_tokens.push_back({first + i + t, slots + t, parts, n});
+          for (int64_t j = 0; j < parts; ++j)
+            tasks.push_back({seq, first + i, n, len, 0, shape.num_kv_heads, j * kPartPositions,
+                             (j + 1) * kPartPositions, slots + j * n});
+          slots += parts * n;
+        }
+        i += n;
+      }
     }
     if (int64_t(tasks.size()) < 2 * threads && shape.num_kv_heads > 1) {
       std::vector<Task> split;
       for (const Task& task : tasks)
-        for (int64_t h = 0; h < shape.num_kv_heads; ++h) split.push_back({task.seq, task.first_token, task.num_tokens,
-                                                                           task.first_len, h, h + 1});
+        for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+          split.push_back(task);
+          split.back().head_begin = h;
+          split.back().head_end = h + 1;
+        }
       tasks.swap(split);
     }
+    // The parts' results: [slot][num_q_heads][head_dim] unnormalised, [slot][num_q_heads] {peak, total}.
+    std::vector<float> part_out(slots * token_width), part_stats(slots * shape.num_q_heads * 2);
     const int64_t num_tasks = tasks.size();
     std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
     {
       // Kept from call to call (a step calls once per layer): freed and allocated again, they
       // would take fresh pages from the kernel, page faults and all, every time.
-      thread_local std::vector<float> query, scores, result;
+      thread_local std::vector<float> query, scores, result, stats;
       thread_local std::vector<C> local;
       thread_local std::vector<float> local_scales;
       // Tasks are taken as cores come free, each core claiming its next task before it starts
@@ -808,15 +883,61 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
         const Task& task = tasks[mine];
         const Task* next = following < num_tasks ? &tasks[following] : nullptr;
         const int64_t heads_width = (task.head_end - task.head_begin) * group * shape.head_dim;
+        const int64_t rows = (task.head_end - task.head_begin) * group;
         grow(result, task.num_tokens * heads_width);
+        grow(stats, task.num_tokens * rows * 2);
         kernel(q + task.first_token * token_width, k_cache, v_cache, k_scale, v_scale, table(task.seq), task, next,
-               next != nullptr ? table(next->seq) : nullptr, result.data(), shape, scale, query, scores, local,
-               local_scales);
-        for (int64_t t = 0; t < task.num_tokens; ++t)
-          store_row(result.data() + t * heads_width,
-                    out + (task.first_token + t) * token_width + task.head_begin * group * shape.head_dim,
-                    heads_width);
+               next != nullptr ? table(next->seq) : nullptr, result.data(), stats.data(), shape, scale, query, scores,
+               local, local_scales);
+        const int64_t head_offset = task.head_begin * group * shape.head_dim;
+        for (int64_t t = 0; t < task.num_tokens; ++t) {
+          if (task.slot < 0) {
+            store_row(result.data() + t * heads_width, out + (task.first_token + t) * token_width + head_offset,
+                      heads_width);
+          } else {
+            std::copy_n(result.data() + t * heads_width, heads_width,
+                        part_out.data() + (task.slot + t) * token_width + head_offset);
+            std::copy_n(stats.data() + t * rows * 2, rows * 2,
+                        part_stats.data() + ((task.slot + t) * shape.num_q_heads + task.head_begin * group) * 2);
+          }
+        }
         mine = following;
+      }
+    }
+    // Each split token's parts, merged in order: out = sum_j e^(peak_j - peak) out_j /
+    // sum_j e^(peak_j - peak) total_j.
+#pragma omp parallel num_threads(threads)
+    {
+      thread_local std::vector<float> merged;
+      grow(merged, token_width);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < int64_t(split_tokens.size()); ++i) {
+        const SplitToken& split = split_tokens[i];
+        for (int64_t h = 0; h < shape.num_q_heads; ++h) {
+          const auto stat = [&](int64_t j, int k) {
+            return part_stats[((split.slot + j * split.slot_stride) * shape.num_q_heads + h) * 2 + k];
+          };
+          float peak = 0.f;
+          bool seen = false;
+          for (int64_t j = 0; j < split.parts; ++j)
+            if (stat(j, 1) > 0.f) {
+              peak = seen ? std::max(peak, stat(j, 0)) : stat(j, 0);
+              seen = true;
+            }
+          float total = 0.f;
+          float* o = merged.data() + h * shape.head_dim;
+          std::fill(o, o + shape.head_dim, 0.f);
+          for (int64_t j = 0; j < split.parts; ++j) {
+            if (stat(j, 1) == 0.f) continue;  // wholly before the sliding window
+            const float weight = std::exp(stat(j, 0) - peak);
+            total += weight * stat(j, 1);
+            const float* part = part_out.data() + (split.slot + j * split.slot_stride) * token_width + h * shape.head_dim;
+            for (int64_t d = 0; d < shape.head_dim; ++d) o[d] += weight * part[d];
+          }
+          const float inverse = 1.f / total;
+          for (int64_t d = 0; d < shape.head_dim; ++d) o[d] *= inverse;
+        }
+        store_row(merged.data(), out + split.token * token_width, token_width);
       }
     }
   };

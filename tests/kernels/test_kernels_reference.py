@@ -50,6 +50,9 @@ CASES = {
     "skewed_decodes": ([1] * 9, [1500, 5, 7, 1, 600, 30, 31, 2, 900]),
     "many_decodes": ([1] * 40, [(i * 37) % 200 + 1 for i in range(40)]),
     "empty_sequence": ([0, 3, 1, 0], [5, 3, 9, 1]),   # sequences with no new tokens
+    # contexts past 2048 positions, which the C++ kernel splits in parts (kPartPositions): at the
+    # edges, several parts, and a chunk whose tokens straddle the first edge
+    "split_contexts": ([1, 1, 1, 30, 1], [2048, 2049, 4100, 2070, 5000]),
 }
 # Up to 4 KV heads the decode path uses one block-diagonal matmul, beyond that one per KV head.
 HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa8": (8, 1), "gqa2_kv8": (16, 8)}
@@ -90,7 +93,8 @@ def test_paged_attention_reference_matches_naive(case, heads, block_size, impl):
 
 @pytest.mark.parametrize("impl", list(ATTENTION))
 @pytest.mark.parametrize("window, softcap", [(5, 0.0), (16, 0.0), (0, 2.0), (16, 2.0)])
-@pytest.mark.parametrize("case", ["decodes", "chunks_inside_block", "mixed", "long_context_chunk", "skewed_decodes"])
+@pytest.mark.parametrize("case", ["decodes", "chunks_inside_block", "mixed", "long_context_chunk", "skewed_decodes",
+                                  "split_contexts"])
 def test_paged_attention_sliding_window_and_softcap_match_naive(case, window, softcap, impl):
     """Gemma's attention: each token sees its last `window` positions (contexts here cross the
     window), scores tanh-capped; decodes, chunks and the SDPA-sized chunk at a long context."""
@@ -382,6 +386,31 @@ def test_paged_attention_cpu_gives_a_token_the_same_bits_in_any_batch_and_chunk(
             alone = paged_attention_cpu(batch.query[token:token + 1], batch.k_cache, batch.v_cache,
                                         batch.block_tables[s:s + 1], torch.tensor([lens[s] - q_len + i + 1], dtype=torch.int32),
                                         torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True)
+            assert torch.equal(alone[0], full[token]), (s, i)
+
+
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_split_contexts_give_a_token_the_same_bits_in_any_batch_and_chunk(threads, window):
+    """Past 2048 positions the C++ kernel splits a token's context in parts, tasks of their own,
+    merged in order: where it splits depends on the token's length alone, so a token decoded
+    alone (its KV heads then each a task, its parts too) has the bits it has in a busy batch, or
+    as one of a chunk straddling a part's edge. With a window of 300 every part but the last
+    lies wholly before some tokens' windows."""
+    torch.set_num_threads(threads)  # the fixture restores it
+    batch = make_paged_batch([1, 60, 1, 2, 1], [40, 2100, 4500, 2049, 700], 9, 3, 64, 16, dtype=torch.bfloat16, seed=9)
+    full = paged_attention_cpu(*batch.args(), max_seqlen_q=60, max_seqlen_k=4500, batch_invariant=True, window=window)
+    torch.testing.assert_close(full.float(), naive_paged_attention(*batch.args(), window=window).float(),
+                               **LOW[torch.bfloat16])
+    cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
+    for s in range(len(lens)):
+        q_len = cu[s + 1] - cu[s]
+        for i in range(q_len):
+            token = cu[s] + i
+            alone = paged_attention_cpu(batch.query[token:token + 1], batch.k_cache, batch.v_cache,
+                                        batch.block_tables[s:s + 1], torch.tensor([lens[s] - q_len + i + 1], dtype=torch.int32),
+                                        torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True,
+                                        window=window)
             assert torch.equal(alone[0], full[token]), (s, i)
 
 

@@ -43,6 +43,8 @@ CASES = {
     # a long chunk at a long context (paged_attention_cpu sends it to SDPA) beside decodes
     "long_context_chunk": ([1, 100, 3, 1], [40, 600, 5, 700]),
     "skewed_decodes": ([1] * 9, [1500, 5, 7, 1, 600, 30, 31, 2, 900]),
+    # contexts the C++ kernel splits in parts of 2048 positions, a chunk straddling the edge
+    "split_contexts": ([1, 30, 1], [2049, 2070, 4100]),
 }
 HEADS = {"gqa1": (2, 2), "gqa3": (9, 3), "gqa2_kv8": (16, 8)}
 KINDS = list(KV_QUANT_DTYPES)

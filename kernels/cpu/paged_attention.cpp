@@ -147,16 +147,28 @@ inline vfloat fold_to_8(vec<16> v) {
 #endif
 }
 
-// out[r] = the sum of the lanes of rows[r], for 8 rows at once.
-inline vfloat sum_lanes_of_8(const vfloat (&rows)[kLanes]) {
-#if defined(__AVX__)
-  const __m256 pair01 = _mm256_hadd_ps(rows[0], rows[1]), pair23 = _mm256_hadd_ps(rows[2], rows[3]);
-  const __m256 pair45 = _mm256_hadd_ps(rows[4], rows[5]), pair67 = _mm256_hadd_ps(rows[6], rows[7]);
+// out[r] = the sum of the lanes of rows[r], for 8 rows at once: of float32 lanes (the scores) or
+// of int32 ones (int8_key_dots' exact sums).
+#if defined(__AVX2__)
+inline __m256 pairwise_sums(__m256 a, __m256 b) { return _mm256_hadd_ps(a, b); }
+inline __m256i pairwise_sums(__m256i a, __m256i b) { return _mm256_hadd_epi32(a, b); }
+// Each 128-bit half of a, beside the same half of b, summed: a.low + a.high, b.low + b.high.
+inline __m256 add_halves(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256i add_halves(__m256i a, __m256i b) {
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+template <typename V>
+inline V sum_lanes_of_8(const V (&rows)[kLanes]) {
+  const V pair01 = pairwise_sums(rows[0], rows[1]), pair23 = pairwise_sums(rows[2], rows[3]);
+  const V pair45 = pairwise_sums(rows[4], rows[5]), pair67 = pairwise_sums(rows[6], rows[7]);
   // Each 128-bit half now holds rows 0-3 (and 4-7) summed over that half's lanes.
-  const __m256 quad0123 = _mm256_hadd_ps(pair01, pair23), quad4567 = _mm256_hadd_ps(pair45, pair67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(quad0123, quad4567, 0x20),
-                       _mm256_permute2f128_ps(quad0123, quad4567, 0x31));
+  return add_halves(pairwise_sums(pair01, pair23), pairwise_sums(pair45, pair67));
+}
 #else
+inline vfloat sum_lanes_of_8(const vfloat (&rows)[kLanes]) {
   vfloat out;
   for (int64_t r = 0; r < kLanes; ++r) {
     float total = 0.f;
@@ -164,8 +176,8 @@ inline vfloat sum_lanes_of_8(const vfloat (&rows)[kLanes]) {
     out[r] = total;
   }
   return out;
-#endif
 }
+#endif
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -351,15 +363,8 @@ inline void int8_key_dots(const int8_t* const (&rows)[kTileRows], const int16_t*
       }
     }
   }
-  for (int h = 0; h < kHeads; ++h) {
-    // The transposing sum of sum_lanes_of_8, on integers.
-    const __m256i pair01 = _mm256_hadd_epi32(acc[h][0], acc[h][1]), pair23 = _mm256_hadd_epi32(acc[h][2], acc[h][3]);
-    const __m256i pair45 = _mm256_hadd_epi32(acc[h][4], acc[h][5]), pair67 = _mm256_hadd_epi32(acc[h][6], acc[h][7]);
-    const __m256i quad0123 = _mm256_hadd_epi32(pair01, pair23), quad4567 = _mm256_hadd_epi32(pair45, pair67);
-    const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(quad0123, quad4567, 0x20),
-                                           _mm256_permute2x128_si256(quad0123, quad4567, 0x31));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[h]), total);
-  }
+  for (int h = 0; h < kHeads; ++h)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[h]), sum_lanes_of_8(acc[h]));
 #else
   for (int h = 0; h < kHeads; ++h)
     for (int64_t i = 0; i < kTileRows; ++i) {

@@ -192,15 +192,17 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// In place over one head's scores of a token that sees `len` positions: those before its
-// sliding window (window > 0: the last `window` positions stay) get 0; the others are
-// soft-capped (softcap > 0: tanh(s / softcap) * softcap, Gemma 2) and become exp(s - max) / sum.
-inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
-  if (window > 0 && len > window) {
-    std::fill(s, s + (len - window), 0.f);
-    s += len - window;
-    len = window;
-  }
+// softmax's first half, in place over one head's scores of a token, or of one part of a token's
+// positions (a context split in parts, attend's kPartPositions): the `len` scores become
+// exp(s - peak), those before `skip` (outside the sliding window) 0, the others soft-capped first
+// (softcap > 0: tanh(s / softcap) * softcap, Gemma 2). Returns {peak, total}, total 0 when the
+// window leaves none of them.
+inline std::pair<float, float> part_softmax(float* s, int64_t len, int64_t skip, float softcap) {
+  skip = std::min(skip, len);
+  std::fill(s, s + skip, 0.f);
+  s += skip;
+  len -= skip;
+  if (len == 0) return {0.f, 0.f};
   if (softcap > 0.f)
     for (int64_t pos = 0; pos < len; ++pos) s[pos] = std::tanh(s[pos] / softcap) * softcap;
   float peak = s[0];  // built with -ffinite-math-only (kernels/cpu_ext.py): no infinities here
@@ -211,30 +213,15 @@ inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
     s[pos] = std::exp(s[pos] - peak);
     total += s[pos];
   }
-  const float inverse = 1.f / total;
-  for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inverse;
+  return {peak, total};
 }
 
-// softmax's first half over one part of a token's positions (a context split in parts, attend's
-// kPartPositions): the part's `len` scores become exp(s - peak), those before `skip` (outside the
-// sliding window) 0. Returns {peak, total}, total 0 when the window leaves none of the part.
-inline std::pair<float, float> part_softmax(float* s, int64_t len, int64_t skip, float softcap) {
-  skip = std::min(skip, len);
-  std::fill(s, s + skip, 0.f);
-  s += skip;
-  len -= skip;
-  if (len == 0) return {0.f, 0.f};
-  if (softcap > 0.f)
-    for (int64_t pos = 0; pos < len; ++pos) s[pos] = std::tanh(s[pos] / softcap) * softcap;
-  float peak = s[0];
-  for (int64_t pos = 1; pos < len; ++pos) peak = std::max(peak, s[pos]);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t pos = 0; pos < len; ++pos) {
-    s[pos] = std::exp(s[pos] - peak);
-    total += s[pos];
-  }
-  return {peak, total};
+// A token that sees `len` positions, the last `window` of them (0: all): its scores in place
+// become the softmax's probabilities, 0 before the window.
+inline void softmax(float* s, int64_t len, int64_t window, float softcap) {
+  const int64_t skip = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const float inverse = 1.f / part_softmax(s, len, skip, softcap).second;
+  for (int64_t pos = skip; pos < len; ++pos) s[pos] *= inverse;
 }
 
 struct Shape {

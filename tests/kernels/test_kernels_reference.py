@@ -378,6 +378,11 @@ def test_paged_attention_cpu_gives_a_token_the_same_bits_in_any_batch_and_chunk(
     torch.set_num_threads(threads)  # the fixture restores it
     batch = make_paged_batch([1, 150, 7, 1, 100], [40, 600, 33, 700, 420], *heads, head_dim, 16, dtype=dtype, seed=5)
     full = paged_attention_cpu(*batch.args(), max_seqlen_q=150, max_seqlen_k=700, batch_invariant=True)
+    assert_each_token_alone_gets_its_bits(batch, full)
+
+
+def assert_each_token_alone_gets_its_bits(batch, full: torch.Tensor, window: int = 0) -> None:
+    """Each token of `batch`, decoded alone over its own prefix, gets the bits `full` has for it."""
     cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
     for s in range(len(lens)):
         q_len = cu[s + 1] - cu[s]
@@ -385,7 +390,8 @@ def test_paged_attention_cpu_gives_a_token_the_same_bits_in_any_batch_and_chunk(
             token = cu[s] + i
             alone = paged_attention_cpu(batch.query[token:token + 1], batch.k_cache, batch.v_cache,
                                         batch.block_tables[s:s + 1], torch.tensor([lens[s] - q_len + i + 1], dtype=torch.int32),
-                                        torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True)
+                                        torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True,
+                                        window=window)
             assert torch.equal(alone[0], full[token]), (s, i)
 
 
@@ -402,16 +408,7 @@ def test_split_contexts_give_a_token_the_same_bits_in_any_batch_and_chunk(thread
     full = paged_attention_cpu(*batch.args(), max_seqlen_q=60, max_seqlen_k=4500, batch_invariant=True, window=window)
     torch.testing.assert_close(full.float(), naive_paged_attention(*batch.args(), window=window).float(),
                                **LOW[torch.bfloat16])
-    cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
-    for s in range(len(lens)):
-        q_len = cu[s + 1] - cu[s]
-        for i in range(q_len):
-            token = cu[s] + i
-            alone = paged_attention_cpu(batch.query[token:token + 1], batch.k_cache, batch.v_cache,
-                                        batch.block_tables[s:s + 1], torch.tensor([lens[s] - q_len + i + 1], dtype=torch.int32),
-                                        torch.tensor([0, 1], dtype=torch.int32), batch.scale, batch_invariant=True,
-                                        window=window)
-            assert torch.equal(alone[0], full[token]), (s, i)
+    assert_each_token_alone_gets_its_bits(batch, full, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

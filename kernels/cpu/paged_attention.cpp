@@ -897,7 +897,9 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
       }
     }
     // Each split token's parts, merged in order: out = sum_j e^(peak_j - peak) out_j /
-    // sum_j e^(peak_j - peak) total_j.
+    // sum_j e^(peak_j - peak) total_j. (No team is started for a batch without split contexts:
+    // this runs once a layer.)
+    if (split_tokens.empty()) return;
 #pragma omp parallel num_threads(threads)
     {
       thread_local std::vector<float> merged;
@@ -909,13 +911,10 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
           const auto stat = [&](int64_t j, int k) {
             return part_stats[((split.slot + j * split.slot_stride) * shape.num_q_heads + h) * 2 + k];
           };
-          float peak = 0.f;
-          bool seen = false;
-          for (int64_t j = 0; j < split.parts; ++j)
-            if (stat(j, 1) > 0.f) {
-              peak = seen ? std::max(peak, stat(j, 0)) : stat(j, 0);
-              seen = true;
-            }
+          // The last part holds the token's own position, so it always counts.
+          float peak = stat(split.parts - 1, 0);
+          for (int64_t j = 0; j + 1 < split.parts; ++j)
+            if (stat(j, 1) > 0.f) peak = std::max(peak, stat(j, 0));
           float total = 0.f;
           float* o = merged.data() + h * shape.head_dim;
           std::fill(o, o + shape.head_dim, 0.f);

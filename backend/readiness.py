@@ -140,10 +140,15 @@ def model_ready(http_probe: HttpReadinessProbe | None, is_model_ready: Callable[
                 model_name: str, model_version: str) -> bool | None:
     """READY (True), unloading or server stopping (False), or no answer (None): the HTTP
     probe's answer, else `is_model_ready` (pb_utils.is_model_ready, None where the stub has
-    none), which this module's docstring says can crash the stub once the server stops."""
+    none), which this module's docstring says can crash the stub once the server stops.
+
+    Once the endpoint has answered READY it alone is asked. A stopping server's socket may
+    still accept a connection that nobody serves, and a busy one may answer late: that is no
+    answer this time, to be asked again, never a reason to take the crashing path exactly
+    when the server is stopping."""
     if http_probe is not None:
         ready = http_probe()
-        if ready is not None:
+        if ready is not None or http_probe.seen_ready:
             return ready
     if is_model_ready is None:
         return None

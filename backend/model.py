@@ -92,6 +92,11 @@ PREFILL_CANCEL_POLL_INTERVAL_S = 0.01
 # decoupled request to send its final response (a live response sender keeps the model
 # loaded, so `finalize` never comes): on that signal the live requests are ended at once.
 READINESS_POLL_INTERVAL_S = 0.5
+# For this long after load the endpoint is asked at this pace until it has said READY
+# (`_watch_readiness`); an endpoint that never does (a restricted health API) is then asked
+# at the usual pace.
+READINESS_LEARN_S = 30.0
+READINESS_LEARN_INTERVAL_S = 0.05
 SHUTDOWN_TIMEOUT_S = 10.0
 # Most queued items the response thread takes in one pass (it merges a stream's outputs
 # only within a pass): a bound on how long a pass keeps anything waiting.
@@ -460,14 +465,24 @@ class TritonPythonModel:
             self.logger.log_error(f"[inflight] metric update failed: {traceback.format_exc()}")
 
     def _watch_readiness(self) -> None:
-        while not self._stopped.wait(READINESS_POLL_INTERVAL_S):
+        probe = self._http_readiness
+        # Until the endpoint has said READY, it is asked whether requests are live or not, and
+        # often at first: only an endpoint that has said so is believed when it refuses ("the
+        # server is stopping"), and without that the check falls back to is_model_ready, the
+        # call that crashes the stub during shutdown (backend/readiness.py). A SIGTERM may come
+        # before any poll has found a request live.
+        learn_until = time.monotonic() + READINESS_LEARN_S
+        while not self._stopped.wait(READINESS_LEARN_INTERVAL_S if probe is not None and not probe.seen_ready
+                                     and time.monotonic() < learn_until else READINESS_POLL_INTERVAL_S):
             if self.options.enable_health_check and not self._unhealthy and not self._shutting_down:
                 self._check_health()
-            if self._live and not self._shutting_down:
-                try:
+            try:
+                if self._live and not self._shutting_down:
                     self._check_still_loaded()
-                except Exception:  # keep watching
-                    self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
+                elif probe is not None and not probe.seen_ready:
+                    probe()
+            except Exception:  # keep watching
+                self.logger.log_error(f"[inflight] readiness check failed: {traceback.format_exc()}")
 
     def _check_health(self) -> None:
         """ENABLE_VLLM_HEALTH_CHECK: once the engine loop is dead, hung or without its device,

@@ -7,7 +7,8 @@ likely to be accepted pay for it. The budget keeps the drafts that raise the ste
 output tokens per second, from two measurements the engine feeds it:
 
 - the step's cost as a function of its scheduled tokens: a moving average of the seconds of
-  recent steps in each power-of-two bucket of token counts, interpolated between buckets;
+  recent steps in each power-of-two bucket of token counts, interpolated between buckets, a
+  bucket not yet measured priced from those below it (`CostCurve.seconds`);
 - the acceptance rate at each draft position, given that the position was reached (the
   drafts before it accepted): a moving average over recent verifications.
 
@@ -24,6 +25,7 @@ drafting (`draft_length`), from the draft's measured pass cost beside the target
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 
 # Weight of a new measurement in the moving averages: about the last 20 steps (cost) and the
 # last 50 verifications reaching a position (acceptance).
@@ -52,22 +54,31 @@ class CostCurve:
             point[1] += COST_WEIGHT * (seconds - point[1])
 
     def seconds(self, num_tokens: float) -> float | None:
-        """The measured cost of `num_tokens`: flat below the smallest bucket, and past the
-        largest extended by the slope of the last two (flat with one point: a size not yet
-        tried is assumed free, so that it gets tried and measured). None before any pass."""
+        """The measured cost of `num_tokens`: flat below the smallest bucket, interpolated
+        between two measured buckets with none unmeasured between them, and elsewhere (past
+        the largest, or where it falls in or beyond a bucket never measured) extended from the
+        measured buckets below it by the slope of the last two (flat with one). A size not yet
+        tried is so priced by the sizes below it, never by a far larger one, and gets tried and
+        measured: at one request, priced by the slope to the prefill chunks' bucket, the rows of
+        drafts past the longest run tried seemed to cost over twice what they do, and were
+        never tried.
+        None before any pass."""
         if not self._points:
             return None
-        points = sorted(self._points.values())
-        if num_tokens <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if num_tokens <= x1:
-                return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0) if x1 > x0 else y1
-        if len(points) == 1:
-            return points[-1][1]
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
-        return y1 + slope * (num_tokens - x1)
+        buckets = sorted(self._points)
+        means = [self._points[b][0] for b in buckets]
+        costs = [self._points[b][1] for b in buckets]
+        if num_tokens <= means[0]:
+            return costs[0]
+        below = bisect_right(means, num_tokens) - 1
+        above = below + 1
+        if above < len(buckets) and buckets[above] in (buckets[below] + 1, int(num_tokens).bit_length()):
+            share = (num_tokens - means[below]) / (means[above] - means[below])
+            return costs[below] + (costs[above] - costs[below]) * share
+        if below == 0:
+            return costs[0]
+        slope = max(0.0, (costs[below] - costs[below - 1]) / (means[below] - means[below - 1]))
+        return costs[below] + slope * (num_tokens - means[below])
 
 
 class DraftBudget:

@@ -323,9 +323,29 @@ def test_budget_learns_acceptance_per_position_and_cost_by_bucket():
     for _ in range(100):
         budget.observe_step(10, 0.2)
         budget.observe_step(40, 0.8)
-    assert budget.step_seconds(25) == pytest.approx(0.5)
     assert budget.step_seconds(5) == pytest.approx(0.2)
-    assert budget.step_seconds(70) == pytest.approx(1.4)
+    assert budget.step_seconds(35) == pytest.approx(0.7)  # in a measured bucket: interpolated
+    assert budget.step_seconds(70) == pytest.approx(1.4)  # past the largest: the last two's slope
+    # 25 falls in a bucket never measured: priced by what lies below it (one point: flat).
+    assert budget.step_seconds(25) == pytest.approx(0.2)
+    budget.observe_step(20, 0.45)
+    assert budget.step_seconds(25) == pytest.approx(0.45 + 0.35 * 5 / 20)
+
+
+def test_budget_tries_the_rows_of_a_bucket_it_has_not_measured_at_the_slope_below_it():
+    # One request on a bandwidth-bound model: a row adds 0.2 ms to a 15 ms step, and the only
+    # larger steps measured are 40-token prefill chunks. Priced by the slope up to those, the
+    # seventh and eighth drafts would seem to cost 1 ms each and never be tried.
+    budget = DraftBudget(8)
+    for _ in range(50):
+        for tokens, seconds in ((1, 0.0150), (2, 0.0152), (5, 0.0158), (40, 0.050)):
+            budget.observe_step(tokens, seconds)
+    budget.acceptance = [0.8] * 8
+    assert budget.trim([8], 1, 1) == [8]
+    # Once steps of 8 to 15 tokens are measured dear, the budget trims by them.
+    for _ in range(200):
+        budget.observe_step(9, 0.030)
+    assert budget.trim([8], 1, 1)[0] < 8
 
 
 def _curve(cost_per_token: float, fixed: float) -> CostCurve:

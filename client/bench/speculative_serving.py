@@ -22,7 +22,13 @@ through its OpenAI endpoint (client.bench.targets) and stops:
   the draft (`off`: none).
 
 Both run on the first `--cores` CPUs of this process with `--slots` sequences at once (the
-engine's max_num_seqs, llama-server's --parallel; default the highest concurrency). The
+engine's max_num_seqs, llama-server's --parallel; default the highest concurrency).
+
+`--rounds N` runs the whole comparison N times, every server fresh each time and the settings
+in reverse order every other round, so that both systems meet the same minutes of a VM whose
+memory bandwidth drifts by a third from one minute to the next; each ratio is then the median
+of the rounds' ratios (`ratios`; each round's own in `ratios_by_round`), a round's ratio over
+llama-server's fastest speculation in that round. The
 report (bench/results/<cpu kind>/w9_vs_llama_server.json by default) holds every run, the
 versions of both servers, and per workload and concurrency: each of the engine's methods over
 llama-server's fastest speculation (issue 48's target: 1.3x output tokens/s at concurrency 1
@@ -40,8 +46,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from functools import partial
 
+import numpy as np
 from transformers import AutoTokenizer
 
 from backend.paths import DEFAULT_CHECKPOINT, REPO_ROOT
@@ -100,8 +108,47 @@ def _ratio(a: dict, b: dict) -> dict:
             "tpot_p50": safe_ratio(a["tpot_ms"]["p50"] or 0, b["tpot_ms"]["p50"] or 0)}
 
 
+def _target(ratio: dict) -> dict:
+    return {"output_tokens_per_s": TARGET, "met": ratio["output_tokens_per_s"] >= TARGET}
+
+
+def _medians(ratios: list[dict]) -> dict:
+    return {key: float(np.median([r[key] for r in ratios])) for key in ("output_tokens_per_s", "tpot_p50")}
+
+
 def compare(results: list[dict]) -> dict:
-    """Per workload and concurrency ("W9a c=1"): llama-server's fastest speculation
+    """The ratios of `compare_round` for a run of one round; of several (each result's
+    "round"), the medians of the rounds' ratios per load, with `rounds` (how many rounds had
+    that load) and, as `llama_server_best`, the speculation of llama-server's fastest in the most
+    rounds."""
+    rounds = sorted({r.get("round", 0) for r in results})
+    by_round = [compare_round([r for r in results if r.get("round", 0) == k]) for k in rounds]
+    if len(by_round) == 1:
+        return by_round[0]
+    out: dict[str, dict] = {}
+    for load in dict.fromkeys(load for entry in by_round for load in entry):
+        entries = [entry[load] for entry in by_round if load in entry]
+        merged: dict = {"rounds": len(entries), "over_off": {}}
+        for system in SYSTEMS:
+            theirs = [e["over_off"][system] for e in entries if system in e["over_off"]]
+            methods = dict.fromkeys(m for ratios in theirs for m in ratios)
+            if methods:
+                merged["over_off"][system] = {m: _medians([r[m] for r in theirs if m in r]) for m in methods}
+        compared = [e for e in entries if "vs_llama_server" in e]
+        if compared:
+            merged["llama_server_best"] = Counter(e["llama_server_best"] for e in compared).most_common(1)[0][0]
+            merged["vs_llama_server"] = {}
+            for method in compared[0]["vs_llama_server"]:
+                ratio = _medians([e["vs_llama_server"][method] for e in compared])
+                if "target" in compared[0]["vs_llama_server"][method]:
+                    ratio["target"] = _target(ratio)
+                merged["vs_llama_server"][method] = ratio
+        out[load] = merged
+    return out
+
+
+def compare_round(results: list[dict]) -> dict:
+    """Per workload and concurrency ("W9a c=1") of one round: llama-server's fastest speculation
     (`llama_server_best`), each of the engine's methods over it (`vs_llama_server`, with the
     target where the concurrency has one), and each system's methods over its own `off`
     (`over_off`)."""
@@ -124,7 +171,7 @@ def compare(results: list[dict]) -> dict:
             for method, result in ours.items():
                 ratio = _ratio(result, theirs[best])
                 if key[1] in TARGET_CONCURRENCIES:
-                    ratio["target"] = {"output_tokens_per_s": TARGET, "met": ratio["output_tokens_per_s"] >= TARGET}
+                    ratio["target"] = _target(ratio)
                 entry["vs_llama_server"][method] = ratio
         out[f"{key[0]} c={key[1]}"] = entry
     return out
@@ -165,6 +212,12 @@ def compare_texts(texts: dict[tuple[str, str, str, int], list[str]]) -> dict:
     return out
 
 
+def unrepeated(texts: list[dict]) -> list[tuple]:
+    """(round index, system, method, workload, concurrency) of every run whose greedy texts are
+    not the first round's: greedy decoding repeats, so none of the engine's may be here."""
+    return [(k, *key) for k, by_run in enumerate(texts[1:], 1) for key, t in by_run.items() if t != texts[0].get(key)]
+
+
 def engine_texts_agree(greedy: dict) -> bool:
     return all(d["requests_differing"] == 0 for entry in greedy.values()
                for d in entry.get("tritonserver", {}).values())
@@ -183,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"llama-server's, of {', '.join(LLAMA_METHODS)}")
     parser.add_argument("--model", default=str(DEFAULT_CHECKPOINT), help="the float32 checkpoint (and tokenizer)")
     parser.add_argument("--slots", type=int, help="sequences at once (default: the highest concurrency)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times the whole comparison runs, each server fresh, every other round in reverse "
+                             "order; the ratios are the rounds' medians")
     servers.add_llama_server_arguments(parser)
     servers.add_run_arguments(parser, "w9_vs_llama_server.json")
     args = parser.parse_args(argv)
@@ -198,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if drafts:
         parser.error(f"--methods {','.join(drafts)}: through the server a draft_model method needs a draft "
                      "checkpoint of its own; these are the in-process W9's (client/bench/speculative.py)")
-    if args.requests < 1 or args.chat_requests < 0 or args.max_tokens < 1:
-        parser.error("--requests and --max-tokens must be at least 1, --chat-requests at least 0")
+    if args.requests < 1 or args.chat_requests < 0 or args.max_tokens < 1 or args.rounds < 1:
+        parser.error("--requests, --max-tokens and --rounds must be at least 1, --chat-requests at least 0")
     slots = args.slots or max(concurrencies)
     if slots < max(concurrencies):
         parser.error(f"--slots {slots}: fewer than the highest concurrency, {max(concurrencies)}")
@@ -221,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', W9b at 1' if args.chat_requests else ''}, {args.max_tokens} tokens out, on CPUs {cpus} of "
           f"{info['cpu']}", flush=True)
 
-    results, versions, texts = [], {}, {}
+    results, versions = [], {}
+    texts: list[dict] = [{} for _ in range(args.rounds)]  # per round: (system, method, workload, concurrency) -> texts
     report = {
         **servers.report_header("W9 against llama-server: speculative decoding through each system's server (issue 48)",
                                 "client.bench.speculative_serving", argv, info, cpus, versions, args.model),
@@ -238,24 +295,36 @@ def main(argv: list[str] | None = None) -> int:
     # A failure leaves the servers' logs in `tmp` (it says where); a run that ends removes them.
     tmp = tempfile.mkdtemp(prefix="bench-w9-llama-")
     settings = [("tritonserver", m) for m in methods] + [("llama-server", m) for m in llama_methods]
-    for system, method in settings:
-        start = (partial(tritonserver, BASE_MODEL, engine_parameters(method, args.model), cpus, slots)
-                 if system == "tritonserver" else partial(llama_server, gguf, cpus, slots,
-                                                          extra=llama_flags(method, draft) + args.llama_server_args))
-        with servers.started(f"{system} {method}", system, start, tmp, versions) as address:
-            target = parse_target(f"{system}=openai://{address}")
-            for workload, concurrency in runs:
-                run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)
-                texts[(system, method, workload.name, concurrency)] = [r.text for r in run.records]
-                result = {"method": method, "workload": workload.name, **summarize(run, workload)}
-                results.append(result)
-                print(f"{workload.name} c={concurrency} {system} {method}: {result['num_completed']}/"
-                      f"{result['num_requests']} completed, {result['output_tokens_per_s']:.1f} output tok/s, "
-                      f"TPOT p50 {result['tpot_ms']['p50'] or 0:.1f} ms in {result['duration_s']:.1f} s", flush=True)
-        # Written after each server: a run stopped halfway keeps what it measured.
-        report["ratios"] = compare(results)
-        report["greedy_texts"] = compare_texts(texts)
-        write_report(path, report)
+    for round_ in range(args.rounds):
+        for system, method in settings if round_ % 2 == 0 else settings[::-1]:
+            start = (partial(tritonserver, BASE_MODEL, engine_parameters(method, args.model), cpus, slots)
+                     if system == "tritonserver" else partial(llama_server, gguf, cpus, slots,
+                                                              extra=llama_flags(method, draft) + args.llama_server_args))
+            label = f"{system} {method}" + (f" round {round_ + 1}" if args.rounds > 1 else "")
+            with servers.started(label, system, start, tmp, versions) as address:
+                target = parse_target(f"{system}=openai://{address}")
+                for workload, concurrency in runs:
+                    run = run_target(target, workload, concurrency, not args.no_progress, args.request_timeout)
+                    texts[round_][(system, method, workload.name, concurrency)] = [r.text for r in run.records]
+                    result = {"method": method, "workload": workload.name, **summarize(run, workload)}
+                    if args.rounds > 1:
+                        result["round"] = round_
+                    results.append(result)
+                    print(f"{workload.name} c={concurrency} {system} {method}"
+                          f"{f' (round {round_ + 1})' if args.rounds > 1 else ''}: {result['num_completed']}/"
+                          f"{result['num_requests']} completed, {result['output_tokens_per_s']:.1f} output tok/s, "
+                          f"TPOT p50 {result['tpot_ms']['p50'] or 0:.1f} ms in {result['duration_s']:.1f} s", flush=True)
+            # Written after each server: a run stopped halfway keeps what it measured.
+            report["ratios"] = compare(results)
+            if args.rounds > 1:
+                report["ratios_by_round"] = [compare_round([r for r in results if r["round"] == k])
+                                             for k in range(round_ + 1)]
+            report["greedy_texts"] = compare_texts(texts[0])
+            if args.rounds > 1:
+                report["texts_differing_from_round_1"] = [f"round {k + 1}: {system} {method} {workload} c={concurrency}"
+                                                          for k, system, method, workload, concurrency
+                                                          in unrepeated(texts)]
+            write_report(path, report)
     shutil.rmtree(tmp)
 
     for load, entry in report["ratios"].items():
@@ -275,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{load}: {system} {method}'s greedy text differs from its off in "
                           f"{difference['requests_differing']} requests ({difference['first']})")
     completed = all(r["num_failed"] == 0 and r["all_token_counts_right"] for r in results)
-    return 0 if completed and engine_texts_agree(report["greedy_texts"]) else 1
+    engine_repeats = all(system != "tritonserver" for _, system, *_ in unrepeated(texts))
+    return 0 if completed and engine_repeats and all(engine_texts_agree(compare_texts(t)) for t in texts) else 1
 
 
 if __name__ == "__main__":

@@ -484,7 +484,8 @@ def test_w9_llama_methods_parse_with_off_or_name_what_is_wrong():
     (speculative_serving, ["--llama-methods", "off,lookahead"], "--llama-methods 'off,lookahead'"),
     (speculative_serving, ["--methods", "off,draft_int8"], "--methods draft_int8: through the server a draft_model"),
     (speculative_serving, ["--concurrency", "1,4", "--slots", "2"], "--slots 2: fewer than the highest concurrency, 4"),
-    (speculative_serving, ["--requests", "0"], "--requests and --max-tokens must be at least 1"),
+    (speculative_serving, ["--requests", "0"], "--requests, --max-tokens and --rounds must be at least 1"),
+    (speculative_serving, ["--rounds", "0"], "--requests, --max-tokens and --rounds must be at least 1"),
     (speculative_serving, ["--cores", "4096"], "--cores 4096: this process may use"),
     (kv_serving, ["--kv-dtypes", "int8"], "--kv-dtypes 'int8': comma-separated, auto and any of int8, fp8_e4m3, fp8_e5m2"),
     (kv_serving, ["--llama-cache-types", "model,q5_1"], "--llama-cache-types 'model,q5_1'"),
@@ -596,6 +597,37 @@ def test_w9_llama_ratios_take_llama_servers_fastest_speculation_and_each_systems
     c2 = compared["W9a c=2"]
     assert "vs_llama_server" not in c2 and "llama_server_best" not in c2
     assert c2["over_off"] == {"tritonserver": {"suffix": {"output_tokens_per_s": 1.0, "tpot_p50": 1.0}}}
+
+
+def test_w9_llama_ratios_of_several_rounds_are_the_medians_of_each_rounds_own():
+    def one_round(k: int, suffix_s: float, simple_s: float, mod_s: float) -> list[dict]:
+        runs = [w9_recorded("tritonserver", "off", "W9a", 1, 4.0), w9_recorded("tritonserver", "suffix", "W9a", 1, suffix_s),
+                w9_recorded("llama-server", "off", "W9a", 1, 4.0),
+                w9_recorded("llama-server", "ngram-simple", "W9a", 1, simple_s),
+                w9_recorded("llama-server", "ngram-mod", "W9a", 1, mod_s)]
+        return [{**r, "round": k} for r in runs]
+
+    # Per round, suffix over llama-server's fastest that round: 2.0 / 1.0 = 2.0, 1.6 / 1.2 = 1.333...,
+    # then 1.0 / 1.0 = 1.0 (ngram-mod the fastest in that round only).
+    results = one_round(0, 1.0, 2.0, 3.0) + one_round(1, 1.2, 1.6, 3.0) + one_round(2, 1.0, 3.0, 1.0)
+    c1 = speculative_serving.compare(results)["W9a c=1"]
+    assert c1["rounds"] == 3
+    assert c1["llama_server_best"] == "ngram-simple"  # the fastest in two rounds of three
+    assert c1["vs_llama_server"]["suffix"]["output_tokens_per_s"] == pytest.approx(1.6 / 1.2)
+    assert c1["vs_llama_server"]["suffix"]["target"] == {"output_tokens_per_s": 1.3, "met": True}
+    # Over its own off: 4.0, 3.333..., 4.0 for suffix; ngram-simple's 2.0, 2.5, 1.333...
+    assert c1["over_off"]["tritonserver"]["suffix"]["output_tokens_per_s"] == pytest.approx(4.0)
+    assert c1["over_off"]["llama-server"]["ngram-simple"]["output_tokens_per_s"] == pytest.approx(2.0)
+    # One round alone: that round's ratios, unchanged.
+    assert speculative_serving.compare(one_round(1, 1.2, 1.6, 3.0)) == speculative_serving.compare_round(
+        one_round(1, 1.2, 1.6, 3.0))
+
+
+def test_w9_llama_rounds_whose_greedy_texts_are_not_the_first_rounds_are_named():
+    first = {("tritonserver", "off", "W9a", 1): ["a"], ("llama-server", "off", "W9a", 1): ["b"]}
+    assert speculative_serving.unrepeated([first, dict(first)]) == []
+    changed = {**first, ("llama-server", "off", "W9a", 1): ["c"]}
+    assert speculative_serving.unrepeated([first, dict(first), changed]) == [(2, "llama-server", "off", "W9a", 1)]
 
 
 def test_w9_llama_greedy_texts_compare_each_method_with_its_systems_off():

@@ -120,7 +120,7 @@ def compare(results: list[dict]) -> dict:
     """The ratios of `compare_round` for a run of one round; of several (each result's
     "round"), the medians of the rounds' ratios per load, with `rounds` (how many rounds had
     that load) and, as `llama_server_best`, the speculation of llama-server's fastest in the most
-    rounds."""
+    rounds. A round under way counts for the ratios it has so far."""
     rounds = sorted({r.get("round", 0) for r in results})
     by_round = [compare_round([r for r in results if r.get("round", 0) == k]) for k in rounds]
     if len(by_round) == 1:
@@ -138,9 +138,10 @@ def compare(results: list[dict]) -> dict:
         if compared:
             merged["llama_server_best"] = Counter(e["llama_server_best"] for e in compared).most_common(1)[0][0]
             merged["vs_llama_server"] = {}
-            for method in compared[0]["vs_llama_server"]:
-                ratio = _medians([e["vs_llama_server"][method] for e in compared])
-                if "target" in compared[0]["vs_llama_server"][method]:
+            for method in dict.fromkeys(m for e in compared for m in e["vs_llama_server"]):
+                ratios = [e["vs_llama_server"][method] for e in compared if method in e["vs_llama_server"]]
+                ratio = _medians(ratios)
+                if "target" in ratios[0]:
                     ratio["target"] = _target(ratio)
                 merged["vs_llama_server"][method] = ratio
         out[load] = merged

@@ -618,6 +618,16 @@ def test_w9_llama_ratios_of_several_rounds_are_the_medians_of_each_rounds_own():
     # Over its own off: 4.0, 3.333..., 4.0 for suffix; ngram-simple's 2.0, 2.5, 1.333...
     assert c1["over_off"]["tritonserver"]["suffix"]["output_tokens_per_s"] == pytest.approx(4.0)
     assert c1["over_off"]["llama-server"]["ngram-simple"]["output_tokens_per_s"] == pytest.approx(2.0)
+    # A round under way (the report is written after each server) counts for what it has.
+    partial = [r for r in one_round(3, 0.5, 1.0, 3.0) if r["system"] == "tritonserver"]
+    under_way = speculative_serving.compare(results + partial)["W9a c=1"]
+    assert under_way["rounds"] == 4 and under_way["vs_llama_server"] == c1["vs_llama_server"]
+    assert under_way["over_off"]["tritonserver"]["suffix"]["output_tokens_per_s"] == pytest.approx(4.0)
+    ngram_once = speculative_serving.compare(results + [{**w9_recorded("tritonserver", "ngram", "W9a", 1, 2.0), "round": 0}])
+    assert ngram_once["W9a c=1"]["vs_llama_server"]["ngram"]["output_tokens_per_s"] == pytest.approx(1.0)
+    engine_only = speculative_serving.compare(one_round(0, 1.0, 2.0, 3.0)[:2] + [
+        {**r, "round": 1} for r in one_round(0, 1.0, 2.0, 3.0)])["W9a c=1"]
+    assert engine_only["vs_llama_server"]["suffix"]["output_tokens_per_s"] == pytest.approx(2.0)
     # One round alone: that round's ratios, unchanged.
     assert speculative_serving.compare(one_round(1, 1.2, 1.6, 3.0)) == speculative_serving.compare_round(
         one_round(1, 1.2, 1.6, 3.0))

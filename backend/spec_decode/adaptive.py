@@ -35,6 +35,11 @@ ACCEPTANCE_WEIGHT = 0.02
 PRIOR_ACCEPTANCE = 0.5
 
 
+def _bucket(num_tokens: float) -> int:
+    """The power-of-two bucket of a token count: [2^(b-1), 2^b) is bucket b."""
+    return int(num_tokens).bit_length()
+
+
 class CostCurve:
     """Seconds of a forward pass as a function of its tokens: a moving average of recent
     passes in each power-of-two bucket of token counts, interpolated between buckets."""
@@ -45,7 +50,7 @@ class CostCurve:
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        bucket = num_tokens.bit_length()
+        bucket = _bucket(num_tokens)
         point = self._points.get(bucket)
         if point is None:
             self._points[bucket] = [float(num_tokens), seconds]
@@ -59,10 +64,9 @@ class CostCurve:
         the largest, or where it falls in or beyond a bucket never measured) extended from the
         measured buckets below it by the slope of the last two (flat with one). A size not yet
         tried is so priced by the sizes below it, never by a far larger one, and gets tried and
-        measured: at one request, priced by the slope to the prefill chunks' bucket, the rows of
-        drafts past the longest run tried seemed to cost over twice what they do, and were
-        never tried.
-        None before any pass."""
+        measured: at one request the next larger steps measured are often the prefill chunks,
+        whose slope would price a draft's row at over twice its cost, and the rows past the
+        longest run of drafts tried would never be tried. None before any pass."""
         if not self._points:
             return None
         buckets = sorted(self._points)
@@ -72,7 +76,7 @@ class CostCurve:
             return costs[0]
         below = bisect_right(means, num_tokens) - 1
         above = below + 1
-        if above < len(buckets) and buckets[above] in (buckets[below] + 1, int(num_tokens).bit_length()):
+        if above < len(buckets) and buckets[above] in (buckets[below] + 1, _bucket(num_tokens)):
             share = (num_tokens - means[below]) / (means[above] - means[below])
             return costs[below] + (costs[above] - costs[below]) * share
         if below == 0:

@@ -121,8 +121,7 @@ def compare(results: list[dict]) -> dict:
     "round"), the medians of the rounds' ratios per load, with `rounds` (how many rounds had
     that load) and, as `llama_server_best`, the speculation of llama-server's fastest in the most
     rounds. A round under way counts for the ratios it has so far."""
-    rounds = sorted({r.get("round", 0) for r in results})
-    by_round = [compare_round([r for r in results if r.get("round", 0) == k]) for k in rounds]
+    by_round = compare_rounds(results)
     if len(by_round) == 1:
         return by_round[0]
     out: dict[str, dict] = {}
@@ -146,6 +145,12 @@ def compare(results: list[dict]) -> dict:
                 merged["vs_llama_server"][method] = ratio
         out[load] = merged
     return out
+
+
+def compare_rounds(results: list[dict]) -> list[dict]:
+    """`compare_round` of each round the results have (their "round", 0 without one), in order."""
+    rounds = sorted({r.get("round", 0) for r in results})
+    return [compare_round([r for r in results if r.get("round", 0) == k]) for k in rounds]
 
 
 def compare_round(results: list[dict]) -> dict:
@@ -318,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             # Written after each server: a run stopped halfway keeps what it measured.
             report["ratios"] = compare(results)
             if args.rounds > 1:
-                report["ratios_by_round"] = [compare_round([r for r in results if r["round"] == k])
-                                             for k in range(round_ + 1)]
+                report["ratios_by_round"] = compare_rounds(results)
             report["greedy_texts"] = compare_texts(texts[0])
             if args.rounds > 1:
                 report["texts_differing_from_round_1"] = [f"round {k + 1}: {system} {method} {workload} c={concurrency}"

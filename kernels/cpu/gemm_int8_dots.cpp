@@ -230,7 +230,12 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
           for (int p = 0; p < Panels; ++p) dot[r][p][0] = _mm512_dpbusd_epi32(dot[r][p][0], low[p], xq);
         }
       }
-      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
+      // As many lines of the next item's panels as this line read of this tile's, so that the
+      // whole next item is asked for (one a line asks for a quarter of it at one row: the decode
+      // step of Llama-3.2-1B in int4 + int8 activations measured 11% slower so).
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p)
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
     }
     __m512 s[Panels], m[Panels];
 #pragma GCC unroll 8
@@ -308,7 +313,9 @@ void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
             dot[r][p][v] = _mm256_add_epi32(dot[r][p][v], _mm256_madd_epi16(pairs, ones));
           }
       }
-      if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
+#pragma GCC unroll 8
+      for (int p = 0; p < Panels; ++p)  // as on AVX-512: the lines this line read of this tile's panels
+        if (line < line_end) inflight_cpu::prefetch_l2(prefetch + kLineBytes * line++);
     }
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {

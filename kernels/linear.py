@@ -108,6 +108,23 @@ _BATCH_HINT = 64
 _MIN_PACKED_ELEMENTS = 1 << 18
 
 
+# Tensors smaller than a huge page would hold none of it.
+_HUGE_PAGE = 2 << 20
+
+
+def _on_huge_pages(data: torch.Tensor | None) -> torch.Tensor | None:
+    """`data` copied onto transparent huge pages (kernels/cpu/huge_pages.cpp: a GEMM of a few rows
+    streams several panels at once, and the page walks of 4 KiB pages slowed its reads), where it
+    is a contiguous CPU tensor of a huge page or more and the C++ kernels are built."""
+    if data is None or data.device.type != "cpu" or not data.is_contiguous():
+        return data
+    nbytes = data.numel() * data.element_size()
+    module = cpu_ext.load() if nbytes >= _HUGE_PAGE else None
+    if module is None:
+        return data
+    return module.huge_page_zeros(nbytes).view(data.dtype).view(data.shape).copy_(data)
+
+
 class PackedWeight:
     """A weight in a CPU GEMM's own layout, with what `linear` needs to call it."""
 
@@ -120,7 +137,8 @@ class PackedWeight:
         # "quant" (a QuantizedWeight de-quantized per call) or "quant_triton" (on CUDA,
         # kernels/linear_quant.py)
         self.kind = kind
-        self.data = data  # for quant_panels, the q panels
+        # for quant_panels, the q panels; our own kernels' panels on huge pages
+        self.data = _on_huge_pages(data) if kind in ("panels", "quant_panels") else data
         self.upcast = upcast  # a float32 GEMM on bf16 activations: widen the input, round the output
         self.isa = isa  # the panel GEMM's path, for kinds "panels" and "quant_panels"
         # A zero-stride view of one element with the weight's shape and dtype: what a module

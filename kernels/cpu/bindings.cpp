@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over a ragged batch of decodes and prefill chunks");
   m.def("attention_lanes", &attention_lanes, "The widest vectors paged_attention is built for here (8 or 16)");
   m.def("huge_page_zeros", &huge_page_zeros, kNoGil, pybind11::arg("bytes"),
-        "`bytes` zeroed bytes (uint8) on transparent huge pages, for the KV pool");
+        "`bytes` zeroed bytes (uint8) on transparent huge pages, for the KV pool and the packed weights");
   m.def("rms_norm", &rms_norm, kNoGil, "RMSNorm, HF's roundings");
   m.def("add_rms_norm", &add_rms_norm, kNoGil, "RMSNorm of x + residual; returns (normed, x + residual)");
   m.def("silu_and_mul", &silu_and_mul, kNoGil, "silu(gate) * up of a gated MLP");

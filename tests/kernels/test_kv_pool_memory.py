@@ -1,5 +1,6 @@
 """The KV pool's memory (kernels.kv_store.pool_zeros): zeroed, and on the CPU on 2 MiB
-transparent huge pages, which the paged attention's scattered block reads need (huge_pages.cpp)."""
+transparent huge pages, which the paged attention's scattered block reads need (huge_pages.cpp);
+and the packed weights' memory, on huge pages too (kernels.linear.PackedWeight)."""
 
 import gc
 import os
@@ -7,8 +8,10 @@ import os
 import pytest
 import torch
 
+import kernels
 from kernels import QuantizedKV, cpu_ext
 from kernels.kv_store import KV_QUANT_DTYPES, pool_zeros
+from kernels.quantized import quantize
 
 pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason="the C++ kernels are not built on this machine")
 
@@ -55,3 +58,27 @@ def test_quantized_pool_lies_on_huge_pages(kind):
     if THP:
         assert "hg" in mapping_flags(cache.blocks.data_ptr())
 
+
+
+@pytest.mark.parametrize("weight", ["bfloat16", "float32", "int4", "int4+a8"])
+def test_packed_weights_of_a_huge_page_or_more_lie_on_huge_pages_and_compute_the_same(weight):
+    torch.manual_seed(0)
+    w = torch.randn(4176, 1024) / 32  # more than a huge page in int4, a whole number of them in no format
+    x = torch.randn(3, 1024).to(torch.bfloat16)
+    if weight.startswith("int4"):
+        quantized = quantize(w, 4, 128)
+        packed = kernels.pack_linear_weight(quantized, dtype=torch.bfloat16, int8_activations=weight.endswith("a8"))
+        w = quantized.dequantize()
+    else:
+        w = w.to(getattr(torch, weight))
+        packed = kernels.pack_linear_weight(w)
+    assert packed.kind in ("panels", "quant_panels")
+    assert packed.data.numel() * packed.data.element_size() >= HUGE_PAGE
+    assert packed.data.data_ptr() % HUGE_PAGE == 0
+    if THP:
+        assert "hg" in mapping_flags(packed.data.data_ptr())
+    # The copy is the packed weight: the GEMM through it gives the weight's product.
+    reference = torch.nn.functional.linear(x.float(), w.float())
+    out = kernels.linear(x if weight != "float32" else x.float(), packed.shape_only, None, packed).float()
+    tolerance = 0.15 if weight.endswith("a8") else 0.03  # the int8 activations' rounding
+    assert (out - reference).abs().max() <= tolerance * reference.abs().max()

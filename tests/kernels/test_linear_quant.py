@@ -49,6 +49,11 @@ needs_bf16 = pytest.mark.skipif(
     reason="no vdpbf16ps paths in this build, or no vdpbf16ps on this CPU")
 needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
                                  reason="no AMX tiles in this build, or the kernel refused them")
+# A bf16 path of either kind: vdpbf16ps, or the tiles (the software model's on any CPU).
+needs_bf16_or_tiles = pytest.mark.skipif(
+    MODULE is None or not ((MODULE.quant_bf16_built() and cpu_ext.isa() >= Isa.AVX512_BF16)
+                           or (MODULE.quant_gemm_isa() >= Isa.AMX and cpu_ext.isa() >= Isa.AMX)),
+    reason="neither vdpbf16ps paths nor AMX tiles in this build and on this CPU")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
 
 # (bits, group_size or None for one group per output channel, mins, float16-exact scales)
@@ -288,7 +293,7 @@ def test_on_vdpbf16ps_alone_the_batch_invariant_mode_runs_one_path_at_every_row_
             assert torch.equal(got, float_panel_gemm(x.float(), weight, bias.float(), vector_isa).bfloat16())
 
 
-@needs_bf16
+@needs_bf16_or_tiles
 @pytest.mark.parametrize("rows", [1, LINEAR.VECTOR_ROWS_BESIDE_TILES, LINEAR.VECTOR_ROWS_BESIDE_TILES + 1, 40])
 def test_outside_batch_invariance_a_few_rows_beside_the_tiles_run_the_vector_path(rows):
     """Packed with the engine's batch-invariant mode off, a quantized weight the bf16 dots cannot

@@ -43,17 +43,14 @@ def needs(isa: Isa):
 
 
 VECTOR_PATHS = [pytest.param(isa, marks=needs(isa), id=isa.name.lower()) for isa in (Isa.AVX2, Isa.AVX512)]
+# vdpbf16ps: its paths built, and the CPU has it.
+HAS_BF16 = MODULE is not None and MODULE.quant_bf16_built() and cpu_ext.isa() >= Isa.AVX512_BF16
 # The tiles: built (on the hardware, or as the software model) and lent to this process.
-needs_bf16 = pytest.mark.skipif(
-    MODULE is None or not MODULE.quant_bf16_built() or cpu_ext.isa() < Isa.AVX512_BF16,
-    reason="no vdpbf16ps paths in this build, or no vdpbf16ps on this CPU")
-needs_tiles = pytest.mark.skipif(MODULE is None or MODULE.quant_gemm_isa() < Isa.AMX or cpu_ext.isa() < Isa.AMX,
-                                 reason="no AMX tiles in this build, or the kernel refused them")
-# A bf16 path of either kind: vdpbf16ps, or the tiles (the software model's on any CPU).
-needs_bf16_or_tiles = pytest.mark.skipif(
-    MODULE is None or not ((MODULE.quant_bf16_built() and cpu_ext.isa() >= Isa.AVX512_BF16)
-                           or (MODULE.quant_gemm_isa() >= Isa.AMX and cpu_ext.isa() >= Isa.AMX)),
-    reason="neither vdpbf16ps paths nor AMX tiles in this build and on this CPU")
+HAS_TILES = MODULE is not None and MODULE.quant_gemm_isa() >= Isa.AMX and cpu_ext.isa() >= Isa.AMX
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="no vdpbf16ps paths in this build, or no vdpbf16ps on this CPU")
+needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="no AMX tiles in this build, or the kernel refused them")
+needs_bf16_or_tiles = pytest.mark.skipif(not (HAS_BF16 or HAS_TILES),
+                                         reason="neither vdpbf16ps paths nor AMX tiles in this build and on this CPU")
 pytestmark = pytest.mark.skipif(MODULE is None, reason="the C++ kernels could not be built here")
 
 # (bits, group_size or None for one group per output channel, mins, float16-exact scales)

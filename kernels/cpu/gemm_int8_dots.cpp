@@ -197,6 +197,7 @@ void vnni_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   int64_t line = line_begin;
   for (int64_t g = 0; g < w.groups; ++g) {
+    inflight_cpu::prefetch_group_values(w.scales, w.mins, first_panel, Panels, w.groups, g);
     __m512i dot[Rows][Panels][kHalves];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r)
@@ -284,6 +285,7 @@ void avx2_tile(const QuantizedRows& x, const Weights& w, int64_t first_panel, co
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   int64_t line = line_begin;
   for (int64_t g = 0; g < w.groups; ++g) {
+    inflight_cpu::prefetch_group_values(w.scales, w.mins, first_panel, Panels, w.groups, g);
     __m256i dot[Rows][Panels][2];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r)

@@ -379,6 +379,7 @@ void direct_tile(const float* x, int64_t ldx, const Packed& w, int64_t first_pan
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   int64_t line = line_begin;
   for (int64_t j = 0; j < w.groups; ++j) {
+    inflight_cpu::prefetch_group_values(w.scales, w.mins, first_panel, Panels, w.groups, j);
     Vec s[Panels][kV], m[Panels][kV];
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
@@ -947,6 +948,7 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
   const int64_t pairs_per_group = w.groups == 1 ? pairs : w.group_size / 2;
   int64_t line = line_begin;
   for (int64_t g = 0; g < w.groups; ++g) {
+    inflight_cpu::prefetch_group_values(w.scales, w.mins, first_panel, Panels, w.groups, g);
     __m512 dot[Rows][Panels];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r)

@@ -21,8 +21,9 @@ The device layout (`PackedQuantWeight`):
   its odd columns, two dots of half the tile.
 - scales, mins: [ceil(K / g), N], transposed so that a tile's per-group scales are one
   contiguous load along N. float16 when every value converts to float16 exactly (GGUF's Q8_0,
-  Q4_0, Q4_1 keep float16 scales; AWQ/GPTQ scales are float16 too), else float32 (Q4_K's
-  products d * sc, a load-time quantizer's float32 scales); mins likewise, on their own.
+  Q4_0, Q4_1 keep float16 scales; AWQ/GPTQ scales are float16 too, as the load-time
+  quantizer's groups are where they fit), else float32 (Q4_K's products d * sc, per-channel
+  int8 scales); mins likewise, on their own.
   Either way the kernel computes with the exact float32 values.
 
 Block sizes are chosen in Python from M (the interpreter has no autotuning):

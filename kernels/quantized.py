@@ -101,6 +101,22 @@ class QuantizedWeight:
                                torch.cat([p.mins for p in parts]) if with_mins else None, bits, group)
 
 
+def _group_values(scales: torch.Tensor, mins: torch.Tensor | None, grouped: bool):
+    """A quantizer's scales (and mins), float32 tensors of values float16 holds where every one
+    fits it (normal, or a group of one value), as GGUF, AWQ and GPTQ store theirs: then the CPU
+    packing keeps them in half the bytes (a group of 128 int4 weights reads 68 bytes, not 72), which
+    a decode step that streams its weights from memory runs in proportionally less time. Per output
+    channel there is one scale a row, no bytes worth saving: float32 as computed."""
+    half = torch.finfo(torch.float16)
+    flat = scales == 0  # a group of one value: any scale gives it back
+    fits = grouped and bool(((scales >= half.tiny) | flat).all()) and bool((scales <= half.max).all()) and (
+        mins is None or bool((mins.abs() <= half.max).all()))
+    if not fits:
+        return scales.clamp_min(torch.finfo(torch.float32).tiny), mins
+    scales = scales.masked_fill(flat, half.tiny).half().float()
+    return scales, None if mins is None else mins.half().float()
+
+
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a float weight [out, in]: 8 bits symmetric, one scale
     per group (per output channel when group_size is None); 4 bits asymmetric, a scale and a
@@ -113,7 +129,7 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
     g = padded.view(out, groups, group)
     if bits == 8:
         # The padding's zeros change no group's max.
-        scales = (g.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        scales, _ = _group_values(g.abs().amax(dim=-1) / 127.0, None, group_size is not None)
         q = torch.round(g / scales[..., None]).clamp(-127, 127)
         mins = None
     elif bits == 4:
@@ -122,9 +138,9 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
             padded[:, k:] = w[:, -1:]
             g = padded.view(out, groups, group)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scales = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15)
-        mins = lo
+        scales, mins = _group_values((hi - lo) / 15.0, lo, group_size is not None)
+        # Codes against the scale and min as stored: a min rounded up puts the group's low end below 0.
+        q = torch.round((g - mins[..., None]) / scales[..., None]).clamp(0, 15)
     else:
         raise ValueError(f"bits must be 4 or 8, not {bits}")
     q = q.reshape(out, groups * group)[:, :k].to(torch.int8).contiguous()

@@ -106,6 +106,27 @@ def test_dequantize_is_two_roundings():
     assert not torch.equal(two_roundings, fused), "no weight here tells the two apart"
 
 
+def test_quantize_keeps_group_values_float16_where_they_fit():
+    """The load-time quantizer's groups store float16 scales and mins (half the bytes once packed)
+    and choose the codes against those; a weight whose values float16 cannot hold keeps float32,
+    and one scale per output channel stays float32 as computed."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 300, generator=gen) * 0.02
+    w[5, :128] = 0.25  # a group of one value comes back exactly
+    for bits, group in ((4, 128), (4, 32), (8, 32)):
+        weight = quantize(w, bits, group)
+        for values in (weight.scales, weight.mins):
+            if values is not None:
+                assert torch.equal(values.half().float(), values)
+        step = weight.scales.repeat_interleave(group, dim=1)[:, :300]
+        assert ((weight.dequantize() - w).abs() <= step * 0.5001 + 1e-7).all()
+    assert torch.equal(quantize(w, 4, 128).dequantize()[5, :128], w[5, :128])
+    huge = quantize(w * 1e8, 4, 32)
+    assert not torch.equal(huge.scales.half().float(), huge.scales)
+    per_channel = quantize(w, 8)
+    assert torch.equal(per_channel.scales, (w.abs().amax(dim=1, keepdim=True) / 127.0))
+
+
 @pytest.mark.parametrize("isa", VECTOR_PATHS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("rows", [1, 5, 7, 33, 300])

@@ -16,12 +16,14 @@ are once requests have come and gone. Runs on the CPU too
 (`--device cpu`), where the same bound holds for the C++ kernels.
 
 Several quantizations (`--quantization none,int4,int8`, one batch and one context): Q1's
-comparison. The engines are loaded side by side and timed in turn, one window each a round,
-with the copy bandwidth measured at each round: a VM's memory bandwidth drifts by a third from
-minute to minute, so ratios of runs minutes apart say as much about the drift as about the
-engines. Each round gives every engine's step time, its fraction of the roofline of its own
-bytes, and the first quantization's time over each other's; the report's figures are the medians
-over the rounds.
+comparison. The engines are loaded side by side; each round measures the copy bandwidth, then
+runs their steps in turn, one step of each engine after another, for `--seconds` per engine. A
+VM's memory bandwidth drifts by a third from minute to minute and by a fifth from one second to
+the next, so ratios of runs minutes apart say as much about the drift as about the engines, and
+so did windows of half a second one engine after another (one engine's window ran in a slow
+second, the next one's in a fast one). Each round gives every engine's mean step time, its
+fraction of the roofline of its own bytes, and the first quantization's time over each other's;
+the report's figures are the medians over the rounds.
 
     python -m client.bench.roofline --model .models/random-llama3-1b --batch 1 --context 256 \
         --dtype bfloat16 --quantization none,int4,int8,int4+a8,int8+a8 --rounds 9 --batch-invariant false
@@ -94,10 +96,28 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
     return rows
 
 
+def alternating_steps_ms(steps: dict, device: torch.device | str, seconds: float) -> dict[str, float]:
+    """Each of `steps` called in turn, one call of each after another, until every one has run
+    `seconds` in all (after one warm-up call each): their mean times in ms."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for step in steps.values():
+        step()
+    spent, calls = dict.fromkeys(steps, 0.0), dict.fromkeys(steps, 0)
+    while min(spent.values()) < seconds:
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            spent[name] += time.perf_counter() - start
+            calls[name] += 1
+    return {name: spent[name] / calls[name] * 1e3 for name in steps}
+
+
 def interleaved(engines: dict[str, LLMEngine], batch: int, context: int, seconds: float, rounds: int,
                 scatter_seed: int | None = None) -> dict:
-    """The module docstring's interleaved comparison: per round the copy bandwidth, then each
-    engine's step time over one window; medians over the rounds."""
+    """The module docstring's interleaved comparison: per round the copy bandwidth, then the
+    engines' steps one after another until each has run `seconds`; medians over the rounds."""
     device = next(iter(engines.values())).device
     steps = {}
     for name, engine in engines.items():
@@ -108,7 +128,7 @@ def interleaved(engines: dict[str, LLMEngine], batch: int, context: int, seconds
     per_round = []
     for _ in range(rounds):
         bandwidth = copy_bandwidth_gbps(device, windows=1)
-        step_ms = {name: seconds_per_call(step, device, seconds, 1) * 1e3 for name, step in steps.items()}
+        step_ms = alternating_steps_ms(steps, device, seconds)
         per_round.append({
             "copy_bandwidth_gbps": bandwidth, "step_ms": step_ms,
             "fraction_of_roofline": {n: reads[n] / (bandwidth * 1e9) * 1e3 / ms for n, ms in step_ms.items()},

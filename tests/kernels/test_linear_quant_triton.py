@@ -31,7 +31,9 @@ ROWS = {"decode": 3, "prefill": 37}  # 37: not a multiple of BLOCK_M (64)
 def _weight(bits: int, group_size: int | None, mins: bool, k: int, half_scales: bool = False, seed: int = 0):
     """A QuantizedWeight: quantize() of a random float weight (int8 symmetric, int4 with
     mins), or for int4 without mins raw codes 0..15 and random scales. `half_scales`: scales
-    and mins that float16 holds exactly, as GGUF's Q8_0/Q4_0/Q4_1 have."""
+    and mins that float16 holds exactly, as GGUF's Q8_0/Q4_0/Q4_1 have; else one float32 step
+    above such values where quantize() gives them (its groups' float16 ones), which float16 does
+    not hold."""
     g = torch.Generator().manual_seed(seed)
     if bits == 4 and not mins:
         groups = -(-k // group_size)
@@ -43,6 +45,9 @@ def _weight(bits: int, group_size: int | None, mins: bool, k: int, half_scales: 
     if half_scales:
         qw = QuantizedWeight(qw.q, qw.scales.half().float(), None if qw.mins is None else qw.mins.half().float(),
                              qw.bits, qw.group_size)
+    elif torch.equal(qw.scales.half().float(), qw.scales):
+        up = lambda v: torch.nextafter(v, torch.full_like(v, float("inf")))
+        qw = QuantizedWeight(qw.q, up(qw.scales), None if qw.mins is None else up(qw.mins), qw.bits, qw.group_size)
     return qw
 
 

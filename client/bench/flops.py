@@ -73,10 +73,15 @@ def add_flop_bound(results: list[dict], model_path: str, dtype_name: str, peak: 
 WARMUP_CALLS = 3
 
 
+def synchronizer(device: torch.device | str):
+    """A call that waits for the device's queued work (nothing to wait for on the CPU)."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def seconds_per_call(call, device: torch.device | str, seconds: float, windows: int) -> float:
     """The best mean time of one call over `windows` windows of at least `seconds` (and one
     call) each, after WARMUP_CALLS calls; synchronised with the device at each window's ends."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     for _ in range(WARMUP_CALLS):
         call()
     best = float("inf")

@@ -49,7 +49,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model_runner import kv_block_bytes
 from backend.paths import DEFAULT_CHECKPOINT
-from client.bench.flops import copy_bandwidth_gbps, seconds_per_call
+from client.bench.flops import copy_bandwidth_gbps, seconds_per_call, synchronizer
 from client.bench.records import git_commit, machine, write_report
 
 
@@ -99,7 +99,7 @@ def measure(engine: LLMEngine, batches: list[int], contexts: list[int], bandwidt
 def alternating_steps_ms(steps: dict, device: torch.device | str, seconds: float) -> dict[str, float]:
     """Each of `steps` called in turn, one call of each after another, until every one has run
     `seconds` in all (after one warm-up call each): their mean times in ms."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     for step in steps.values():
         step()
     spent, calls = dict.fromkeys(steps, 0.0), dict.fromkeys(steps, 0)

@@ -103,12 +103,12 @@ class QuantizedWeight:
 
 def _group_values(scales: torch.Tensor, mins: torch.Tensor | None, grouped: bool):
     """A quantizer's scales (and mins), float32 tensors of values float16 holds where every one
-    fits it (normal, or a group of one value), as GGUF, AWQ and GPTQ store theirs: then the CPU
+    fits it (normal, or a group of one value's), as GGUF, AWQ and GPTQ store theirs: then the CPU
     packing keeps them in half the bytes (a group of 128 int4 weights reads 68 bytes, not 72), which
     a decode step that streams its weights from memory runs in proportionally less time. Per output
     channel there is one scale a row, no bytes worth saving: float32 as computed."""
     half = torch.finfo(torch.float16)
-    flat = scales == 0  # a group of one value: any scale gives it back
+    flat = scales == 0  # a group of one value: its min carries it, any scale will do
     fits = grouped and bool(((scales >= half.tiny) | flat).all()) and bool((scales <= half.max).all()) and (
         mins is None or bool((mins.abs() <= half.max).all()))
     if not fits:

@@ -112,7 +112,7 @@ def test_quantize_keeps_group_values_float16_where_they_fit():
     and one scale per output channel stays float32 as computed."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 300, generator=gen) * 0.02
-    w[5, :128] = 0.25  # a group of one value comes back exactly
+    w[5, :128] = 0.25  # a group of one value that float16 holds comes back exactly
     for bits, group in ((4, 128), (4, 32), (8, 32)):
         weight = quantize(w, bits, group)
         for values in (weight.scales, weight.mins):

@@ -274,8 +274,10 @@ def test_silu_and_mul_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(144, 2 * 1536), (1, 2 * 1536), (5, 2 * 37), (2, 3, 2 * 64)],
-                         ids=["w1_mixed_step", "one_row", "odd_width", "3d"])
+@pytest.mark.parametrize("shape", [(144, 2 * 1536), (1, 2 * 1536), (5, 2 * 37), (2, 3, 2 * 64), (1, 2 * 8192),
+                                   (3, 2 * 5003)],
+                         ids=["w1_mixed_step", "one_row", "odd_width", "3d", "one_row_in_slices",
+                              "rows_in_slices_odd_width"])
 def test_silu_and_mul_cpu_is_bit_identical_to_the_reference(dtype, shape):
     """The engine's greedy tokens must equal HF's: the C++ path (SLEEF's expf, torch's order
     of roundings) gives exactly torch's values, not values within an ulp of them."""

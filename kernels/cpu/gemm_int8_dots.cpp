@@ -567,16 +567,22 @@ at::Tensor gemm(const at::Tensor& x, const Weights& w, int64_t num_panels, int64
   // The tiles read whole dot products of x, and passes of 32 rows (zero rows past M).
   const int64_t padded_k = tiles ? shape.width : w.lines * k_per_line(Bits);
   const int64_t rows_held = tiles ? (m + 31) / 32 * 32 : m;
-  at::Tensor xq = at::zeros({rows_held, padded_k}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::zeros({rows_held, w.groups}, x.options().dtype(at::kFloat));
-  at::Tensor min_factors = at::zeros({rows_held, w.groups}, x.options().dtype(at::kFloat));
-  at::Tensor group_sums = at::zeros({rows_held, w.groups}, x.options().dtype(at::kInt));
+  // The quantized rows, their scales, min factors and sums in one buffer (one allocation a call,
+  // not four: a decode step makes ~100 of these calls). quantize_row writes every byte of rows
+  // [0, m); only the tiles' padding rows past m are zeroed.
+  const int64_t q_bytes = (rows_held * padded_k + 63) / 64 * 64, values = rows_held * w.groups;
+  at::Tensor held = at::empty({q_bytes + 3 * values * 4}, x.options().dtype(at::kChar));
+  int8_t* qp = held.data_ptr<int8_t>();
+  float* sp = reinterpret_cast<float*>(qp + q_bytes);
+  float* mp = sp + values;
+  int32_t* gp = reinterpret_cast<int32_t*>(mp + values);
+  if (rows_held > m) {
+    std::memset(qp + m * padded_k, 0, (rows_held - m) * padded_k);
+    for (float* v : {sp, mp}) std::fill(v + m * w.groups, v + values, 0.f);
+    std::fill(gp + m * w.groups, gp + values, 0);
+  }
   const In* xp = x.data_ptr<In>();
   const int64_t ldx = x.stride(0);
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = scales.data_ptr<float>();
-  float* mp = min_factors.data_ptr<float>();
-  int32_t* gp = group_sums.data_ptr<int32_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(xp + r * ldx, k, padded_k, group_size, w.groups, qp + r * padded_k, sp + r * w.groups,

@@ -3,29 +3,23 @@
 //
 // One task per run of up to 16 consecutive query tokens of one sequence (a decode is a run of
 // one), over every KV head, or over one KV head when there are too few runs to keep the cores
-// busy (a batch of a few decodes). A task first copies its context's rows out of the scattered
-// blocks into a buffer of its own, then scores every token of the run against it; softmax; then
-// the same for the values. Scores for the whole prefix are kept (heads x len floats per token).
-// Accumulation is float32 whatever the cache dtype. A quantized cache (int8, fp8) is copied as
-// stored, a byte a value, and its codes are widened to float32 lanes in the compute loops'
-// registers (an fp8 block that several tokens read is widened once, to bfloat16, first); each
-// row's scale multiplies its dot product (a score) and its probability (a value row's weight)
-// once, so the cache moves a quarter of float32's bytes through the core; int8 keys are scored
-// as integers against the query rounded to int16 (score_tile_int8). A run's
-// tokens share the copy but not the arithmetic, where a GEMM-based kernel would share each load
-// among a tile of queries: long
+// busy (a batch of a few decodes). A task scores every token of the run against its context's
+// rows where they lie in the scattered blocks, asking for the blocks ahead as it goes (KvBlocks);
+// softmax; then the same for the values. Scores for the whole prefix are kept (heads x len
+// floats per token). Accumulation is float32 whatever the cache dtype. A quantized cache's codes
+// (int8, fp8) are widened to float32 lanes in the compute loops' registers (an fp8 block that
+// several tokens read is widened once, to bfloat16, first); each row's scale multiplies its dot
+// product (a score) and its probability (a value row's weight) once, so the cache moves a quarter
+// of float32's bytes through the core; int8 keys are scored as integers against the query
+// rounded to int16 (score_tile_int8). A run's tokens share each block's loads from memory but not
+// the arithmetic, where a GEMM-based kernel would share each load among a tile of queries: long
 // chunks at long contexts are faster in SDPA, and kernels/paged_attention.py sends those there
 // (unless the engine runs batch-invariant).
 //
-// A decode step reads every cached K and V byte of the batch once (~150 MB for SmolLM2 in
-// bfloat16 at batch 32, contexts ~200), so the memory side sets the pace:
-// - the copy: read in place by the compute loops, the cache came in at ~8 GB/s (they keep few
-//   loads in flight, and memory idles while they compute); a copy loop that asks for the next
-//   block's lines (into L2) while it copies this one, with the values' lines asked for while
-//   the keys are scored, makes the kernel 2x faster: 17.6 to 8.4 ms a step (30 layers' own
-//   caches, batch 32, contexts ~200, 2-core AVX512-BF16 EPYC; the cache streams at ~17 GB/s);
-// - long contexts, copied a segment at a time: the next segment's lines are asked for while
-//   this one is computed on, so that streaming and arithmetic overlap rather than take turns;
+// A decode step reads every cached K and V byte of the batch once, so the memory side sets the
+// pace:
+// - the blocks ahead asked for, each twice (KvBlocks): the compute loops alone keep too few loads
+//   in flight, and memory idles while they compute;
 // - QK scores 8 rows at a time: 8 independent dot-product accumulators (no FMA latency
 //   chain), folded into 8 scores by one transposing reduction (hadd: 9 instructions for 8
 //   rows, where a horizontal sum per row costs ~6 each);
@@ -437,70 +431,38 @@ struct Task {
   int64_t slot = -1;  // a part's: its first token's row in attend's part results
 };
 
-// The task's context, copied out of the paged cache into a buffer of its own (rows of its KV heads,
-// back to back) before it is computed on. Reading the cache where it lies, the compute loops keep
-// few loads in flight and memory sits idle while they run (2-core AVX512-BF16 EPYC, SmolLM2 bf16,
-// batch 32, contexts ~200: ~8 GB/s of KV); a copy loop that asks for the next block's lines while
-// it copies this one streams at the machine's rate, after which the arithmetic reads from L1/L2.
-// At most kGatherBytes at a time (a quarter of a Zen 4 core's L2): longer contexts are computed
-// in segments of whole blocks. A quantized cache's rows are copied as they are stored (a byte a
-// value: a segment holds 2x a bf16 one's rows), and their scales beside them.
-constexpr int64_t kGatherBytes = 256 * 1024;
-
+// The rows of a task's KV heads in the paged cache, read where they lie. Each block asks for the
+// lines of the next two blocks of the stream the task reads (its keys' blocks, then its values',
+// then the next task's first keys), so that every block is asked for twice: asked for once, a
+// block's lines arrive late, the prefetches of a burst dropped while the core's miss buffers are
+// full (bf16, 8k context, batch 32, 2-core AVX512-BF16 EPYC: one window read 14-16 GB/s, two
+// 19-23). Reading in place this way took 0.71-0.90x the time of copying each task's rows into a
+// buffer of its own first and computing on the copy, and int8 0.79-0.98x (batch 1, 8 and 32,
+// contexts 256 and 8k, the two kernels alternating in one process).
 template <typename C>
-struct Gatherer {
+struct KvBlocks {
   const C* cache;
   const int32_t* table;
   int64_t block_stride, block_size, row_width, column, width;  // the task's columns of a row
-  C* local;
-  // Quantized caches: the rows' scales [block][row][KV head], the head size they split rows by,
-  // and where each copied row's scale * kLaneFactor goes: [task's KV head][segment row], each
-  // head's run `local_scale_rows` long.
-  const float* scales = nullptr;
+  const float* scales = nullptr;  // quantized caches: [block][row][KV head]
   int64_t scale_block_stride = 0, head_dim = 0;
-  float* local_scales = nullptr;
-  int64_t local_scale_rows = 0;
+
+  const C* rows(int64_t b) const { return cache + table[b] * block_stride + column; }
+  const float* row_scales(int64_t b) const { return scales + table[b] * scale_block_stride + column / head_dim; }
 
   static void prefetch(const void* p, int64_t bytes) {
     const char* c = reinterpret_cast<const char*>(p);
     for (int64_t off = 0; off < bytes; off += 64) inflight_cpu::prefetch_l2(c + off);
   }
-  void prefetch_block(int64_t b, int64_t rows) const {
-    const C* src = cache + table[b] * block_stride + column;
+  void prefetch_block(int64_t b, int64_t rows_in_block) const {
+    const C* src = rows(b);
     if (width == row_width) {
-      prefetch(src, rows * row_width * int64_t(sizeof(C)));
+      prefetch(src, rows_in_block * row_width * int64_t(sizeof(C)));
     } else {
-      for (int64_t r = 0; r < rows; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(C)));
+      for (int64_t r = 0; r < rows_in_block; ++r) prefetch(src + r * row_width, width * int64_t(sizeof(C)));
     }
     if constexpr (inflight_cpu::kIsQuantizedKv<C>)
-      prefetch(scales + table[b] * scale_block_stride, rows * (row_width / head_dim) * int64_t(sizeof(float)));
-  }
-  // Rows [b_begin * block_size, end_row) into local (row r at (r - b_begin * block_size) * width),
-  // asking for the next block's lines (and, past the last, for `next_rows` rows of block `next`).
-  void gather(int64_t b_begin, int64_t end_row, int64_t next, int64_t next_rows) const {
-    const int64_t b_end = (end_row + block_size - 1) / block_size;
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      const int64_t rows = std::min(block_size, end_row - b * block_size);
-      if (b + 1 < b_end)
-        prefetch_block(b + 1, std::min(block_size, end_row - (b + 1) * block_size));
-      else if (next >= 0)
-        prefetch_block(next, next_rows);
-      const C* src = cache + table[b] * block_stride + column;
-      C* dst = local + (b - b_begin) * block_size * width;
-      if constexpr (inflight_cpu::kIsQuantizedKv<C>) {
-        const int64_t heads = row_width / head_dim, first_head = column / head_dim;
-        const float* scale = scales + table[b] * scale_block_stride + first_head;
-        float* local_scale = local_scales + (b - b_begin) * block_size;
-        for (int64_t h = 0; h < width / head_dim; ++h)
-          for (int64_t r = 0; r < rows; ++r)
-            local_scale[h * local_scale_rows + r] = scale[r * heads + h] * inflight_cpu::KvQuant<C>::kLaneFactor;
-      }
-      if (width == row_width) {
-        std::memcpy(dst, src, rows * row_width * sizeof(C));
-      } else {
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * width, src + r * row_width, width * sizeof(C));
-      }
-    }
+      prefetch(scales + table[b] * scale_block_stride, rows_in_block * (row_width / head_dim) * int64_t(sizeof(float)));
   }
 };
 
@@ -516,19 +478,16 @@ inline void grow(std::vector<T>& buffer, size_t size) {
 // (Task::part_end) unnormalised, with `stats` [num_tokens][heads_in_task * group] {peak, total}. Every token is computed as if
 // alone: its scores, softmax and value sums run in the order its context length sets, whatever
 // tokens and heads share the task.
-// C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale,
-// and `local_scales` the copied rows').
+// C: the cache's element, T or a quantized one (then k_scale and v_scale hold each row's scale).
 template <typename T, typename C, int L, int kVectors>
 void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
                             const float* v_scale, const int32_t* table, const Task& task, const Task* next,
                             const int32_t* next_table, float* out, float* stats, const Shape& shape, float scale,
-                            std::vector<float>& query, std::vector<float>& scores, std::vector<C>& local,
-                            std::vector<float>& local_scales) {
+                            std::vector<float>& query, std::vector<float>& scores) {
   constexpr int64_t kHeadDim = kVectors * L;
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
   const int64_t num_heads = task.head_end - task.head_begin, heads_width = num_heads * group * kHeadDim;
-  const int64_t width = num_heads * kHeadDim;  // one row of the local copy
   const int64_t max_len = task.first_len + task.num_tokens - 1;
   const bool split = task.part_end > 0;
   // The positions the task reads, [part_begin, context_end), and their blocks [begin_block, end_block).
@@ -536,19 +495,12 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   const int64_t begin_block = task.part_begin / block_size;
   const int64_t end_block = (context_end + block_size - 1) / block_size, num_blocks = end_block - begin_block;
   const int64_t scores_stride = (context_end - task.part_begin + kTileRows - 1) / kTileRows * kTileRows;
-  const int64_t segment_blocks =
-      std::max<int64_t>(1, kGatherBytes / (block_size * width * int64_t(sizeof(C))));
-  const int64_t segment_rows = std::min(segment_blocks, num_blocks) * block_size;
   const int64_t token_scores = num_heads * group * scores_stride;  // one token's rows of scores
 
   grow(query, task.num_tokens * heads_width);
   grow(scores, task.num_tokens * token_scores);
-  grow(local, segment_rows * width);
-  if constexpr (inflight_cpu::kIsQuantizedKv<C>) grow(local_scales, segment_rows * num_heads);
   float* const query_data = query.data();
   float* const scores_data = scores.data();
-  C* const local_data = local.data();
-  float* const local_scales_data = local_scales.data();
   for (int64_t t = 0; t < task.num_tokens; ++t)
     for (int64_t g = 0; g < num_heads * group; ++g)
       for (int j = 0; j < kVectors; ++j)
@@ -568,97 +520,118 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       query16_scales[row] = round_query_to_int16(query_data + row * kHeadDim, query16.data() + row * kHeadDim, kHeadDim);
   }
 
+  const KvBlocks<C> keys{k_cache,  table, shape.block_stride, block_size, row_width, task.head_begin * kHeadDim,
+                         num_heads * kHeadDim, k_scale, shape.scale_block_stride, kHeadDim};
+  KvBlocks<C> values = keys;
+  values.cache = v_cache;
+  values.scales = v_scale;
+  KvBlocks<C> next_keys = keys;
+  int64_t next_begin = 0, next_end = 0, next_len = 0;
+  if (next != nullptr) {
+    next_keys.table = next_table;
+    next_keys.column = next->head_begin * kHeadDim;
+    next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
+    next_len = next->first_len + next->num_tokens - 1;
+    if (next->part_end > 0) next_len = std::min(next_len, next->part_end);
+    next_begin = next->part_begin / block_size;
+    next_end = (next_len + block_size - 1) / block_size;
+  }
+  // Block i of the task's stream (keys, then values, then the next task's keys) asks for blocks
+  // i + 1 and i + 2 (KvBlocks).
+  const auto ask_ahead = [&](int64_t i) {
+    for (int64_t j = i + 1; j <= i + 2; ++j) {
+      if (j < num_blocks) {
+        const int64_t b = begin_block + j;
+        keys.prefetch_block(b, std::min(block_size, context_end - b * block_size));
+      } else if (j < 2 * num_blocks) {
+        const int64_t b = begin_block + j - num_blocks;
+        values.prefetch_block(b, std::min(block_size, context_end - b * block_size));
+      } else if (next != nullptr && next_begin + j - 2 * num_blocks < next_end) {
+        const int64_t b = next_begin + j - 2 * num_blocks;
+        next_keys.prefetch_block(b, std::min(block_size, next_len - b * block_size));
+      }
+    }
+  };
+
+  // A quantized block's row scales, [task's KV head][row], each times kLaneFactor (what the
+  // compute loops multiply a row's dot product or probability by).
+  constexpr bool kQuantized = inflight_cpu::kIsQuantizedKv<C>;
+  thread_local std::vector<float> block_factors;
+  if constexpr (kQuantized) grow(block_factors, num_heads * block_size);
+  const auto load_factors = [&](const KvBlocks<C>& blocks, int64_t b, int64_t rows) {
+    if constexpr (kQuantized) {
+      const float* s = blocks.row_scales(b);
+      const int64_t heads = row_width / kHeadDim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t r = 0; r < rows; ++r)
+          block_factors[h * block_size + r] = s[r * heads + h] * inflight_cpu::KvQuant<C>::kLaneFactor;
+    }
+  };
+
   // An fp8 block's codes take more work to widen in registers than a bfloat16 row (float16's
   // conversion beside the shifts): with several tokens to read each row, the block is widened
   // once into bfloat16 (decode_to_bfloat16: the same lanes, so the same bits), which its tokens
   // read at a bfloat16 row's cost. int8's codes widen as cheaply as bfloat16's; a decode reads
   // each row once.
-  constexpr bool kQuantized = inflight_cpu::kIsQuantizedKv<C>;
   constexpr bool kWidensFp8 = kQuantized && !std::is_same_v<C, int8_t>;
   thread_local std::vector<c10::BFloat16> widened;
+  const int64_t width = num_heads * kHeadDim;
   if constexpr (kWidensFp8) grow(widened, block_size * width);
-  // Calls body(rows, t, count) for each token t of the task that sees block b of the segment
-  // starting at block s0, `count` of the block's rows; `rows` its copied rows, as stored or widened.
-  const auto for_tokens_seeing_block = [&](int64_t b, int64_t s0, auto&& body) {
+  // Calls body(rows, row_stride, t, count) for each token t of the task that sees block b, `count`
+  // of the block's rows; `rows` its task's columns, in the cache (rows row_stride apart) or widened.
+  const auto for_tokens_seeing_block = [&](const KvBlocks<C>& blocks, int64_t b, auto&& body) {
     const int64_t first = b * block_size;
-    const auto each_token = [&](const auto* rows) {
+    const auto each_token = [&](const auto* rows, int64_t row_stride) {
       for (int64_t t = 0; t < task.num_tokens; ++t) {
         const int64_t len = std::min(task.first_len + t, context_end);
-        if (first < len) body(rows, t, std::min(block_size, len - first));
+        if (first < len) body(rows, row_stride, t, std::min(block_size, len - first));
       }
     };
-    const C* block_rows = local_data + (b - s0) * block_size * width;
     if constexpr (kWidensFp8) {
       if (task.num_tokens > 1) {
-        inflight_cpu::decode_to_bfloat16<L>(block_rows, reinterpret_cast<uint16_t*>(widened.data()),
-                                            std::min(block_size, context_end - first) * width);
-        each_token(static_cast<const c10::BFloat16*>(widened.data()));
+        uint16_t* wide = reinterpret_cast<uint16_t*>(widened.data());
+        for (int64_t r = 0; r < std::min(block_size, context_end - first); ++r)
+          inflight_cpu::decode_to_bfloat16<L>(blocks.rows(b) + r * row_width, wide + r * width, width);
+        each_token(static_cast<const c10::BFloat16*>(widened.data()), width);
         return;
       }
     }
-    each_token(block_rows);
+    each_token(blocks.rows(b), row_width);
   };
 
-  Gatherer<C> keys{k_cache,   table,    shape.block_stride, block_size,        row_width,    task.head_begin * kHeadDim,
-                   width,     local_data, k_scale,          shape.scale_block_stride, kHeadDim, local_scales_data,
-                   segment_rows};
-  Gatherer<C> values = keys;
-  values.cache = v_cache;
-  values.scales = v_scale;
-  // While a segment is computed on, the lines of the one to be copied next (the keys' next
-  // segment; after the last, the values' first) are asked for (to L2), spread over its blocks, so
-  // that memory streams while the core computes and the copy finds them near. Copying and then
-  // computing with memory idle meanwhile, a step's time was the sum of the two (int8 KV at 8k:
-  // ~3.4 ms of streaming and ~5 of arithmetic a layer at batch 32).
-  // Block i of `blocks` asks for its share of `next`'s blocks [next_begin, next_end), of a
-  // context `len` positions long.
-  const auto prefetch_share = [&](const Gatherer<C>& next, int64_t len, int64_t next_begin, int64_t next_end,
-                                  int64_t i, int64_t blocks) {
-    const int64_t count = next_end - next_begin;
-    for (int64_t nb = next_begin + i * count / blocks; nb < next_begin + (i + 1) * count / blocks; ++nb)
-      next.prefetch_block(nb, std::min(block_size, len - nb * block_size));
-  };
-
-  for (int64_t s0 = begin_block; s0 < end_block; s0 += segment_blocks) {
-    const int64_t s1 = std::min(end_block, s0 + segment_blocks);
-    keys.gather(s0, std::min(s1 * block_size, context_end), s1 < end_block ? s1 : -1, block_size);
-    const Gatherer<C>& upcoming = s1 < end_block ? keys : values;
-    const int64_t upcoming_begin = s1 < end_block ? s1 : begin_block;
-    const int64_t upcoming_end = std::min(end_block, upcoming_begin + segment_blocks);
-    for (int64_t b = s0; b < s1; ++b) {
-      const int64_t first = b * block_size;
-      prefetch_share(upcoming, context_end, upcoming_begin, upcoming_end, b - s0, s1 - s0);
-      const float* block_scales = local_scales_data + (b - s0) * block_size;
-      for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
-        using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
-        for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-          int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
-          for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
-          const int64_t valid = std::min(kTileRows, count - r0);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const R* head_rows[kTileRows];
-            float row_factors[kTileRows] = {};
-            for (int64_t i = 0; i < kTileRows; ++i) {
-              head_rows[i] = block_rows + tile_rows[i] * width + h * kHeadDim;
-              if constexpr (kQuantized) row_factors[i] = block_scales[h * segment_rows + tile_rows[i]];
-            }
-            for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-              const int64_t row = h * group + g;
-              float* tile_scores = scores_data + t * token_scores + row * scores_stride + (first - task.part_begin) + r0;
-              if constexpr (kIntegerKeys) {
-                score_tile_int8<decltype(heads)::value>(head_rows, row_factors, query16.data() + t * heads_width + row * kHeadDim,
-                                                        query16_scales.data() + t * num_heads * group + row, kHeadDim,
-                                                        tile_scores, scores_stride, valid);
-              } else {
-                score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
-                    head_rows, row_factors, query_data + t * heads_width + row * kHeadDim, tile_scores, scores_stride,
-                    valid);
-              }
-            });
+  for (int64_t b = begin_block; b < end_block; ++b) {
+    const int64_t first = b * block_size;
+    ask_ahead(b - begin_block);
+    if constexpr (kQuantized) load_factors(keys, b, std::min(block_size, context_end - first));
+    for_tokens_seeing_block(keys, b, [&](const auto* block_rows, int64_t row_stride, int64_t t, int64_t count) {
+      using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
+      for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+        int64_t tile_rows[kTileRows];  // a partial tile repeats the last row; its extra scores are dropped
+        for (int64_t i = 0; i < kTileRows; ++i) tile_rows[i] = std::min(r0 + i, count - 1);
+        const int64_t valid = std::min(kTileRows, count - r0);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const R* head_rows[kTileRows];
+          float row_factors[kTileRows] = {};
+          for (int64_t i = 0; i < kTileRows; ++i) {
+            head_rows[i] = block_rows + tile_rows[i] * row_stride + h * kHeadDim;
+            if constexpr (kQuantized) row_factors[i] = block_factors[h * block_size + tile_rows[i]];
           }
+          for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+            const int64_t row = h * group + g;
+            float* tile_scores = scores_data + t * token_scores + row * scores_stride + (first - task.part_begin) + r0;
+            if constexpr (kIntegerKeys) {
+              score_tile_int8<decltype(heads)::value>(head_rows, row_factors, query16.data() + t * heads_width + row * kHeadDim,
+                                                      query16_scales.data() + t * num_heads * group + row, kHeadDim,
+                                                      tile_scores, scores_stride, valid);
+            } else {
+              score_tile<R, L, kVectors, decltype(heads)::value, kQuantized>(
+                  head_rows, row_factors, query_data + t * heads_width + row * kHeadDim, tile_scores, scores_stride,
+                  valid);
+            }
+          });
         }
-      });
-    }
+      }
+    });
   }
 
   for (int64_t t = 0; t < task.num_tokens; ++t)
@@ -675,45 +648,23 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       stats[(t * num_heads * group + row) * 2 + 1] = total;
     }
 
-  // The values' next segment is asked for as the keys' is; over the last, the core's next task's
-  // first keys, so that its copy starts from L2 rather than from memory.
-  Gatherer<C> next_keys = keys;
-  int64_t next_begin = 0, next_end = 0, next_len = 0;
-  if (next != nullptr) {
-    next_keys.table = next_table;
-    next_keys.column = next->head_begin * kHeadDim;
-    next_keys.width = (next->head_end - next->head_begin) * kHeadDim;
-    next_len = next->first_len + next->num_tokens - 1;
-    if (next->part_end > 0) next_len = std::min(next_len, next->part_end);
-    next_begin = next->part_begin / block_size;
-    next_end = std::min((next_len + block_size - 1) / block_size,
-                        next_begin + std::max<int64_t>(1, kGatherBytes / (block_size * next_keys.width * int64_t(sizeof(C)))));
-  }
-
   std::fill(out, out + task.num_tokens * heads_width, 0.f);
-  for (int64_t s0 = begin_block; s0 < end_block; s0 += segment_blocks) {
-    const int64_t s1 = std::min(end_block, s0 + segment_blocks);
-    values.gather(s0, std::min(s1 * block_size, context_end), s1 < end_block ? s1 : -1, block_size);
-    for (int64_t b = s0; b < s1; ++b) {
-      const int64_t first = b * block_size;
-      if (s1 < end_block)
-        prefetch_share(values, context_end, s1, std::min(end_block, s1 + segment_blocks), b - s0, s1 - s0);
-      else
-        prefetch_share(next_keys, next_len, next_begin, next_end, b - s0, s1 - s0);
-      const float* block_scales = local_scales_data + (b - s0) * block_size;
-      for_tokens_seeing_block(b, s0, [&](const auto* block_rows, int64_t t, int64_t count) {
-        using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
-            const int64_t row = h * group + g;
-            accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
-                block_rows + h * kHeadDim, block_scales + h * segment_rows, width, count,
-                scores_data + t * token_scores + row * scores_stride + (first - task.part_begin), scores_stride,
-                out + t * heads_width + row * kHeadDim);
-          });
-        }
-      });
-    }
+  for (int64_t b = begin_block; b < end_block; ++b) {
+    const int64_t first = b * block_size;
+    ask_ahead(num_blocks + b - begin_block);
+    if constexpr (kQuantized) load_factors(values, b, std::min(block_size, context_end - first));
+    for_tokens_seeing_block(values, b, [&](const auto* block_rows, int64_t row_stride, int64_t t, int64_t count) {
+      using R = std::remove_cv_t<std::remove_pointer_t<decltype(block_rows)>>;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
+          const int64_t row = h * group + g;
+          accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
+              block_rows + h * kHeadDim, block_factors.data() + h * block_size, row_stride, count,
+              scores_data + t * token_scores + row * scores_stride + (first - task.part_begin), scores_stride,
+              out + t * heads_width + row * kHeadDim);
+        });
+      }
+    });
   }
 }
 
@@ -865,8 +816,6 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
       // Kept from call to call (a step calls once per layer): freed and allocated again, they
       // would take fresh pages from the kernel, page faults and all, every time.
       thread_local std::vector<float> query, scores, result, stats;
-      thread_local std::vector<C> local;
-      thread_local std::vector<float> local_scales;
       // Tasks are taken as cores come free, each core claiming its next task before it starts
       // one, so that it can ask for that task's first keys while it finishes this one.
       int64_t mine = claimed.fetch_add(1, std::memory_order_relaxed);
@@ -879,8 +828,7 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const float* k_scale
         grow(result, task.num_tokens * heads_width);
         grow(stats, task.num_tokens * rows * 2);
         kernel(q + task.first_token * token_width, k_cache, v_cache, k_scale, v_scale, table(task.seq), task, next,
-               next != nullptr ? table(next->seq) : nullptr, result.data(), stats.data(), shape, scale, query, scores,
-               local, local_scales);
+               next != nullptr ? table(next->seq) : nullptr, result.data(), stats.data(), shape, scale, query, scores);
         const int64_t head_offset = task.head_begin * group * shape.head_dim;
         for (int64_t t = 0; t < task.num_tokens; ++t) {
           if (task.slot < 0) {

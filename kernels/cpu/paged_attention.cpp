@@ -741,7 +741,7 @@ void store_row(const float* src, T* dst, int64_t n) {
 // Every query token attends to its own causal prefix of its sequence's cache, so a prefill
 // chunk's token is computed exactly like a decode over a shorter context: one code path for
 // decodes, prefill chunks and mixed batches, and one parallel loop over tasks. A task is a run of
-// up to kRunTokens consecutive tokens of one sequence, which share one copy of their context, over
+// up to kRunTokens consecutive tokens of one sequence, which share each block's loads from memory, over
 // every KV head, or over one KV head where there are too few runs to keep the cores busy (a batch
 // of a few decodes). Tasks differ in length (contexts vary, and a chunk's later tokens see more),
 // hence OpenMP's dynamic schedule rather than at::parallel_for's equal ranges.

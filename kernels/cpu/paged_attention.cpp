@@ -434,9 +434,9 @@ struct Task {
 // The rows of a task's KV heads in the paged cache, read where they lie. Each block asks for the
 // lines of the next two blocks of the stream the task reads (its keys' blocks, then its values',
 // then the next task's first keys), so that every block is asked for twice: asked for once, a
-// block's lines arrive late, the prefetches of a burst dropped while the core's miss buffers are
-// full (bf16, 8k context, batch 32, 2-core AVX512-BF16 EPYC: one window read 14-16 GB/s, two
-// 19-23). Reading in place this way took 0.71-0.90x the time of copying each task's rows into a
+// block's lines arrived late, most likely the prefetches of a burst dropped while the core's miss
+// buffers are full (bf16, 8k context, batch 32, 2-core AVX512-BF16 EPYC: one window read 14-16
+// GB/s, two 19-23). Reading in place this way took 0.71-0.90x the time of copying each task's rows into a
 // buffer of its own first and computing on the copy, and int8 0.79-0.98x (batch 1, 8 and 32,
 // contexts 256 and 8k, the two kernels alternating in one process).
 template <typename C>

@@ -436,9 +436,9 @@ struct Task {
 // then the next task's first keys), so that every block is asked for twice: asked for once, a
 // block's lines arrived late, most likely the prefetches of a burst dropped while the core's miss
 // buffers are full (bf16, 8k context, batch 32, 2-core AVX512-BF16 EPYC: one window read 14-16
-// GB/s, two 19-23). Reading in place this way took 0.71-0.90x the time of copying each task's rows into a
-// buffer of its own first and computing on the copy, and int8 0.79-0.98x (batch 1, 8 and 32,
-// contexts 256 and 8k, the two kernels alternating in one process).
+// GB/s, two 19-23). Reading in place this way took 0.71-0.90x the time of copying each task's
+// rows into a buffer of its own first and computing on the copy, and int8 0.79-0.98x (batch 1, 8
+// and 32, contexts 256 and 8k, the two kernels alternating in one process).
 template <typename C>
 struct KvBlocks {
   const C* cache;
@@ -488,6 +488,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   constexpr int kMaxHeads = kHeadsPerPass<L, kVectors>;
   const int64_t group = shape.group(), row_width = shape.row_width(), block_size = shape.block_size;
   const int64_t num_heads = task.head_end - task.head_begin, heads_width = num_heads * group * kHeadDim;
+  const int64_t width = num_heads * kHeadDim;  // the task's columns of a cache row
   const int64_t max_len = task.first_len + task.num_tokens - 1;
   const bool split = task.part_end > 0;
   // The positions the task reads, [part_begin, context_end), and their blocks [begin_block, end_block).
@@ -520,8 +521,8 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
       query16_scales[row] = round_query_to_int16(query_data + row * kHeadDim, query16.data() + row * kHeadDim, kHeadDim);
   }
 
-  const KvBlocks<C> keys{k_cache,  table, shape.block_stride, block_size, row_width, task.head_begin * kHeadDim,
-                         num_heads * kHeadDim, k_scale, shape.scale_block_stride, kHeadDim};
+  const KvBlocks<C> keys{k_cache, table, shape.block_stride, block_size, row_width, task.head_begin * kHeadDim,
+                         width,   k_scale, shape.scale_block_stride, kHeadDim};
   KvBlocks<C> values = keys;
   values.cache = v_cache;
   values.scales = v_scale;
@@ -558,13 +559,14 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   constexpr bool kQuantized = inflight_cpu::kIsQuantizedKv<C>;
   thread_local std::vector<float> block_factors;
   if constexpr (kQuantized) grow(block_factors, num_heads * block_size);
+  float* const factors = block_factors.data();
   const auto load_factors = [&](const KvBlocks<C>& blocks, int64_t b, int64_t rows) {
     if constexpr (kQuantized) {
       const float* s = blocks.row_scales(b);
       const int64_t heads = row_width / kHeadDim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t r = 0; r < rows; ++r)
-          block_factors[h * block_size + r] = s[r * heads + h] * inflight_cpu::KvQuant<C>::kLaneFactor;
+          factors[h * block_size + r] = s[r * heads + h] * inflight_cpu::KvQuant<C>::kLaneFactor;
     }
   };
 
@@ -575,8 +577,8 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
   // each row once.
   constexpr bool kWidensFp8 = kQuantized && !std::is_same_v<C, int8_t>;
   thread_local std::vector<c10::BFloat16> widened;
-  const int64_t width = num_heads * kHeadDim;
   if constexpr (kWidensFp8) grow(widened, block_size * width);
+  c10::BFloat16* const widened_data = widened.data();
   // Calls body(rows, row_stride, t, count) for each token t of the task that sees block b, `count`
   // of the block's rows; `rows` its task's columns, in the cache (rows row_stride apart) or widened.
   const auto for_tokens_seeing_block = [&](const KvBlocks<C>& blocks, int64_t b, auto&& body) {
@@ -589,10 +591,10 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
     };
     if constexpr (kWidensFp8) {
       if (task.num_tokens > 1) {
-        uint16_t* wide = reinterpret_cast<uint16_t*>(widened.data());
+        uint16_t* wide = reinterpret_cast<uint16_t*>(widened_data);
         for (int64_t r = 0; r < std::min(block_size, context_end - first); ++r)
           inflight_cpu::decode_to_bfloat16<L>(blocks.rows(b) + r * row_width, wide + r * width, width);
-        each_token(static_cast<const c10::BFloat16*>(widened.data()), width);
+        each_token(static_cast<const c10::BFloat16*>(widened_data), width);
         return;
       }
     }
@@ -614,7 +616,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
           float row_factors[kTileRows] = {};
           for (int64_t i = 0; i < kTileRows; ++i) {
             head_rows[i] = block_rows + tile_rows[i] * row_stride + h * kHeadDim;
-            if constexpr (kQuantized) row_factors[i] = block_factors[h * block_size + tile_rows[i]];
+            if constexpr (kQuantized) row_factors[i] = factors[h * block_size + tile_rows[i]];
           }
           for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
             const int64_t row = h * group + g;
@@ -659,7 +661,7 @@ void attend_task_vectorised(const T* q, const C* k_cache, const C* v_cache, cons
         for_head_passes<kMaxHeads>(group, [&](auto heads, int64_t g) {
           const int64_t row = h * group + g;
           accumulate_values<R, L, kVectors, decltype(heads)::value, kQuantized>(
-              block_rows + h * kHeadDim, block_factors.data() + h * block_size, row_stride, count,
+              block_rows + h * kHeadDim, factors + h * block_size, row_stride, count,
               scores_data + t * token_scores + row * scores_stride + (first - task.part_begin), scores_stride,
               out + t * heads_width + row * kHeadDim);
         });

@@ -890,12 +890,15 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 // and min leave the inner loop:
 //   out[r, c] = sum over groups g of  scale[g, c] * D[r, g, c] + min[g, c] * X[r, g]  (+ bias),
 //   D[r, g, c] = sum over k in g of x[r, k] * q[k, c],   X[r, g] = sum over k in g of x[r, k],
-// the same real number as x times the de-quantized weight. Every int8 and int4 integer is exact in
-// bfloat16, so each pair of k's of a panel becomes the two bfloat16 factors `vdpbf16ps` multiplies
-// with the row's pair of x (products exact, sums in float32) once for all the rows of a tile: int4
-// through a 16-entry table (`vpermw`, 5 instructions a 32 weights), int8 through float32 (8). So
-// the bits are this path's own, neither the float path's nor the tiles'; a row's depend on that
-// row only, whatever tile it runs in. Groups of an even size (a pair of k's never straddles two),
+// the same real number as x times the de-quantized weight. Each pair of k's of a panel becomes two
+// bfloat16 factors that `vdpbf16ps` multiplies with the row's pair of x (products exact, sums in
+// float32) once for all the rows of a tile: an int8 through float32 (8 instructions a 32 weights),
+// exact; an int4 q as 1 + q / 16, exact too, by bit operations (2 instructions with VBMI, below),
+// so a group's sums are D' = X + D / 16 and the scale multiplies 16 (D' - X). The offset makes the
+// float32 sums' rounding errors ~3x those of summing x q (terms 16 (1 + q / 16) against q: 23.5
+// against 7.5 for the mean q), far below the output's rounding to bfloat16. So the bits are this
+// path's own, neither the float path's nor the tiles'; a row's depend on that row only, whatever
+// tile it runs in. Groups of an even size (a pair of k's never straddles two),
 // or one group (per output channel; an odd K's last pair padded with zeros in x as in q).
 // Tiles: one row against four panels (four independent chains of dot products), more rows two
 // panels at a time in tiles of up to 12 rows, as gemm.cpp's vdpbf16ps tiles, whose group sums
@@ -905,7 +908,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 constexpr int kDotMaxRows = 12;
 
 // One call's rows of x as pairs (uint32: a pair of bfloat16's), and each row's sums of x over
-// each group (mins only): [rows][groups].
+// each group (int4 or mins): [rows][groups].
 struct Bf16Rows {
   const uint32_t* pairs;
   int64_t ld_pairs;
@@ -913,15 +916,42 @@ struct Bf16Rows {
   int64_t groups;
 };
 
-// Pair j of a panel as bfloat16 factors, lane c = (q[2j][c], q[2j + 1][c]).
+// int4: each nibble q becomes the bfloat16 1 + q / 16 (0x3F80 | q << 3: the nibble in the top four
+// bits of the mantissa) by bit operations, where a table lookup (vpermw) costs a shuffle, what the
+// loop waited on (one core of a 2-core AVX512-BF16 EPYC, a 2048 x 2048 int4 weight in L3, one
+// row: 138-156 us a call through the table, 122-126 so). So a group's dot products are D' = X + D / 16 and out takes
+// 16 (D' - X): bf16_dot_tile. With VBMI, a pair's 16 bytes are broadcast to the four 128-bit
+// lanes (a load, no shuffle) and vpmultishiftqb cuts each word's nibble out of its own qword. A
+// qword holds bytes 0-7 or 8-15 of the pair only, so lane L = 2i + e holds column
+// 8 (i % 2) + 2 (i / 2) + e, [0, 1, 8, 9, 2, 3, 10, 11, ...]: a tile's dot products come out in
+// that order and go back to the columns' once a group (kLaneOfColumn).
+#if defined(__AVX512VBMI__)
+// Per qword i: the bit offsets that put its two columns' low and high nibbles at bits 3-6 of the
+// words' low bytes (rotating within the qword; the bits around them are masked off).
+alignas(64) constexpr uint8_t kNibbleOffsets[64] = {
+    61, 0, 1,  0, 5,  0, 9,  0, 61, 0, 1,  0, 5,  0, 9,  0, 13, 0, 17, 0, 21, 0, 25, 0, 13, 0, 17, 0, 21, 0, 25, 0,
+    29, 0, 33, 0, 37, 0, 41, 0, 29, 0, 33, 0, 37, 0, 41, 0, 45, 0, 49, 0, 53, 0, 57, 0, 45, 0, 49, 0, 53, 0, 57, 0};
+// Column c's lane, for vpermps to put the dot products back in column order.
+alignas(64) constexpr int32_t kLaneOfColumn[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+#endif
+
+// Pair j of a panel as bfloat16 factors: lane c = (q[2j][c], q[2j + 1][c]) for int8; for int4
+// (1 + q[2j][c] / 16, 1 + q[2j + 1][c] / 16), lanes permuted with VBMI (above).
 template <int Bits>
-__attribute__((always_inline)) inline __m512i pair_factors(const uint8_t* panel, int64_t j, int64_t k,
-                                                           __m512i table) {
+__attribute__((always_inline)) inline __m512i pair_factors(const uint8_t* panel, int64_t j, int64_t k) {
   if (Bits == 4) {
-    // Column c's byte (its k's low nibble, its k + 1's high) into lane c as the index pair
-    // (byte, byte << 12): the low word's 4 bits pick bf16(q[k]), the high word's bf16(q[k+1]).
+    // (word & 0x0078) | 0x3F80 as one vpternlogd: (A & B) | C.
+    const __m512i mask = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+#if defined(__AVX512VBMI__)
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kRowBytes)));
+    return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbleOffsets), bytes), mask,
+                                     one, 0xEA);
+#else
+    // Column c's byte into lane c, its low nibble moved to bits 3-6 and its high one to 19-22.
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + j * kRowBytes)));
-    return _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), table);
+    return _mm512_ternarylogic_epi32(_mm512_or_si512(_mm512_slli_epi32(bytes, 3), _mm512_slli_epi32(bytes, 15)), mask,
+                                     one, 0xEA);
+#endif
   }
   // The two k's rows byte by byte (an odd K's last k + 1 is zero), then through float32, whose
   // conversion to bfloat16 is exact for integers of 8 bits.
@@ -937,12 +967,7 @@ template <int Bits, int Rows, int Panels, bool Mins>
 void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, const float* bias,
                    c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin,
                    int64_t line_end) {
-  // bfloat16 of 0..15, twice: vpermw reads 5 bits of an index, and the high one is noise here.
-  alignas(64) static const uint16_t kTable[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
-      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
-      0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  const __m512i table = _mm512_load_si512(kTable);
+  constexpr bool kSums = Mins || Bits == 4;  // int4's dot products need the group sums of x
   alignas(64) float sums[Rows][Panels][kPanel] = {};
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   const int64_t pairs_per_group = w.groups == 1 ? pairs : w.group_size / 2;
@@ -957,7 +982,8 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
     for (int64_t j = g * pairs_per_group; j < end; ++j) {
       __m512i factors[Panels];
 #pragma GCC unroll 8
-      for (int p = 0; p < Panels; ++p) factors[p] = pair_factors<Bits>(q + p * w.panel_bytes, j, w.k, table);
+      for (int p = 0; p < Panels; ++p)
+        factors[p] = pair_factors<Bits>(q + p * w.panel_bytes, j, w.k);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x.pairs[r * x.ld_pairs + j]));
@@ -969,18 +995,29 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
       for (int i = 0; i < (Bits == 8 ? 2 : 1); ++i)
         if (line < line_end) inflight_cpu::prefetch_l2(prefetch + 64 * line++);
     }
+#if defined(__AVX512VBMI__)
+    if (Bits == 4) {
+      const __m512i lane_of_column = _mm512_load_si512(kLaneOfColumn);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r)
+        for (int p = 0; p < Panels; ++p) dot[r][p] = _mm512_permutexvar_ps(lane_of_column, dot[r][p]);
+    }
+#endif
     __m512 s[Panels][1], m[Panels][1];
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
       Avx512::group_values(w.scales, (first_panel + p) * w.groups + g, s[p]);
+      // int4: D = 16 (D' - X), the 16 taken into the scale (exact, a power of two).
+      if (Bits == 4) s[p][0] = _mm512_mul_ps(s[p][0], _mm512_set1_ps(16.0f));
       if (Mins) Avx512::group_values(w.mins, (first_panel + p) * w.groups + g, m[p]);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const __m512 group_sum = Mins ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
+      const __m512 group_sum = kSums ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
-        __m512 acc = _mm512_fmadd_ps(s[p][0], dot[r][p], _mm512_load_ps(sums[r][p]));
+        const __m512 d = Bits == 4 ? _mm512_sub_ps(dot[r][p], group_sum) : dot[r][p];
+        __m512 acc = _mm512_fmadd_ps(s[p][0], d, _mm512_load_ps(sums[r][p]));
         if (Mins) acc = _mm512_fmadd_ps(m[p][0], group_sum, acc);
         _mm512_store_ps(sums[r][p], acc);
       }
@@ -1030,7 +1067,7 @@ void bf16_dot_item(const Bf16Rows& x, int64_t rows, const Packed& w, int64_t pai
     const int64_t col = p * kPanel, lines = line_end - line_begin;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t row = t * tile_rows;
-      const Bf16Rows tile_x{x.pairs + row * x.ld_pairs, x.ld_pairs, Mins ? x.group_sums + row * x.groups : nullptr,
+      const Bf16Rows tile_x{x.pairs + row * x.ld_pairs, x.ld_pairs, x.group_sums != nullptr ? x.group_sums + row * x.groups : nullptr,
                             x.groups};
       table[std::min(tile_rows, rows - row)](tile_x, w, pairs, first_panel + p, bias != nullptr ? bias + col : nullptr,
                                              out + row * ldo + col, ldo, cols - col, prefetch,
@@ -1049,7 +1086,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
   if (k % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
   x = x.contiguous();
   at::Tensor group_sums;
-  if (Mins) {
+  if (Mins || Bits == 4) {
     // Each group's sum of x in float32: 16 lanes along k, then the lanes added (a row's own
     // order, whatever the other rows).
     group_sums = at::empty({m, w.groups}, x.options().dtype(at::kFloat));
@@ -1068,7 +1105,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
       }
   }
   const Bf16Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
-                      Mins ? group_sums.data_ptr<float>() : nullptr, w.groups};
+                      group_sums.defined() ? group_sums.data_ptr<float>() : nullptr, w.groups};
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   // Row blocks whose x stays in L2 while the block's panels stream past (as gemm.cpp's).
   const int64_t block_rows = std::max<int64_t>(kDotMaxRows, 2 * kRowBlockBytes / (4 * pairs) / kDotMaxRows * kDotMaxRows);
@@ -1077,7 +1114,8 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
     for (int64_t item = begin; item < end; ++item) {
       const WorkItem it = grid.at(item);
       const Bf16Rows block_rows_x{rows.pairs + it.first_row * rows.ld_pairs, rows.ld_pairs,
-                                  Mins ? rows.group_sums + it.first_row * w.groups : nullptr, w.groups};
+                                  rows.group_sums != nullptr ? rows.group_sums + it.first_row * w.groups : nullptr,
+                                  w.groups};
       bf16_dot_item<Bits, Mins>(block_rows_x, it.rows, w, pairs, it.first_panel, it.panels,
                                 bias != nullptr ? bias + it.col : nullptr, op + it.first_row * n + it.col, n, it.cols,
                                 grid.panels_of(w, item + 1 < end ? item + 1 : after));

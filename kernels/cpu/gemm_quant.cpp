@@ -898,8 +898,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 // float32 sums' rounding errors ~3x those of summing x q (terms 16 (1 + q / 16) against q: 23.5
 // against 7.5 for the mean q), far below the output's rounding to bfloat16. So the bits are this
 // path's own, neither the float path's nor the tiles'; a row's depend on that row only, whatever
-// tile it runs in. Groups of an even size (a pair of k's never straddles two),
-// or one group (per output channel; an odd K's last pair padded with zeros in x as in q).
+// tile it runs in. Groups of an even size (a pair of k's never straddles two), or one group (per
+// output channel; an odd K's last pair padded with zeros in x as in q).
 // Tiles: one row against four panels (four independent chains of dot products), more rows two
 // panels at a time in tiles of up to 12 rows, as gemm.cpp's vdpbf16ps tiles, whose group sums
 // leave the registers to the dot products and pass through L1 once a group.
@@ -907,8 +907,13 @@ at::Tensor bf16_gemm(const at::Tensor& x, const Packed& w, int64_t num_panels, c
 
 constexpr int kDotMaxRows = 12;
 
+// Whether a format's dot products need each group's sum of x: for its mins, and int4's for the
+// offset of its factors (1 + q / 16).
+template <int Bits, bool Mins>
+constexpr bool kGroupSums = Mins || Bits == 4;
+
 // One call's rows of x as pairs (uint32: a pair of bfloat16's), and each row's sums of x over
-// each group (int4 or mins): [rows][groups].
+// each group (kGroupSums): [rows][groups].
 struct Bf16Rows {
   const uint32_t* pairs;
   int64_t ld_pairs;
@@ -919,12 +924,11 @@ struct Bf16Rows {
 // int4: each nibble q becomes the bfloat16 1 + q / 16 (0x3F80 | q << 3: the nibble in the top four
 // bits of the mantissa) by bit operations, where a table lookup (vpermw) costs a shuffle, what the
 // loop waited on (one core of a 2-core AVX512-BF16 EPYC, a 2048 x 2048 int4 weight in L3, one
-// row: 138-156 us a call through the table, 122-126 so). So a group's dot products are D' = X + D / 16 and out takes
-// 16 (D' - X): bf16_dot_tile. With VBMI, a pair's 16 bytes are broadcast to the four 128-bit
-// lanes (a load, no shuffle) and vpmultishiftqb cuts each word's nibble out of its own qword. A
-// qword holds bytes 0-7 or 8-15 of the pair only, so lane L = 2i + e holds column
-// 8 (i % 2) + 2 (i / 2) + e, [0, 1, 8, 9, 2, 3, 10, 11, ...]: a tile's dot products come out in
-// that order and go back to the columns' once a group (kLaneOfColumn).
+// row: 138-156 us a call through the table, 122-126 so). With VBMI, a pair's 16 bytes are
+// broadcast to the four 128-bit lanes (a load, no shuffle) and vpmultishiftqb cuts each word's
+// nibble out of its own qword. A qword holds bytes 0-7 or 8-15 of the pair only, so lane L = 2i + e
+// holds column 8 (i % 2) + 2 (i / 2) + e, [0, 1, 8, 9, 2, 3, 10, 11, ...]: a tile's dot products
+// come out in that order and go back to the columns' once a group (kLaneOfColumn).
 #if defined(__AVX512VBMI__)
 // Per qword i: the bit offsets that put its two columns' low and high nibbles at bits 3-6 of the
 // words' low bytes (rotating within the qword; the bits around them are masked off).
@@ -967,7 +971,6 @@ template <int Bits, int Rows, int Panels, bool Mins>
 void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t first_panel, const float* bias,
                    c10::BFloat16* out, int64_t ldo, int64_t cols, const uint8_t* prefetch, int64_t line_begin,
                    int64_t line_end) {
-  constexpr bool kSums = Mins || Bits == 4;  // int4's dot products need the group sums of x
   alignas(64) float sums[Rows][Panels][kPanel] = {};
   const uint8_t* q = w.q + first_panel * w.panel_bytes;
   const int64_t pairs_per_group = w.groups == 1 ? pairs : w.group_size / 2;
@@ -982,8 +985,7 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
     for (int64_t j = g * pairs_per_group; j < end; ++j) {
       __m512i factors[Panels];
 #pragma GCC unroll 8
-      for (int p = 0; p < Panels; ++p)
-        factors[p] = pair_factors<Bits>(q + p * w.panel_bytes, j, w.k);
+      for (int p = 0; p < Panels; ++p) factors[p] = pair_factors<Bits>(q + p * w.panel_bytes, j, w.k);
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x.pairs[r * x.ld_pairs + j]));
@@ -1013,7 +1015,7 @@ void bf16_dot_tile(const Bf16Rows& x, const Packed& w, int64_t pairs, int64_t fi
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const __m512 group_sum = kSums ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
+      const __m512 group_sum = kGroupSums<Bits, Mins> ? _mm512_set1_ps(x.group_sums[r * x.groups + g]) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
         const __m512 d = Bits == 4 ? _mm512_sub_ps(dot[r][p], group_sum) : dot[r][p];
@@ -1067,8 +1069,8 @@ void bf16_dot_item(const Bf16Rows& x, int64_t rows, const Packed& w, int64_t pai
     const int64_t col = p * kPanel, lines = line_end - line_begin;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t row = t * tile_rows;
-      const Bf16Rows tile_x{x.pairs + row * x.ld_pairs, x.ld_pairs, x.group_sums != nullptr ? x.group_sums + row * x.groups : nullptr,
-                            x.groups};
+      const Bf16Rows tile_x{x.pairs + row * x.ld_pairs, x.ld_pairs,
+                            kGroupSums<Bits, Mins> ? x.group_sums + row * x.groups : nullptr, x.groups};
       table[std::min(tile_rows, rows - row)](tile_x, w, pairs, first_panel + p, bias != nullptr ? bias + col : nullptr,
                                              out + row * ldo + col, ldo, cols - col, prefetch,
                                              line_begin + t * lines / tiles, line_begin + (t + 1) * lines / tiles);
@@ -1086,7 +1088,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
   if (k % 2 != 0) x = at::constant_pad_nd(x, {0, 1});
   x = x.contiguous();
   at::Tensor group_sums;
-  if (Mins || Bits == 4) {
+  if (kGroupSums<Bits, Mins>) {
     // Each group's sum of x in float32: 16 lanes along k, then the lanes added (a row's own
     // order, whatever the other rows).
     group_sums = at::empty({m, w.groups}, x.options().dtype(at::kFloat));
@@ -1105,7 +1107,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
       }
   }
   const Bf16Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
-                      group_sums.defined() ? group_sums.data_ptr<float>() : nullptr, w.groups};
+                      kGroupSums<Bits, Mins> ? group_sums.data_ptr<float>() : nullptr, w.groups};
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   // Row blocks whose x stays in L2 while the block's panels stream past (as gemm.cpp's).
   const int64_t block_rows = std::max<int64_t>(kDotMaxRows, 2 * kRowBlockBytes / (4 * pairs) / kDotMaxRows * kDotMaxRows);
@@ -1114,7 +1116,7 @@ at::Tensor gemm_bf16_dots(at::Tensor x, const Packed& w, int64_t num_panels, con
     for (int64_t item = begin; item < end; ++item) {
       const WorkItem it = grid.at(item);
       const Bf16Rows block_rows_x{rows.pairs + it.first_row * rows.ld_pairs, rows.ld_pairs,
-                                  rows.group_sums != nullptr ? rows.group_sums + it.first_row * w.groups : nullptr,
+                                  kGroupSums<Bits, Mins> ? rows.group_sums + it.first_row * w.groups : nullptr,
                                   w.groups};
       bf16_dot_item<Bits, Mins>(block_rows_x, it.rows, w, pairs, it.first_panel, it.panels,
                                 bias != nullptr ? bias + it.col : nullptr, op + it.first_row * n + it.col, n, it.cols,

@@ -63,9 +63,9 @@ void bf16_panel_rows(const c10::BFloat16* x, int64_t ldx, int64_t rows, const c1
 // de-quantized in registers; the float panel GEMM's bits on the de-quantized weight. isa: 0 plain
 // C++, 1 AVX2, 2 AVX-512; for bfloat16 x (and bias), 3 (AVX512-BF16) and 4 (the AMX tiles): panel_gemm's
 // bits of that isa on the de-quantized weight rounded to bfloat16; 6, int4 only, for bfloat16 x:
-// vdpbf16ps on integers exact in bfloat16 (int4 q as 1 + q / 16), each group's scale and min applied
-// to its sums (bits of its own); 5, x float32 or bfloat16: x quantized to int8 in blocks of the weight's groups, on integer
-// dot products (gemm_int8_dots.cpp, its own layout). quant_gemm_isa: the best of 0-4 built;
+// vdpbf16ps on integers exact in bfloat16 (int4 q as 1 + q / 16), each group's scale and min
+// applied to its sums (bits of its own); 5, x float32 or bfloat16: x quantized to int8 in blocks of
+// the weight's groups, on integer dot products (gemm_int8_dots.cpp, its own layout). quant_gemm_isa: the best of 0-4 built;
 // quant_bf16_built: whether 3 and 6 are.
 int64_t quant_gemm_isa();
 bool quant_bf16_built();
